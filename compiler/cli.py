@@ -1,0 +1,174 @@
+"""The ``plan`` command: validate, compile, explain, diff (and report/optimize, see their modules).
+
+Exit codes: 0 ok, 2 invalid plan, 1 any other failure. Errors go to stderr as
+``path:line:col: error[CODE]: message (hint)``; no traceback for bad input, no partial files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from compiler.errors import GraphplanError, did_you_mean
+
+COMMANDS = ("validate", "compile", "explain", "diff")
+
+
+class UsageError(GraphplanError):
+    exit_code = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would exit 2, which we reserve for invalid plans
+        hint = ""
+        if "invalid choice" in message:
+            word = message.split("'")[1] if "'" in message else ""
+            hint = did_you_mean(word, COMMANDS)
+        raise UsageError(f"plan: {message}" + (f" ({hint})" if hint else "")
+                         + f"\n{self.format_usage().strip()}")
+
+
+def _overrides(pairs: list[str]) -> dict:
+    import yaml
+    out = {}
+    for pair in pairs or []:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise UsageError(f"plan: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+def _is_table(path: str) -> bool:
+    return path.endswith(".json")
+
+
+def _load_any(path: str, sets=None):
+    """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
+    from compiler.table import DispatchTable
+    if _is_table(path):
+        return DispatchTable.load(path), []
+    from compiler import compile_loaded, load_plan
+    return compile_loaded(load_plan(path, _overrides(sets)))
+
+
+def _print_diags(diags) -> None:
+    for d in diags:
+        print(d.format(), file=sys.stderr)
+
+
+def cmd_validate(a) -> int:
+    table, diags = _load_any(a.plan, a.set)
+    _print_diags(diags)
+    if a.format == "json":
+        print(json.dumps({"ok": True, "fingerprint": table.fingerprint,
+                          "diagnostics": list(table.diagnostics)}, sort_keys=True))
+    else:
+        print(f"{a.plan}: ok ({len(table.graphs)} graphs, {len(diags)} warning(s))")
+    return 0
+
+
+def cmd_compile(a) -> int:
+    from compiler.summary import summary_json, summary_lines
+    table, diags = _load_any(a.plan, a.set)
+    _print_diags(diags)
+    if a.output:
+        table.save(a.output)
+    if a.format == "json":
+        out = summary_json(table)
+        out["output"] = a.output
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print("\n".join(summary_lines(table)))
+    if a.output:
+        print(f"\nwrote {a.output} ({Path(a.output).stat().st_size // 1024} KiB)")
+    else:
+        print("\n(no table written; add -o table.json)")
+    return 0
+
+
+def cmd_explain(a) -> int:
+    table, _ = _load_any(a.plan, a.set)
+    route = table.route(a.tokens, a.reqs, a.query_len, a.loras)
+    if a.format == "json":
+        print(json.dumps(route.to_json(), sort_keys=True))
+        return 0
+    pad = f"{route.padded_tokens} tokens" + (f", {route.padded_reqs} requests"
+                                             if route.padded_reqs is not None else "")
+    graph = f"graph #{route.graph_id}" if route.graph_id >= 0 else "eager"
+    print(f"{route.mode} ({graph}), padded to {pad}"
+          + (", wants to micro-batch" if route.wants_ubatch else ""))
+    for i, why in enumerate(route.reasons, 1):
+        print(f"  {i}. {why}")
+    return 0
+
+
+def cmd_diff(a) -> int:
+    from compiler.diff import diff_json, diff_lines, diff_tables
+    before, _ = _load_any(a.a, a.set)
+    after, _ = _load_any(a.b, a.set)
+    d = diff_tables(before, after)
+    print(json.dumps(diff_json(d), sort_keys=True) if a.format == "json"
+          else "\n".join(diff_lines(d, a.a, a.b)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan", description="graphplan: compile CUDA-graph execution plans.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def common(sp, sets=True):
+        sp.add_argument("--format", choices=("text", "json"), default="text")
+        if sets:
+            sp.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                            help="template variable (.j2 plans) or dotted plan key")
+
+    sp = sub.add_parser("validate", help="check a plan (or table) and print its diagnostics")
+    sp.add_argument("plan")
+    common(sp)
+    sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("compile", help="compile a plan into a dispatch table")
+    sp.add_argument("plan")
+    sp.add_argument("-o", "--output", help="where to write table.json (atomically)")
+    common(sp)
+    sp.set_defaults(fn=cmd_compile)
+
+    sp = sub.add_parser("explain", help="show where one batch goes, and why")
+    sp.add_argument("plan", help="a plan or a compiled table.json")
+    sp.add_argument("--tokens", type=int, required=True)
+    sp.add_argument("--reqs", type=int)
+    sp.add_argument("--query-len", type=int)
+    sp.add_argument("--loras", type=int, default=0)
+    common(sp)
+    sp.set_defaults(fn=cmd_explain)
+
+    sp = sub.add_parser("diff", help="compare two plans or tables")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    common(sp)
+    sp.set_defaults(fn=cmd_diff)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except GraphplanError as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("plan: interrupted", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

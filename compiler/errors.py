@@ -1,0 +1,79 @@
+"""Diagnostics and the exception classes, one per kind of failure, each with its CLI exit code."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Diagnostic:
+    """One finding about a plan: a downgrade, a dropped size, or an error."""
+
+    code: str
+    """Stable kebab-case identifier, e.g. ``mode-downgrade`` or ``unknown-key``."""
+    message: str
+    """What happened, in one sentence."""
+    path: str = ""
+    """Dotted plan path, e.g. ``cudagraph.capture_sizes[3]``; empty for the whole plan."""
+    hint: str = ""
+    """How to fix or silence it."""
+    severity: str = "warning"
+    """``warning`` (the plan compiles) or ``error`` (it does not)."""
+    file: str = ""
+    line: int = 0
+    col: int = 0
+
+    def format(self) -> str:
+        where = self.file or "<plan>"
+        if self.line:
+            where += f":{self.line}:{self.col}"
+        path = f"{self.path}: " if self.path else ""
+        hint = f" ({self.hint})" if self.hint else ""
+        return f"{where}: {self.severity}[{self.code}]: {path}{self.message}{hint}"
+
+    def to_json(self) -> dict:
+        return {"code": self.code, "severity": self.severity, "path": self.path,
+                "message": self.message, "hint": self.hint}
+
+
+class GraphplanError(Exception):
+    """Base class. ``exit_code`` is what the ``plan`` CLI returns for it."""
+
+    exit_code = 1
+
+
+class PlanError(GraphplanError):
+    """The plan is invalid: bad YAML, schema violations, or rules that span fields."""
+
+    exit_code = 2
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = list(diagnostics)
+        super().__init__("\n".join(d.format() for d in self.diagnostics))
+
+
+class TableError(GraphplanError):
+    """A compiled table cannot be used: wrong format version, corrupted, unreadable."""
+
+
+class BatchError(GraphplanError, ValueError):
+    """A runtime batch is outside what the table covers (e.g. more tokens than planned)."""
+
+
+class OutputError(GraphplanError):
+    """An output file cannot be written."""
+
+
+def did_you_mean(word: object, choices) -> str:
+    """`` (did you mean 'X'?)`` style hint, or empty when nothing is close."""
+    if not isinstance(word, str):
+        return ""
+    found = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    if not found:
+        found = [c for c in map(str, choices) if c.lower() == word.lower() or c.startswith(word)][:1]
+    return f"did you mean '{found[0]}'?" if found else ""
+
+
+def plan_error(code: str, path: str, message: str, hint: str = "") -> PlanError:
+    return PlanError([Diagnostic(code=code, path=path, message=message, hint=hint, severity="error")])

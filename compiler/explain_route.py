@@ -1,0 +1,75 @@
+"""Turn a Route into its reason chain: the sentences ``plan explain`` prints. Plain Python."""
+
+from __future__ import annotations
+
+from compiler import table as T
+
+
+def _batch_sentence(t, n, r, mql, uniform) -> str:
+    shape = f"{n} tokens"
+    if r is not None:
+        shape += f", {r} requests"
+    if mql is not None:
+        shape += f", max_query_len {mql}"
+    if uniform:
+        return f"batch: {shape} -> uniform decode (every request has q={t.q} tokens)"
+    if r is None or mql is None:
+        return f"batch: {shape} -> mixed (give --reqs and --query-len to test uniform decode)"
+    return f"batch: {shape} -> mixed (uniform decode needs max_query_len == q={t.q} " \
+           f"and num_tokens == q * num_reqs)"
+
+
+def route_reasons(route) -> tuple[str, ...]:
+    t, n, r, mql, loras, uniform, c = route._ctx
+    out = [_batch_sentence(t, n, r, mql, uniform)]
+    res = t.resolved
+    if res["lora_enabled"]:
+        out.append(f"LoRA: {loras} active adapter(s) -> captured case num_active_loras="
+                   f"{res['lora_cases'][c]}")
+    ub = res["ubatch"]
+    if ub["enabled"]:
+        thr = ub["decode_token_threshold"] if uniform else ub["prefill_token_threshold"]
+        kind = "decode" if uniform else "prefill"
+        verdict = "wants" if route.wants_ubatch else "does not want"
+        out.append(f"ubatch: {n} tokens vs {kind} threshold {thr} -> {verdict} to micro-batch "
+                   "(DP ranks agree before it happens)")
+    why, g = route.why, route.graph
+    largest = t.capture_sizes[-1] if t.capture_sizes else 0
+    if g is not None:
+        out.append(f"pad: {n} -> {g.num_tokens} tokens (smallest capture size >= {n})")
+    if why == T.WHY_FULL_DECODE:
+        out.append(f"FULL decode graph #{route.graph_id}: key ({g.num_tokens} tokens, "
+                   f"{g.num_reqs} requests, uniform)")
+    elif why == T.WHY_FULL_UBATCHED:
+        out.append(f"FULL ubatched decode graph #{route.graph_id}: {g.num_ubatches} micro-batches "
+                   f"over {g.num_tokens} tokens")
+    elif why == T.WHY_FULL_MIXED:
+        extra = " (routines are not separate, so uniform batches use it too)" if uniform else ""
+        out.append(f"FULL graph #{route.graph_id}: key ({g.num_tokens} tokens, up to "
+                   f"{g.num_reqs} requests){extra}")
+    elif why == T.WHY_PIECEWISE:
+        if uniform and res["decode_mode"] == "FULL" and res["separate_routines"]:
+            out.append(f"no FULL decode graph at {g.num_tokens} tokens (decode graphs cover "
+                       f"q..q*max_num_seqs = {t.q}..{t.q * t.max_num_seqs} among the capture sizes)")
+        out.append(f"PIECEWISE graph #{route.graph_id}: relaxed key ({g.num_tokens} tokens, any "
+                   f"request count); attention runs eager with the real {n} tokens")
+    elif why == T.WHY_NO_GRAPHS:
+        out.append(f"eager: the plan captures no graphs (resolved mode {res['mode']}, "
+                   f"{len(t.capture_sizes)} capture sizes)")
+    elif why == T.WHY_TOO_BIG:
+        out.append(f"eager: {route.padded_tokens} tokens exceed the largest capture size "
+                   f"{largest} (raise the preset ceiling or add sizes)")
+    elif why == T.WHY_MIXED_NONE:
+        out.append(f"eager: the mixed routine is NONE in mode {res['mode']} and no FULL decode "
+                   "graph fits this batch")
+    elif why == T.WHY_NO_TWIN:
+        out.append("eager: this size is captured only ubatched and "
+                   "parallel.ubatch.plain_twins is false, so a batch that does not "
+                   "micro-batch has no graph")
+    elif why == T.WHY_UBATCH_MIXED:
+        out.append("eager: ubatched graphs exist only for uniform-decode batches; micro-batches "
+                   "of a mixed batch run eagerly")
+    elif why == T.WHY_NOT_ALLOWED:
+        out.append("eager: no graph of the allowed mode exists for this batch (DP ranks agreed "
+                   "on a weaker mode, or none was captured for this key)")
+    return tuple(out)

@@ -1,0 +1,179 @@
+"""Read a plan: file or dict -> (Jinja2) -> YAML with positions -> JSON Schema -> defaults -> PlanSpec.
+
+Every failure is a PlanError whose diagnostics carry file, line and column.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from compiler.errors import Diagnostic, PlanError
+from compiler.schema import fill_defaults, schema_errors
+from compiler.spec import PlanSpec, plan_from_dict
+
+MAX_PLAN_BYTES = 4 * 1024 * 1024
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@dataclass
+class LoadedPlan:
+    spec: PlanSpec
+    plan: dict
+    """The plan as written, every default filled in."""
+    file: str = "<plan>"
+    positions: dict = field(default_factory=dict)
+    """Plan path tuple -> (line, col), 1-based, for diagnostics."""
+
+    def locate(self, d: Diagnostic) -> Diagnostic:
+        """Attach file:line:col to a diagnostic from its dotted path (nearest ancestor known)."""
+        line, col = _position(self.positions, _parse_path(d.path))
+        return replace(d, file=self.file, line=line, col=col)
+
+
+def _fail(file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0):
+    raise PlanError([Diagnostic(code=code, message=message, hint=hint, severity="error",
+                                file=file, line=line, col=col)])
+
+
+def read_text(path: Path) -> str:
+    f = str(path)
+    if path.is_dir():
+        _fail(f, "not-a-file", "is a directory", "give a plan file, e.g. plans/llama3-8b-h100.yaml")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        _fail(f, "not-found", "no such file", "check the path; shipped plans are in plans/")
+    except OSError as e:
+        _fail(f, "unreadable", f"cannot read: {e.strerror or e}")
+    if len(raw) > MAX_PLAN_BYTES:
+        _fail(f, "too-large", f"{len(raw)} bytes; plans are at most {MAX_PLAN_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        _fail(f, "not-utf8", f"byte 0x{raw[e.start]:02x} is not UTF-8", "save the plan as UTF-8",
+              line, col)
+
+
+def _positions(node, path=(), out=None, file="<plan>") -> dict:
+    """Walk a composed YAML node: record positions, reject duplicate keys."""
+    out = {} if out is None else out
+    out[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen = {}
+        for k, v in node.value:
+            key = k.value
+            if key in seen:
+                _fail(file, "duplicate-key", f"key '{key}' appears twice (first at line {seen[key]})",
+                      "remove one of them", k.start_mark.line + 1, k.start_mark.column + 1)
+            seen[key] = k.start_mark.line + 1
+            out[path + (key, "<key>")] = (k.start_mark.line + 1, k.start_mark.column + 1)
+            _positions(v, path + (key,), out, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _positions(v, path + (i,), out, file)
+    return out
+
+
+def parse_yaml(text: str, file: str) -> tuple[object, dict]:
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            _fail(file, "empty", "the plan is empty",
+                  "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
+        positions = _positions(node, file=file)
+        data = loader.construct_document(node)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e)
+        _fail(file, "yaml", f"invalid YAML: {problem}", "check indentation, colons and quotes",
+              mark.line + 1 if mark else 0, mark.column + 1 if mark else 0)
+    finally:
+        loader.dispose()
+    return data, positions
+
+
+def _parse_path(dotted: str) -> tuple:
+    out: list = []
+    for part in dotted.replace("]", "").split("."):
+        if not part:
+            continue
+        name, *idx = part.split("[")
+        if name:
+            out.append(name)
+        out += [int(i) for i in idx]
+    return tuple(out)
+
+
+def _position(positions: dict, path: tuple) -> tuple[int, int]:
+    while path and path not in positions:
+        path = path[:-1]
+    return positions.get(path, (0, 0))
+
+
+def apply_overrides(data: dict, overrides: dict, file: str) -> dict:
+    """``--set a.b=value`` on a plain YAML plan: set nested keys (values are YAML scalars)."""
+    data = dict(data)
+    for dotted, value in overrides.items():
+        node, parts = data, dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
+    """Load and validate a plan from a path or a dict (overrides: template variables for a
+    ``.j2`` plan, dotted keys for a plain one)."""
+    overrides = dict(overrides or {})
+    if isinstance(source, dict):
+        file, data, positions = "<plan>", apply_overrides(source, overrides, "<plan>"), {}
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        file = str(path)
+        text = read_text(path)
+        if path.name.endswith(".j2"):
+            from compiler.template import render  # Jinja2 only when a template is used
+            text = render(text, overrides, file)
+            overrides = {}
+        if not text.strip():
+            _fail(file, "empty", "the plan is empty",
+                  "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
+        data, positions = parse_yaml(text, file)
+        if overrides:
+            if not isinstance(data, dict):
+                _fail(file, "not-a-mapping", "the plan must be a mapping of keys to values")
+            data = apply_overrides(data, overrides, file)
+    else:
+        raise TypeError(f"compile_plan: source must be a path or a dict, not {type(source).__name__}")
+    if not isinstance(data, dict):
+        _fail(file, "not-a-mapping", f"the plan must be a mapping of keys to values, not "
+              f"{type(data).__name__}", "start with `version: 1` and `name: ...`", 1, 1)
+    errors = schema_errors(data)
+    if errors:
+        located = []
+        for path, code, message, hint in errors:
+            line, col = _position(positions, path)
+            located.append(Diagnostic(code=code, path=_dotted(path), message=message, hint=hint,
+                                      severity="error", file=file, line=line, col=col))
+        raise PlanError(sorted(located, key=lambda d: (d.line, d.col)))
+    plan = fill_defaults(data)
+    return LoadedPlan(spec=plan_from_dict(plan), plan=plan, file=file, positions=positions)
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for p in path:
+        if p == "<key>":
+            continue
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out

@@ -1,0 +1,180 @@
+"""PlanSpec -> DispatchTable: rules that span fields, modes, sizes, LoRA cases, keys, routes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler.errors import Diagnostic, PlanError
+from compiler.modes import resolve_mode
+from compiler.sizes import resolve_sizes
+from compiler.spec import LoraSpec, Mode, PlanSpec
+from compiler.table import ROUTINES, BatchDescriptor, DispatchTable, Graph, RuntimeMode
+
+STRICT_CODES = frozenset({"mode-downgrade", "size-dropped", "size-rounded"})
+"""Diagnostics that ``strict: true`` turns into errors: each loses throughput silently."""
+
+
+def check_rules(spec: PlanSpec) -> list[Diagnostic]:
+    """Rules that span fields; returns warnings, raises one PlanError listing every error."""
+    s, ub = spec.scheduler, spec.parallel.ubatch
+    errors: list[Diagnostic] = []
+    warnings: list[Diagnostic] = []
+
+    def error(code: str, path: str, message: str, hint: str) -> None:
+        errors.append(Diagnostic(code=code, path=path, message=message, hint=hint, severity="error"))
+
+    if s.max_num_batched_tokens < s.max_num_seqs:
+        error("tokens-below-seqs", "scheduler.max_num_batched_tokens",
+              f"{s.max_num_batched_tokens} is below max_num_seqs={s.max_num_seqs}; every request "
+              "needs at least one token per step", f"raise it to at least {s.max_num_seqs}")
+    if s.decode_query_len > s.max_num_batched_tokens:
+        error("query-len-above-tokens", "scheduler.decode_query_len",
+              f"{s.decode_query_len} exceeds max_num_batched_tokens={s.max_num_batched_tokens}",
+              "lower the number of speculative tokens")
+    elif s.decode_query_len * s.max_num_seqs > s.max_num_batched_tokens:
+        warnings.append(Diagnostic(
+            code="decode-capped", path="scheduler.decode_query_len",
+            message=f"a decode step of all max_num_seqs={s.max_num_seqs} requests needs "
+                    f"{s.decode_query_len * s.max_num_seqs} tokens > max_num_batched_tokens="
+                    f"{s.max_num_batched_tokens}; at most {s.max_num_batched_tokens // s.decode_query_len}"
+                    " requests decode together",
+            hint="raise max_num_batched_tokens or lower max_num_seqs"))
+    if ub.enabled:
+        if spec.parallel.data_parallel_size < 2:
+            error("ubatch-needs-dp", "parallel.ubatch.enabled",
+                  "micro-batching (DBO) overlaps the communication between DP ranks, and "
+                  "data_parallel_size is 1", "set parallel.data_parallel_size >= 2 or disable ubatch")
+        for name in ("decode_token_threshold", "prefill_token_threshold"):
+            value = getattr(ub, name)
+            if value < ub.num_ubatches:
+                error("ubatch-threshold", f"parallel.ubatch.{name}",
+                      f"{value} is below num_ubatches={ub.num_ubatches}: a micro-batch would be "
+                      "empty", f"set it to at least {ub.num_ubatches}")
+    if errors:
+        raise PlanError(errors)
+    return warnings
+
+
+def lora_cases(lora: LoraSpec) -> tuple[list[int], list[int]]:
+    """Captured active-adapter counts, and for each count 0..max_loras+1 the case it rounds up to."""
+    if not lora.enabled:
+        return [0], [0]
+    top = lora.max_loras + 1
+    if lora.specialize_count:
+        cases = [n for n in range(1, top + 1) if n & (n - 1) == 0 or n == top]
+    else:
+        cases = [top]
+    if lora.separate_base:
+        cases = [0] + cases
+    of_count = [next(i for i, c in enumerate(cases) if c >= n) for n in range(top + 1)]
+    return cases, of_count
+
+
+def graph_keys(spec: PlanSpec, mode: Mode, sizes: list[int], cases: list[int]
+               ) -> list[tuple[str, RuntimeMode, BatchDescriptor]]:
+    """Every graph to capture, unordered: (routine, mode, key)."""
+    q, seqs = spec.scheduler.decode_query_len, spec.scheduler.max_num_seqs
+    ub = spec.parallel.ubatch
+    out = []
+    decode_sizes = [s for s in sizes if q <= s <= q * seqs]
+    for lora in cases:
+        has = lora > 0
+        for s in sizes:
+            if mode.mixed_mode is RuntimeMode.FULL:
+                out.append(("full_mixed", RuntimeMode.FULL, BatchDescriptor(
+                    num_tokens=s, num_reqs=min(s, seqs), uniform=False, has_lora=has,
+                    num_active_loras=lora)))
+            elif mode.mixed_mode is RuntimeMode.PIECEWISE:
+                out.append(("piecewise", RuntimeMode.PIECEWISE, BatchDescriptor(
+                    num_tokens=s, num_reqs=None, uniform=False, has_lora=has, num_active_loras=lora)))
+        if mode.decode_mode is not RuntimeMode.FULL:
+            continue
+        for s in decode_sizes:
+            ubatched = ub.enabled and s >= ub.decode_token_threshold
+            key = dict(num_tokens=s, num_reqs=min(s // q, seqs), uniform=True, has_lora=has,
+                       num_active_loras=lora)
+            if mode.separate_routine and (ub.plain_twins or not ubatched):
+                out.append(("full_decode", RuntimeMode.FULL, BatchDescriptor(**key)))
+            if ubatched:
+                out.append(("full_decode_ubatched", RuntimeMode.FULL,
+                            BatchDescriptor(**key, num_ubatches=ub.num_ubatches)))
+    return out
+
+
+def capture_order(keys):
+    """PIECEWISE first, then FULL; each largest (num_tokens, num_active_loras) first."""
+    return sorted(keys, key=lambda k: (k[1] is RuntimeMode.FULL, -k[2].num_tokens,
+                                       -k[2].num_active_loras, -k[2].num_ubatches, not k[2].uniform))
+
+
+def resolve(spec: PlanSpec, plan: dict) -> tuple[DispatchTable, list[Diagnostic]]:
+    """Resolve a validated plan. ``plan`` is the normalized dict (defaults filled) it came from."""
+    diags = check_rules(spec)
+    q = spec.scheduler.decode_query_len
+    mode, mode_diags = resolve_mode(spec.cudagraph, q)
+    diags += mode_diags
+    sizes: list[int] = []
+    if mode is not Mode.NONE:
+        sizes, size_diags = resolve_sizes(spec.cudagraph.capture_sizes, spec.scheduler,
+                                          round_to_q=mode.decode_mode is RuntimeMode.FULL)
+        diags += size_diags
+        decode_top = q * spec.scheduler.max_num_seqs
+        if mode.mixed_mode is RuntimeMode.NONE and sizes and sizes[-1] > decode_top:
+            unused = [s for s in sizes if s > decode_top]
+            diags.append(Diagnostic(
+                code="size-unused", path="cudagraph.capture_sizes",
+                message=f"{len(unused)} size(s) above q*max_num_seqs={decode_top} capture nothing "
+                        f"in mode {mode.name} (no mixed routine): {unused[0]}..{unused[-1]}",
+                hint=f"lower the preset ceiling to {decode_top}"))
+        if not sizes:
+            diags.append(Diagnostic(code="no-sizes", path="cudagraph.capture_sizes",
+                                    message="no capture sizes remain: every batch runs eager",
+                                    hint="add sizes <= max_num_batched_tokens"))
+    ub = spec.parallel.ubatch
+    if ub.enabled and mode.decode_mode is not RuntimeMode.FULL:
+        diags.append(Diagnostic(code="ubatch-no-graphs", path="parallel.ubatch.enabled",
+                                message=f"mode {mode.name} has no FULL decode graphs, so "
+                                "micro-batched steps run eager", hint="use a FULL decode mode"))
+    if spec.cudagraph.strict:
+        strict = [d for d in diags if d.code in STRICT_CODES]
+        if strict:
+            raise PlanError([Diagnostic(**{**_fields(d), "severity": "error",
+                                           "hint": d.hint + "; or set strict: false"})
+                             for d in strict])
+    cases, of_count = lora_cases(spec.lora)
+    ordered = capture_order(graph_keys(spec, mode, sizes, cases))
+    graphs = tuple(Graph(id=i, mode=m, key=k, routine=r) for i, (r, m, k) in enumerate(ordered))
+    size_pos = {s: i for i, s in enumerate(sizes)}
+    case_pos = {c: i for i, c in enumerate(cases)}
+    routes = {r: np.full((len(cases), len(sizes)), -1, dtype=np.int32) for r in ROUTINES}
+    for g in graphs:
+        routes[g.routine][case_pos[g.key.num_active_loras], size_pos[g.key.num_tokens]] = g.id
+    resolved = {
+        "mode": mode.name,
+        "requested_mode": spec.cudagraph.mode.name,
+        "decode_mode": mode.decode_mode.name,
+        "mixed_mode": mode.mixed_mode.name,
+        "separate_routines": mode.separate_routine,
+        "attention_support": spec.cudagraph.attention_support.name,
+        "decode_query_len": q,
+        "max_num_seqs": spec.scheduler.max_num_seqs,
+        "max_num_batched_tokens": spec.scheduler.max_num_batched_tokens,
+        "capture_sizes": sizes,
+        "lora_enabled": spec.lora.enabled,
+        "lora_cases": cases,
+        "lora_case_of_count": of_count,
+        "ubatch": {"enabled": ub.enabled, "num_ubatches": ub.num_ubatches,
+                   "decode_token_threshold": ub.decode_token_threshold,
+                   "prefill_token_threshold": ub.prefill_token_threshold,
+                   "plain_twins": ub.plain_twins},
+        "data_parallel_size": spec.parallel.data_parallel_size,
+        "dp_backend": spec.parallel.backend,
+        "sync_timeout_s": spec.parallel.sync_timeout_s,
+    }
+    table = DispatchTable(plan=plan, resolved=resolved, graphs=graphs, routes=routes,
+                          diagnostics=tuple(d.to_json() for d in diags))
+    return table, diags
+
+
+def _fields(d: Diagnostic) -> dict:
+    return {f: getattr(d, f) for f in Diagnostic.__slots__}

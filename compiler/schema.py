@@ -1,0 +1,92 @@
+"""The plan's JSON Schema: validation with readable messages, and defaults (which live only there)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from importlib import resources
+
+from compiler.errors import did_you_mean
+
+
+@lru_cache(maxsize=None)
+def load_schema(name: str = "plan.schema.json") -> dict:
+    return json.loads(resources.files("schemas").joinpath(name).read_text("utf-8"))
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str = "plan.schema.json"):
+    import jsonschema
+    return jsonschema.Draft202012Validator(load_schema(name))
+
+
+def _subschema(schema: dict, instance) -> dict:
+    """Follow $ref and if/then/else to the schema that applies to ``instance``."""
+    root = load_schema()
+    while True:
+        if "$ref" in schema:
+            schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+        elif "if" in schema:
+            import jsonschema
+            ok = jsonschema.Draft202012Validator(schema["if"]).is_valid(instance)
+            schema = schema["then"] if ok else schema["else"]
+        else:
+            return schema
+
+
+def fill_defaults(instance, schema: dict | None = None):
+    """A copy of a schema-valid instance with every missing property's default filled in."""
+    schema = _subschema(schema if schema is not None else load_schema(), instance)
+    if isinstance(instance, dict) and "properties" in schema:
+        out = {}
+        for key, sub in schema["properties"].items():
+            if key in instance:
+                out[key] = fill_defaults(instance[key], sub)
+            elif "default" in sub:
+                out[key] = fill_defaults(copy.deepcopy(sub["default"]), sub)
+        return out
+    if isinstance(instance, list) and "items" in schema:
+        return [fill_defaults(v, schema["items"]) for v in instance]
+    return instance
+
+
+def _type_name(v) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "mapping", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def schema_errors(instance, name: str = "plan.schema.json") -> list[tuple[tuple, str, str, str]]:
+    """Every schema violation as (path, code, message, hint); empty when valid."""
+    out = []
+    for e in _validator(name).iter_errors(instance):
+        path, v, val = tuple(e.absolute_path), e.validator, e.validator_value
+        if v == "additionalProperties":
+            known = list(e.schema.get("properties", {}))
+            for key in sorted(set(e.instance) - set(known), key=str):
+                hint = did_you_mean(key, known) or f"known keys: {', '.join(known)}"
+                out.append((path + (key, "<key>"), "unknown-key", f"unknown key '{key}'", hint))
+            continue
+        if v == "enum":
+            hint = did_you_mean(e.instance, val) or ""
+            msg = f"{e.instance!r} is not one of {', '.join(map(str, val))}"
+            out.append((path, "bad-value", msg, hint))
+        elif v == "type":
+            want = val if isinstance(val, str) else " or ".join(val)
+            out.append((path, "wrong-type", f"expected {want}, got {_type_name(e.instance)} "
+                        f"{e.instance!r}"[:200], ""))
+        elif v in ("minimum", "maximum", "exclusiveMinimum"):
+            word = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">"}[v]
+            out.append((path, "out-of-range", f"{e.instance!r} must be {word} {val}", ""))
+        elif v == "maxItems":
+            out.append((path, "too-many-items", f"{len(e.instance)} items; at most {val}",
+                        "use a preset or ranges instead of a long list"))
+        elif v == "required":
+            missing = [k for k in val if k not in e.instance]
+            out.append((path, "missing-key", f"missing required key(s): {', '.join(missing)}", ""))
+        elif v == "const":
+            out.append((path, "bad-value", f"{e.instance!r}: this graphplan reads version {val}",
+                        f"write version: {val}"))
+        else:
+            out.append((path, "invalid", e.message[:300], ""))
+    return out

@@ -1,0 +1,159 @@
+"""What a plan says, as frozen dataclasses built once by the loader (SEMANTICS.md sections 1-7).
+
+Field names are the plan's YAML keys; defaults live in ``schemas/plan.schema.json`` only (the
+loader fills them in before these are built), and a test checks the two agree field for field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from compiler.table import RuntimeMode
+
+
+class Mode(enum.Enum):
+    """A plan's cudagraph mode; YAML spellings are the member names. Value = (decode, mixed)."""
+
+    NONE = (RuntimeMode.NONE, RuntimeMode.NONE)
+    PIECEWISE = (RuntimeMode.PIECEWISE, RuntimeMode.PIECEWISE)
+    FULL = (RuntimeMode.FULL, RuntimeMode.FULL)
+    FULL_DECODE_ONLY = (RuntimeMode.FULL, RuntimeMode.NONE)
+    FULL_AND_PIECEWISE = (RuntimeMode.FULL, RuntimeMode.PIECEWISE)
+
+    @property
+    def decode_mode(self) -> RuntimeMode:
+        return self.value[0]
+
+    @property
+    def mixed_mode(self) -> RuntimeMode:
+        return self.value[1]
+
+    @property
+    def separate_routine(self) -> bool:
+        """True when uniform-decode batches have their own (FULL) routine."""
+        return self in (Mode.FULL_DECODE_ONLY, Mode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_full(self) -> bool:
+        return RuntimeMode.FULL in self.value
+
+
+class AttentionSupport(enum.IntEnum):
+    """How much of a batch the attention backend can run inside a FULL graph (weakest first)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerSpec:
+    max_num_seqs: int
+    """Most requests in one step."""
+    max_num_batched_tokens: int
+    """Most tokens in one step; the route table covers 1..this."""
+    decode_query_len: int
+    """q = 1 + speculative tokens: tokens per request in a uniform-decode step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SizeRange:
+    start: int  # YAML key `from`
+    to: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaptureSizesSpec:
+    """One of three forms: an explicit list, a preset, or ranges plus includes."""
+
+    kind: str
+    """``list`` | ``preset`` | ``ranges``."""
+    sizes: tuple[int, ...] = ()
+    preset: str = ""
+    ceiling: int = 512
+    max_size: int = 0
+    """sglang/trtllm: largest batch size in requests (0 = the preset's own default)."""
+    enable_padding: bool = False
+    """trtllm only: its padded list (denser, +64 steps) instead of the default one."""
+    ranges: tuple[SizeRange, ...] = ()
+    include: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CudagraphSpec:
+    mode: Mode
+    attention_support: AttentionSupport
+    splitting_ops: tuple[str, ...]
+    capture_sizes: CaptureSizesSpec
+    strict: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraSpec:
+    enabled: bool
+    max_loras: int
+    specialize_count: bool
+    separate_base: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UbatchSpec:
+    enabled: bool
+    num_ubatches: int
+    decode_token_threshold: int
+    prefill_token_threshold: int
+    plain_twins: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelSpec:
+    data_parallel_size: int
+    backend: str
+    """torch.distributed backend for the per-step DP all-reduce: ``gloo`` | ``nccl`` | ``auto``."""
+    sync_timeout_s: float
+    """A rank that does not reach the DP all-reduce within this many seconds is an error."""
+    ubatch: UbatchSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSpec:
+    version: int
+    name: str
+    scheduler: SchedulerSpec
+    cudagraph: CudagraphSpec
+    lora: LoraSpec
+    parallel: ParallelSpec
+
+
+def _sizes_from_dict(d) -> CaptureSizesSpec:
+    if isinstance(d, list):
+        return CaptureSizesSpec(kind="list", sizes=tuple(d))
+    if "ranges" in d:
+        ranges = tuple(SizeRange(start=r["from"], to=r["to"], step=r["step"]) for r in d["ranges"])
+        return CaptureSizesSpec(kind="ranges", ranges=ranges, include=tuple(d.get("include", ())))
+    return CaptureSizesSpec(kind="preset", preset=d["preset"], ceiling=d["ceiling"],
+                            max_size=d["max_size"], enable_padding=d["enable_padding"])
+
+
+def plan_from_dict(d: dict) -> PlanSpec:
+    """Build the spec from a schema-valid dict with every default filled in."""
+    cg, par = d["cudagraph"], d["parallel"]
+    return PlanSpec(
+        version=d["version"],
+        name=d["name"],
+        scheduler=SchedulerSpec(**d["scheduler"]),
+        cudagraph=CudagraphSpec(
+            mode=Mode[cg["mode"]],
+            attention_support=AttentionSupport[cg["attention_support"]],
+            splitting_ops=tuple(cg["splitting_ops"]),
+            capture_sizes=_sizes_from_dict(cg["capture_sizes"]),
+            strict=cg["strict"],
+        ),
+        lora=LoraSpec(**d["lora"]),
+        parallel=ParallelSpec(
+            data_parallel_size=par["data_parallel_size"], backend=par["backend"],
+            sync_timeout_s=par["sync_timeout_s"], ubatch=UbatchSpec(**par["ubatch"])),
+    )

@@ -1,0 +1,123 @@
+"""Readable summaries of a table: compact size lists, per-routine coverage and worst padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler.table import DispatchTable
+
+
+def compact_sizes(sizes) -> str:
+    """``1 2 4 8-248/8 256-512/16``: arithmetic runs of 3+ collapse to first-last/step."""
+    sizes, out, i = list(sizes), [], 0
+    while i < len(sizes):
+        j = i + 1
+        if j < len(sizes):
+            step = sizes[j] - sizes[i]
+            while j + 1 < len(sizes) and sizes[j + 1] - sizes[j] == step:
+                j += 1
+            if j - i >= 2:
+                out.append(f"{sizes[i]}-{sizes[j]}/{step}")
+                i = j + 1
+                continue
+        out.append(str(sizes[i]))
+        i += 1
+    return " ".join(out) if out else "(none)"
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    routine: str
+    """``decode`` (uniform-decode batches) or ``mixed``."""
+    mode: str
+    sizes: tuple[int, ...]
+    worst_pad: int
+    """Most padding tokens any batch of this routine gets (0 when no sizes)."""
+    worst_at: int
+    """A num_tokens that gets ``worst_pad``."""
+
+
+def _worst(sizes, step: int) -> tuple[int, int]:
+    """Worst padding for batches of step, 2*step, ... tokens that land on ``sizes``."""
+    worst, at, prev = 0, 0, 0
+    for s in sizes:
+        n = prev + step  # the smallest batch that pads up to s
+        if n <= s and s - n > worst:
+            worst, at = s - n, n
+        prev = s
+    return worst, at
+
+
+def coverage(table: DispatchTable) -> list[Coverage]:
+    """What each routine captures (LoRA case 0 or the first case) and its worst padding."""
+    out, q = [], table.q
+    m = {k: v[0] for k, v in table.routes.items()} if table.capture_sizes else {}
+    sizes = table.capture_sizes
+
+    def present(name):
+        return tuple(s for s, g in zip(sizes, m.get(name, ())) if g >= 0)
+
+    decode = present("full_decode") or present("full_decode_ubatched")
+    if decode:
+        out.append(Coverage("decode", "FULL", decode, *_worst(decode, q)))
+    for name, mode in (("full_mixed", "FULL"), ("piecewise", "PIECEWISE")):
+        mixed = present(name)
+        if mixed:
+            out.append(Coverage("mixed", mode, mixed, *_worst(mixed, 1)))
+    return out
+
+
+def summary_lines(table: DispatchTable) -> list[str]:
+    r = table.resolved
+    by_mode: dict[str, int] = {}
+    for g in table.graphs:
+        by_mode[g.mode.name] = by_mode.get(g.mode.name, 0) + 1
+    mode = r["mode"] if r["mode"] == r["requested_mode"] else \
+        f"{r['mode']} (requested {r['requested_mode']})"
+    lines = [
+        f"plan {table.plan['name']}  fingerprint {table.fingerprint[:19]}",
+        f"mode {mode}; attention {r['attention_support']}; q={r['decode_query_len']}; "
+        f"max_num_seqs={r['max_num_seqs']}; max_num_batched_tokens={r['max_num_batched_tokens']}",
+        f"capture sizes ({len(r['capture_sizes'])}): {compact_sizes(r['capture_sizes'])}",
+        f"graphs: {len(table.graphs)}" + (" (" + ", ".join(f"{v} {k}" for k, v in
+                                                          sorted(by_mode.items())) + ")"
+                                          if by_mode else ""),
+    ]
+    if r["lora_enabled"]:
+        lines.append(f"lora cases (active adapters captured): {r['lora_cases']}")
+    if r["ubatch"]["enabled"]:
+        ub = r["ubatch"]
+        lines.append(f"ubatch: {ub['num_ubatches']} micro-batches, decode >= "
+                     f"{ub['decode_token_threshold']}, prefill >= {ub['prefill_token_threshold']}, "
+                     f"plain twins {'on' if ub['plain_twins'] else 'off'}; DP size "
+                     f"{r['data_parallel_size']}")
+    lines.append("")
+    lines.append(f"{'routine':<8} {'mode':<10} {'graph sizes':<34} {'worst padding':>14}")
+    covered_top = 0
+    for c in coverage(table):
+        worst = f"{c.worst_pad} @ {c.worst_at}" if c.worst_pad else "0"
+        lines.append(f"{c.routine:<8} {c.mode:<10} {_clip(compact_sizes(c.sizes), 34):<34} "
+                     f"{worst:>14}")
+        covered_top = max(covered_top, c.sizes[-1])
+    top = r["max_num_batched_tokens"]
+    if covered_top < top:
+        lines.append(f"{'eager':<8} {'NONE':<10} {f'{covered_top + 1}..{top} tokens':<34} "
+                     f"{'-':>14}")
+    return lines
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def summary_json(table: DispatchTable) -> dict:
+    r = table.resolved
+    return {
+        "name": table.plan["name"], "fingerprint": table.fingerprint, "mode": r["mode"],
+        "requested_mode": r["requested_mode"], "capture_sizes": r["capture_sizes"],
+        "num_graphs": len(table.graphs), "graphs": [g.to_json() for g in table.graphs],
+        "coverage": [{"routine": c.routine, "mode": c.mode, "sizes": list(c.sizes),
+                      "worst_padding": c.worst_pad, "worst_at": c.worst_at}
+                     for c in coverage(table)],
+        "diagnostics": list(table.diagnostics),
+    }
