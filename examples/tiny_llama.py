@@ -246,18 +246,33 @@ def pad_batch(model: TinyLlama, batch: dict[str, torch.Tensor], num_tokens: int,
                                      int(batch["query_start_loc"][-1])))
 
 
+def static_inputs(model: TinyLlama) -> list:
+    """The runtime's description of forward's inputs: dtypes and safe padding values."""
+    from runtime import StaticInput
+    return [StaticInput(name="input_ids", per="token", dtype=torch.int64, pad=0),
+            StaticInput(name="positions", per="token", dtype=torch.int64, pad=0),
+            StaticInput(name="slot_mapping", per="token", dtype=torch.int64, pad=model.dummy_slot),
+            StaticInput(name="seq_lens", per="req", dtype=torch.int32, pad=0),
+            StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last")]
+
+
 @torch.no_grad()
-def reference_generate(model: TinyLlama, prompts: list[list[int]],
-                       max_new_tokens: int) -> list[list[int]]:
-    """Greedy, eager: prefill all prompts in one batch (prompt i in cache row i), then decode
-    all requests together one token per step. Returns only the new tokens of each prompt."""
+def reference_generate(model: TinyLlama, prompts: list[list[int]], max_new_tokens: int,
+                       step=None) -> list[list[int]]:
+    """Greedy: prefill all prompts in one batch (prompt i in cache row i), then decode all
+    requests together one token per step. Returns only the new tokens of each prompt.
+
+    ``step(batch, num_reqs, max_query_len) -> logits`` runs a batch (default: the model, eagerly;
+    examples/generate.py passes a GraphRunner)."""
     assert len(prompts) <= model.cfg.num_cache_rows
+    step = step or (lambda batch, num_reqs, max_query_len: model(**batch))
     reqs = [(row, 0, list(p)) for row, p in enumerate(prompts)]
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
         batch = make_batch(model, reqs)
         last = batch["query_start_loc"][1:].long() - 1  # [R] each request's last token
-        next_ids = model(**batch)[last].argmax(dim=-1).tolist()
+        logits = step(batch, len(reqs), max(len(toks) for _, _, toks in reqs))
+        next_ids = logits[last].argmax(dim=-1).tolist()
         for tokens, tok in zip(out, next_ids):
             tokens.append(tok)
         reqs = [(row, start + len(toks), [tok]) for (row, start, toks), tok in zip(reqs, next_ids)]

@@ -1,0 +1,123 @@
+"""Static input buffers: allocated once at the largest size, filled in place every step.
+
+Graphs read their inputs from fixed addresses, so each input the model takes gets one buffer, and a
+step copies the real rows in and makes sure the padding rows hold safe values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiler.errors import BatchError
+
+PER = ("token", "req", "req+1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticInput:
+    """One named model input that the runner keeps a static buffer for."""
+
+    name: str
+    """Keyword the model's forward takes."""
+    per: str
+    """Rows: ``token`` (num_tokens), ``req`` (num_reqs) or ``req+1`` (num_reqs + 1, e.g.
+    query_start_loc)."""
+    dtype: torch.dtype
+    pad: int | float | str = 0
+    """Value of padding rows: a constant (token 0, position 0, a dummy slot), or ``"last"`` to
+    repeat the last real row (cumulative offsets: padded requests are empty)."""
+    trailing: tuple[int, ...] = ()
+    """Extra dimensions after the row dimension (e.g. ``(hidden,)`` for embeddings)."""
+
+    def __post_init__(self):
+        if self.per not in PER:
+            raise ValueError(f"StaticInput {self.name!r}: per must be one of {PER}, not {self.per!r}")
+
+    def rows(self, tokens: int, reqs: int) -> int:
+        return tokens if self.per == "token" else reqs + (self.per == "req+1")
+
+
+class StaticBuffers:
+    """The runner's input buffers. Invariant for constant pads: rows >= ``_clean[name]`` hold the
+    pad value, so a step fills only rows that a larger earlier step dirtied."""
+
+    def __init__(self, specs: list[StaticInput], max_tokens: int, max_reqs: int,
+                 device: torch.device):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate static input names: {names}")
+        if not any(s.per == "token" for s in specs):
+            raise ValueError("at least one StaticInput must be per='token' (it gives num_tokens)")
+        self.specs = tuple(specs)
+        self.device = torch.device(device)
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._clean: dict[str, int] = {}
+        for s in specs:
+            shape = (s.rows(max_tokens, max_reqs), *s.trailing)
+            buf = torch.empty(shape, dtype=s.dtype, device=self.device)
+            buf.fill_(0 if s.pad == "last" else s.pad)
+            self.buffers[s.name] = buf
+            self._clean[s.name] = 0
+        self._token_input = next(s.name for s in specs if s.per == "token")
+
+    def num_tokens(self, inputs: dict[str, torch.Tensor]) -> int:
+        try:
+            return inputs[self._token_input].shape[0]
+        except KeyError:
+            raise BatchError(f"batch is missing input {self._token_input!r}") from None
+
+    def check(self, inputs: dict[str, torch.Tensor], tokens: int, reqs: int | None) -> None:
+        """Every input present, of the right dtype, device and row count; nothing extra."""
+        if len(inputs) != len(self.specs):
+            extra = sorted(set(inputs) - set(self.buffers))
+            missing = sorted(set(self.buffers) - set(inputs))
+            raise BatchError(f"batch inputs do not match the runner's: missing {missing}, "
+                             f"unexpected {extra}")
+        for s in self.specs:
+            t = inputs.get(s.name)
+            if t is None:
+                raise BatchError(f"batch is missing input {s.name!r}")
+            if t.dtype != s.dtype or t.device != self.device:
+                raise BatchError(f"input {s.name!r} is {t.dtype} on {t.device}; the runner's "
+                                 f"buffer is {s.dtype} on {self.device} (convert it with "
+                                 f".to({self.device}, {s.dtype}))")
+            if s.per != "token" and reqs is None:
+                raise BatchError(f"input {s.name!r} is per request: pass num_reqs")
+            want = s.rows(tokens, reqs or 0)
+            if tuple(t.shape) != (want, *s.trailing):
+                raise BatchError(f"input {s.name!r} has shape {tuple(t.shape)}, expected "
+                                 f"{(want, *s.trailing)} for {tokens} tokens / {reqs} requests")
+
+    def load(self, inputs: dict[str, torch.Tensor], tokens: int, reqs: int,
+             padded_tokens: int, padded_reqs: int) -> None:
+        """Copy the real rows in; make rows up to the padded counts hold pad values."""
+        for s in self.specs:
+            buf = self.buffers[s.name]
+            src = inputs[s.name]
+            k = src.shape[0]
+            buf[:k].copy_(src, non_blocking=True)
+            if s.pad == "last":
+                p = s.rows(padded_tokens, padded_reqs)
+                if p > k:
+                    buf[k:p].copy_(src[k - 1:k].expand(p - k, *s.trailing))
+                continue
+            clean = self._clean[s.name]
+            if clean > k:
+                buf[k:clean].fill_(s.pad)
+            self._clean[s.name] = k
+
+    def reset(self, padded_tokens: int, padded_reqs: int) -> None:
+        """Pad values everywhere up to the given counts (what graphs are captured on)."""
+        for s in self.specs:
+            buf = self.buffers[s.name]
+            buf[: s.rows(padded_tokens, padded_reqs)].fill_(0 if s.pad == "last" else s.pad)
+            self._clean[s.name] = 0
+
+    def views(self, tokens: int, reqs: int) -> dict[str, torch.Tensor]:
+        return {s.name: self.buffers[s.name][: s.rows(tokens, reqs)] for s in self.specs}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -1,0 +1,89 @@
+"""Runner metrics: replays and padding per graph, eager steps by reason, capture time and memory;
+rendered as a dict (``runner.stats()``) or in the Prometheus text format."""
+
+from __future__ import annotations
+
+from compiler import table as T
+
+EAGER_REASONS = {
+    T.WHY_NO_GRAPHS: "plan_has_no_graphs",
+    T.WHY_TOO_BIG: "above_largest_capture_size",
+    T.WHY_MIXED_NONE: "mixed_routine_none",
+    T.WHY_NOT_ALLOWED: "mode_not_allowed",
+    T.WHY_NO_TWIN: "no_plain_twin",
+    T.WHY_UBATCH_MIXED: "ubatched_mixed_batch",
+}
+
+
+class RunnerStats:
+    """Counters kept as flat lists indexed by graph id, so a step costs two list increments."""
+
+    def __init__(self, table: T.DispatchTable, backend: str):
+        self.table, self.backend = table, backend
+        n = len(table.graphs)
+        self.replays = [0] * n
+        self.padding = [0] * n  # padding tokens summed over replays
+        self.eager_steps: dict[str, int] = {}
+        self.capture: dict = {}
+
+    def replayed(self, gid: int, pad: int) -> None:
+        self.replays[gid] += 1
+        self.padding[gid] += pad
+
+    def eager(self, route, gid: int) -> None:
+        if gid >= 0:  # the table has a graph for it, but this runner did not capture it
+            reason = f"{self.table.graphs[gid].mode.name.lower()}_not_captured"
+        else:
+            reason = EAGER_REASONS.get(route.why, "other")
+        self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
+
+    def captured(self, summary: dict) -> None:
+        self.capture = dict(summary)
+
+    def as_dict(self) -> dict:
+        graphs = self.table.graphs
+        per_graph = [{"id": g.id, "mode": g.mode.name, "num_tokens": g.key.num_tokens,
+                      "num_active_loras": g.key.num_active_loras, "num_ubatches": g.key.num_ubatches,
+                      "replays": self.replays[g.id], "padding_tokens": self.padding[g.id]}
+                     for g in graphs if self.replays[g.id]]
+        by_mode: dict[str, int] = {}
+        for g in graphs:
+            by_mode[g.mode.name] = by_mode.get(g.mode.name, 0) + self.replays[g.id]
+        return {"fingerprint": self.table.fingerprint, "plan": self.table.plan["name"],
+                "backend": self.backend, "replays": sum(self.replays), "replays_by_mode": by_mode,
+                "padding_tokens": sum(self.padding), "eager_steps": dict(self.eager_steps),
+                "graphs": per_graph, "capture": dict(self.capture)}
+
+
+def _esc(v) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_prometheus(stats: dict, prefix: str = "graphplan") -> str:
+    """Prometheus text exposition (version 0.0.4) of ``runner.stats()``."""
+    lines: list[str] = []
+
+    def metric(name, kind, help_, samples):
+        lines.append(f"# HELP {prefix}_{name} {help_}")
+        lines.append(f"# TYPE {prefix}_{name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+            lines.append(f"{prefix}_{name}{{{lab}}} {value}" if lab else f"{prefix}_{name} {value}")
+
+    metric("plan_info", "gauge", "Loaded plan and its fingerprint.",
+           [({"plan": stats["plan"], "fingerprint": stats["fingerprint"],
+              "backend": stats["backend"]}, 1)])
+    metric("graph_replays_total", "counter", "Replays per captured graph.",
+           [({"graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]}, g["replays"])
+            for g in stats["graphs"]])
+    metric("graph_padding_tokens_total", "counter", "Padding tokens run per graph.",
+           [({"graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]},
+             g["padding_tokens"]) for g in stats["graphs"]])
+    metric("eager_steps_total", "counter", "Steps run eagerly, by reason.",
+           [({"reason": r}, n) for r, n in sorted(stats["eager_steps"].items())])
+    cap = stats.get("capture") or {}
+    metric("capture_seconds", "gauge", "Time spent capturing graphs.", [({}, cap.get("seconds", 0))])
+    metric("capture_bytes", "gauge", "Device memory the captured graphs took.",
+           [({}, cap.get("bytes", 0))])
+    metric("captured_graphs", "gauge", "Graphs captured.", [({}, cap.get("graphs", 0))])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,124 @@
+"""GraphRunner: load a compiled table, capture its graphs, and every step route -> copy in -> replay
+(or run eager for a stated reason) -> hand back outputs sliced to the real tokens.
+
+The step is the hot path: a table lookup (list indexing), the copies into static buffers, one
+replay, and views of the static outputs. Nothing is searched or allocated per step beyond the Route
+and the output views.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from compiler.errors import GraphplanError, TableError
+from compiler.table import DispatchTable, RuntimeMode
+from runtime.buffers import StaticBuffers, StaticInput
+from runtime.graphs import graph_backend
+from runtime.metrics import RunnerStats
+
+
+class RunnerStateError(GraphplanError):
+    """The runner was used out of order (e.g. capture() twice)."""
+
+
+class CaptureError(GraphplanError):
+    """Capturing a graph failed; everything captured so far was released."""
+
+
+class GraphRunner:
+    """Captures and replays the graphs of a compiled table around ``model``.
+
+    ``model`` is any callable taking the static inputs as keyword tensors and returning a tensor
+    (or tuple of tensors) whose first dimension is the token count. ``inputs`` names those inputs;
+    the runner owns one buffer per input, allocated once at the largest graph's size.
+    """
+
+    def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
+                 *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
+                 warmups: int = 1, rank: int | None = None, progress: bool = True):
+        if not isinstance(table, DispatchTable):
+            table = DispatchTable.load(Path(table))
+        if expected_fingerprint is not None and table.fingerprint != expected_fingerprint:
+            raise TableError(f"table fingerprint {table.fingerprint[:19]} does not match the "
+                             f"runner's {expected_fingerprint[:19]}: compile the plan this server "
+                             "was built for, or build the runner for the new table")
+        if device is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu")) \
+                if hasattr(model, "parameters") else torch.device("cpu")
+        self.model, self.table = model, table
+        self.device = torch.device(device)
+        self.backend = graph_backend(self.device)
+        self.warmups, self.progress = warmups, progress
+        self.rank = rank if rank is not None else _default_rank()
+        graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
+        self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
+        self._graphs: list = [None] * len(table.graphs)
+        self._outputs: tuple[torch.Tensor, ...] | None = None
+        self._single_output = True
+        self.captured = False
+        self.stats_ = RunnerStats(table, self.backend.name)
+
+    # -- capture ----------------------------------------------------------------------------
+    def capture(self, modes: tuple[str, ...] = ("FULL",)) -> dict:
+        """Warm up and capture the table's graphs of the given modes, largest first, into one pool.
+
+        Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
+        everything it took released, if a graph cannot be captured.
+        """
+        from runtime.capture import capture_graphs
+        if self.captured:
+            raise RunnerStateError("capture() already ran for this runner; graphs are captured "
+                                   "once — build a new GraphRunner to capture another table")
+        summary = capture_graphs(self, tuple(RuntimeMode[m] for m in modes))
+        self.captured = True
+        return summary
+
+    # -- steps ------------------------------------------------------------------------------
+    def step(self, inputs: dict[str, torch.Tensor], num_reqs: int | None = None,
+             max_query_len: int | None = None, num_active_loras: int = 0):
+        """Run one batch. Outputs are views of the real rows, valid until the next step."""
+        n = self.buffers.num_tokens(inputs)
+        route = self.table.route(n, num_reqs, max_query_len, num_active_loras)
+        self.buffers.check(inputs, n, num_reqs)
+        return self.execute(route, inputs, n, num_reqs)
+
+    __call__ = step
+
+    def execute(self, route, inputs: dict[str, torch.Tensor], n: int, num_reqs: int | None):
+        """Run an already-routed batch (DP re-dispatch routes it first, then calls this)."""
+        gid = route.graph_id
+        graph = self._graphs[gid] if gid >= 0 else None
+        if graph is None:
+            self.stats_.eager(route, gid)
+            with torch.no_grad():
+                return self.model(**inputs)
+        reqs = num_reqs or 0
+        self.buffers.load(inputs, n, reqs, route.padded_tokens,
+                          route.padded_reqs if route.padded_reqs is not None else reqs)
+        graph.replay()
+        self.stats_.replayed(gid, route.padded_tokens - n)
+        if self._single_output:
+            return self._outputs[0][:n]
+        return tuple(o[:n] for o in self._outputs)
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.stats_.as_dict()
+
+    def captured_graph_ids(self) -> list[int]:
+        return [i for i, g in enumerate(self._graphs) if g is not None]
+
+    def release(self) -> None:
+        """Drop every graph and the static outputs (the runner can capture again)."""
+        self._graphs = [None] * len(self.table.graphs)
+        self._outputs = None
+        self.backend.release()
+        self.captured = False
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,206 @@
+"""The runtime on the CPU stand-in: routing, copy-in, padding, replay, slicing, safety, metrics.
+
+The stand-in re-runs the recorded call on the static buffers at replay, so every test here exercises
+the same buffer and output handling that real CUDA graphs get (tests/test_runtime_gpu.py).
+"""
+
+import re
+
+import pytest
+import torch
+from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
+
+from compiler import compile_plan
+from runtime import (BatchError, CaptureError, GraphRunner, RunnerStateError, StaticInput,
+                     TableError, render_prometheus)
+
+CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+                      max_model_len=32, num_cache_rows=8)
+
+
+def plan(mode="FULL", sizes=(1, 2, 4, 8, 16), **sched):
+    return {"version": 1, "name": "t",
+            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, **sched},
+            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
+                          "capture_sizes": list(sizes)}}
+
+
+def runner_for(p, model=None, **kw):
+    model = model or TinyLlama(CFG, seed=0)
+    r = GraphRunner(model, compile_plan(p), static_inputs(model), progress=False, **kw)
+    return model, r
+
+
+def decode_batch(model, n, start=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    toks = torch.randint(1, CFG.vocab_size, (n,), generator=gen).tolist()
+    return make_batch(model, [(row, start, [t]) for row, t in enumerate(toks)])
+
+
+def test_replayed_decode_matches_eager_at_every_captured_and_in_between_size():
+    model, runner = runner_for(plan())
+    runner.capture()
+    eager_model = TinyLlama(CFG, seed=0)
+    for n in range(1, 9):
+        batch = decode_batch(model, n, seed=n)
+        out = runner.step(batch, num_reqs=n, max_query_len=1)
+        ref = eager_model(**{k: v.clone() for k, v in batch.items()})
+        assert out.shape == (n, CFG.vocab_size)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert runner.stats()["eager_steps"] == {}
+    assert runner.stats()["replays"] == 8
+
+
+def test_generation_through_graphs_equals_eager_generation():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture()
+    prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
+    with_graphs = reference_generate(model, prompts, 6, step=lambda b, r, q: runner.step(b, r, q))
+    eager = reference_generate(TinyLlama(CFG, seed=0), prompts, 6)
+    assert with_graphs == eager
+    s = runner.stats()
+    assert s["replays_by_mode"]["FULL"] == 5  # 5 uniform decode steps replayed a FULL graph
+    assert s["eager_steps"] == {"piecewise_not_captured": 1}  # the mixed prefill step
+
+
+def test_padding_rows_hold_safe_values_after_a_larger_step():
+    model, runner = runner_for(plan())
+    runner.capture()
+    runner.step(decode_batch(model, 7), num_reqs=7, max_query_len=1)  # pads to 8
+    runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)  # pads to 4
+    bufs = runner.buffers.buffers
+    assert bufs["slot_mapping"][3:16].tolist() == [model.dummy_slot] * 13
+    assert bufs["input_ids"][3:16].tolist() == [0] * 13
+    assert bufs["positions"][3:16].tolist() == [0] * 13
+    assert bufs["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 3]  # padded request is empty
+
+
+def test_outputs_are_views_of_static_buffers_valid_until_the_next_step():
+    model, runner = runner_for(plan())
+    runner.capture()
+    first = runner.step(decode_batch(model, 4, seed=1), num_reqs=4, max_query_len=1)
+    kept = first.clone()
+    runner.step(decode_batch(model, 4, seed=2), num_reqs=4, max_query_len=1)
+    assert not torch.equal(first, kept)  # documented: copy what you keep
+
+
+def test_eager_route_runs_the_model_directly_with_the_reason_counted():
+    model, runner = runner_for(plan(sizes=(1, 2)))
+    runner.capture()
+    batch = decode_batch(model, 5)
+    out = runner.step(batch, num_reqs=5, max_query_len=1)
+    assert out.shape == (5, CFG.vocab_size)
+    assert runner.stats()["eager_steps"] == {"above_largest_capture_size": 1}
+
+
+def test_capture_twice_is_an_error():
+    _, runner = runner_for(plan())
+    runner.capture()
+    with pytest.raises(RunnerStateError, match="capture\\(\\) already ran"):
+        runner.capture()
+
+
+def test_bad_batches_give_clear_errors_and_leave_the_runner_usable():
+    model, runner = runner_for(plan())
+    runner.capture()
+    too_many = {k: torch.zeros(65 if k not in ("seq_lens", "query_start_loc") else 1,
+                               dtype=v.dtype) for k, v in decode_batch(model, 1).items()}
+    with pytest.raises(BatchError, match="outside 1..64"):
+        runner.step(too_many, num_reqs=1, max_query_len=65)
+    wrong_dtype = decode_batch(model, 2)
+    wrong_dtype["positions"] = wrong_dtype["positions"].to(torch.int32)
+    with pytest.raises(BatchError, match="'positions' is torch.int32"):
+        runner.step(wrong_dtype, num_reqs=2, max_query_len=1)
+    missing = decode_batch(model, 2)
+    del missing["seq_lens"]
+    with pytest.raises(BatchError, match="missing \\['seq_lens'\\]"):
+        runner.step(missing, num_reqs=2, max_query_len=1)
+    wrong_rows = decode_batch(model, 2)
+    wrong_rows["seq_lens"] = wrong_rows["seq_lens"][:1]
+    with pytest.raises(BatchError, match="'seq_lens' has shape \\(1,\\)"):
+        runner.step(wrong_rows, num_reqs=2, max_query_len=1)
+    out = runner.step(decode_batch(model, 2), num_reqs=2, max_query_len=1)
+    assert out.shape == (2, CFG.vocab_size)
+
+
+def test_table_fingerprint_mismatch_is_refused():
+    model = TinyLlama(CFG, seed=0)
+    with pytest.raises(TableError, match="does not match the runner's"):
+        GraphRunner(model, compile_plan(plan()), static_inputs(model),
+                    expected_fingerprint="sha256:" + "0" * 64)
+
+
+def test_runner_loads_a_table_file(tmp_path):
+    path = tmp_path / "table.json"
+    compile_plan(plan()).save(path)
+    model = TinyLlama(CFG, seed=0)
+    runner = GraphRunner(model, path, static_inputs(model), progress=False)
+    assert runner.table.fingerprint == compile_plan(plan()).fingerprint
+
+
+class FailsAt:
+    """A model that cannot run at one token count (as if capture ran out of memory there)."""
+
+    def __init__(self, model, bad_tokens):
+        self.model, self.bad = model, bad_tokens
+
+    def __call__(self, **kw):
+        if kw["input_ids"].shape[0] == self.bad:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(**kw)
+
+
+def test_failed_capture_names_the_graph_releases_everything_and_runner_stays_usable():
+    model = TinyLlama(CFG, seed=0)
+    runner = GraphRunner(FailsAt(model, 4), compile_plan(plan()), static_inputs(model),
+                         progress=False, device="cpu")
+    with pytest.raises(CaptureError, match=r"graph #2 \(4 tokens.*Released every graph.*lower "
+                                           r"cudagraph.capture_sizes"):
+        runner.capture()
+    assert runner.captured_graph_ids() == [] and not runner.captured
+    out = runner.step(decode_batch(model, 2), num_reqs=2, max_query_len=1)  # eager, still works
+    assert out.shape == (2, CFG.vocab_size)
+    assert runner.stats()["eager_steps"] == {"full_not_captured": 1}
+    runner.model = model
+    runner.capture()  # a retry after fixing the cause captures everything
+    assert len(runner.captured_graph_ids()) == 5
+
+
+def test_capture_summary_and_prometheus_metrics():
+    model, runner = runner_for(plan())
+    summary = runner.capture()
+    assert summary["graphs"] == 5 and summary["backend"] == "cpu-stand-in"
+    assert [t for _, t, _ in summary["per_graph"]] == [16, 8, 4, 2, 1]  # largest first
+    runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
+    runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
+    s = runner.stats()
+    assert s["graphs"] == [{"id": 2, "mode": "FULL", "num_tokens": 4, "num_active_loras": 0,
+                            "num_ubatches": 1, "replays": 2, "padding_tokens": 2}]
+    text = render_prometheus(s)
+    assert 'graphplan_graph_replays_total{graph="2",mode="FULL",num_tokens="4"} 2' in text
+    assert 'graphplan_graph_padding_tokens_total{graph="2",mode="FULL",num_tokens="4"} 2' in text
+    assert re.search(r'graphplan_plan_info\{plan="t",fingerprint="sha256:[0-9a-f]{64}"', text)
+    assert "graphplan_captured_graphs 5" in text
+
+
+def test_static_inputs_are_validated_at_construction():
+    model = TinyLlama(CFG, seed=0)
+    with pytest.raises(ValueError, match="per must be one of"):
+        StaticInput(name="x", per="row", dtype=torch.int64)
+    with pytest.raises(ValueError, match="duplicate static input names"):
+        GraphRunner(model, compile_plan(plan()), static_inputs(model) * 2)
+
+
+def test_multiple_outputs_are_sliced_to_real_rows():
+    model = TinyLlama(CFG, seed=0)
+
+    def two_outputs(**kw):
+        logits = model(**kw)
+        return logits, logits.argmax(-1)
+
+    runner = GraphRunner(two_outputs, compile_plan(plan()), static_inputs(model), device="cpu",
+                         progress=False)
+    runner.capture()
+    logits, ids = runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
+    assert logits.shape == (3, CFG.vocab_size) and ids.shape == (3,)
+    assert torch.equal(ids, logits.argmax(-1))
