@@ -61,6 +61,7 @@ class StaticBuffers:
             buf.fill_(0 if s.pad == "last" else s.pad)
             self.buffers[s.name] = buf
             self._clean[s.name] = 0
+        self.device = next(iter(self.buffers.values())).device  # "cuda" -> "cuda:0"
         self._token_input = next(s.name for s in specs if s.per == "token")
 
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> int:

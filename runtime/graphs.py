@@ -32,8 +32,11 @@ class CudaGraphs:
         return graph
 
     def memory_used(self) -> int:
-        """Bytes the caching allocator holds on the device (the pool included)."""
+        """Bytes the caching allocator holds on the device (the pool included). Cached free blocks
+        are released first: ``torch.cuda.graph`` empties the cache on entry, which would otherwise
+        show up as negative graph memory."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
 
     def synchronize(self) -> None:

@@ -55,6 +55,7 @@ class GraphRunner:
         self.rank = rank if rank is not None else _default_rank()
         graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
         self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
+        self.device = self.buffers.device
         self._graphs: list = [None] * len(table.graphs)
         self._outputs: tuple[torch.Tensor, ...] | None = None
         self._single_output = True
