@@ -100,7 +100,7 @@ def diff_lines(d: TableDiff, name_a: str, name_b: str, limit: int = 40) -> list[
     lines += [f"  + {g}" for g in d.added[:limit]]
     lines += [f"  - {g}" for g in d.removed[:limit]]
     if len(d.added) > limit or len(d.removed) > limit:
-        lines.append(f"  ... (--format json lists all)")
+        lines.append("  ... (--format json lists all)")
     lines.append(f"routes changed: {len(d.changes)} range(s)")
     for c in d.changes[:limit]:
         span = f"{c.first}" if c.first == c.last else f"{c.first}..{c.last}"

@@ -20,7 +20,7 @@ def _batch_sentence(t, n, r, mql, uniform) -> str:
 
 
 def route_reasons(route) -> tuple[str, ...]:
-    t, n, r, mql, loras, uniform, c = route._ctx
+    t, n, r, mql, loras, uniform, c, pad_to = route._ctx
     out = [_batch_sentence(t, n, r, mql, uniform)]
     res = t.resolved
     if res["lora_enabled"]:
@@ -35,8 +35,11 @@ def route_reasons(route) -> tuple[str, ...]:
                    "(DP ranks agree before it happens)")
     why, g = route.why, route.graph
     largest = t.capture_sizes[-1] if t.capture_sizes else 0
+    if pad_to is not None and pad_to != n:
+        out.append(f"DP: the ranks agreed on {pad_to} tokens, so this rank pads {n} -> {pad_to}")
     if g is not None:
-        out.append(f"pad: {n} -> {g.num_tokens} tokens (smallest capture size >= {n})")
+        at = n if pad_to is None else pad_to
+        out.append(f"pad: {at} -> {g.num_tokens} tokens (smallest capture size >= {at})")
     if why == T.WHY_FULL_DECODE:
         out.append(f"FULL decode graph #{route.graph_id}: key ({g.num_tokens} tokens, "
                    f"{g.num_reqs} requests, uniform)")
@@ -66,6 +69,10 @@ def route_reasons(route) -> tuple[str, ...]:
         out.append("eager: this size is captured only ubatched and "
                    "parallel.ubatch.plain_twins is false, so a batch that does not "
                    "micro-batch has no graph")
+    elif why == T.WHY_NO_UBATCH_GRAPH:
+        out.append("eager: no ubatched graph at this size (ubatched FULL graphs exist for "
+                   "uniform-decode sizes at or above parallel.ubatch.decode_token_threshold, "
+                   "when decode graphs are FULL); the micro-batches run eagerly")
     elif why == T.WHY_UBATCH_MIXED:
         out.append("eager: ubatched graphs exist only for uniform-decode batches; micro-batches "
                    "of a mixed batch run eagerly")

@@ -60,29 +60,72 @@ def read_text(path: Path) -> str:
               line, col)
 
 
-def _positions(node, path=(), out=None, file="<plan>") -> dict:
-    """Walk a composed YAML node: record positions, reject duplicate keys."""
+MAX_DEPTH = 32
+"""Nesting deeper than this is not a plan (plans nest 5 levels)."""
+MAX_NODES = 100_000
+"""YAML nodes after expanding aliases; more is not a plan (and would stall validation)."""
+
+
+def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
+    """Walk a composed YAML node: record positions, reject duplicate and non-scalar keys, and
+    bound nesting, recursive aliases and alias expansion (a "billion laughs" plan)."""
     out = {} if out is None else out
-    out[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen = {}
-        for k, v in node.value:
-            key = k.value
-            if key in seen:
-                _fail(file, "duplicate-key", f"key '{key}' appears twice (first at line {seen[key]})",
-                      "remove one of them", k.start_mark.line + 1, k.start_mark.column + 1)
-            seen[key] = k.start_mark.line + 1
-            out[path + (key, "<key>")] = (k.start_mark.line + 1, k.start_mark.column + 1)
-            _positions(v, path + (key,), out, file)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            _positions(v, path + (i,), out, file)
+    walk = {"open": set(), "size": {}, "total": 0} if walk is None else walk
+    out.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
+    if id(node) in walk["open"]:
+        _fail(file, "recursive-alias", "an alias refers to a node that contains it",
+              "remove the alias", node.start_mark.line + 1, node.start_mark.column + 1)
+    if id(node) in walk["size"]:  # an alias seen before: count its expansion, positions known
+        walk["total"] += walk["size"][id(node)]
+    else:
+        before = walk["total"]
+        walk["total"] += 1
+        walk["open"].add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for k, v in node.value:
+                if not isinstance(k, yaml.ScalarNode):
+                    _fail(file, "bad-key", "a key must be a plain word, not a list or mapping",
+                          "write `name: value`", k.start_mark.line + 1, k.start_mark.column + 1)
+                key = k.value
+                if key in seen:
+                    _fail(file, "duplicate-key", f"key '{key}' appears twice (first at line "
+                          f"{seen[key]})", "remove one of them", k.start_mark.line + 1,
+                          k.start_mark.column + 1)
+                seen[key] = k.start_mark.line + 1
+                out.setdefault(path + (key, "<key>"),
+                               (k.start_mark.line + 1, k.start_mark.column + 1))
+                _positions(v, path + (key,), out, file, walk)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                _positions(v, path + (i,), out, file, walk)
+        walk["open"].discard(id(node))
+        walk["size"][id(node)] = walk["total"] - before
+    if walk["total"] > MAX_NODES:
+        _fail(file, "too-large", f"more than {MAX_NODES} values (aliases expanded)",
+              "plans are small: use a preset or ranges, and no nested aliases",
+              node.start_mark.line + 1, node.start_mark.column + 1)
     return out
+
+
+def _check_depth(text: str, file: str) -> None:
+    """libyaml composes recursively in C: a plan nested ~100k deep would crash the process, so
+    the event stream (a flat state machine) is checked first."""
+    depth = 0
+    for ev in yaml.parse(text, Loader=_Loader):
+        if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                _fail(file, "too-deep", f"nested more than {MAX_DEPTH} levels",
+                      "plans nest a few levels", ev.start_mark.line + 1, ev.start_mark.column + 1)
+        elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
 
 
 def parse_yaml(text: str, file: str) -> tuple[object, dict]:
     loader = _Loader(text)
     try:
+        _check_depth(text, file)
         node = loader.get_single_node()
         if node is None:
             _fail(file, "empty", "the plan is empty",
@@ -172,8 +215,9 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
 
 def _dotted(path: tuple) -> str:
     out = ""
-    for p in path:
+    for i, p in enumerate(path):
         if p == "<key>":
             continue
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+        is_key = i + 1 < len(path) and path[i + 1] == "<key>"  # a mapping key, maybe not a str
+        out += f"[{p}]" if isinstance(p, int) and not is_key else (f".{p}" if out else str(p))
     return out

@@ -79,7 +79,7 @@ class Graph:
 
 # Why a route ended where it did; Route.reasons renders these into sentences.
 (WHY_FULL_DECODE, WHY_FULL_MIXED, WHY_FULL_UBATCHED, WHY_PIECEWISE, WHY_NO_GRAPHS, WHY_TOO_BIG,
- WHY_MIXED_NONE, WHY_NOT_ALLOWED, WHY_NO_TWIN, WHY_UBATCH_MIXED) = range(10)
+ WHY_MIXED_NONE, WHY_NOT_ALLOWED, WHY_NO_TWIN, WHY_UBATCH_MIXED, WHY_NO_UBATCH_GRAPH) = range(11)
 
 
 class Route:
@@ -96,7 +96,7 @@ class Route:
         self.padded_reqs: int | None = padded_reqs
         self.wants_ubatch: bool = wants_ubatch
         self.why: int = why
-        self._ctx = ctx  # (table, num_tokens, num_reqs, max_query_len, loras, uniform, lora case)
+        self._ctx = ctx  # (table, num_tokens, num_reqs, max_query_len, loras, uniform, case, pad_to)
 
     @property
     def graph(self) -> BatchDescriptor | None:
@@ -117,6 +117,11 @@ class Route:
         return (f"Route(mode={self.mode!r}, graph_id={self.graph_id}, padded_tokens="
                 f"{self.padded_tokens}, padded_reqs={self.padded_reqs}, "
                 f"wants_ubatch={self.wants_ubatch})")
+
+
+# allow= -> row offset in DispatchTable._outcomes (RuntimeMode members hash as their ints)
+_ALLOW = {RuntimeMode.NONE: 4, RuntimeMode.PIECEWISE: 8, RuntimeMode.FULL: 12,
+          "NONE": 4, "PIECEWISE": 8, "FULL": 12}
 
 
 def canonical_json(obj) -> bytes:
@@ -162,10 +167,71 @@ class DispatchTable:
         self._case_of_count: list[int] = list(r["lora_case_of_count"])
         ub = r["ubatch"]
         self._ub = (ub["enabled"], ub["decode_token_threshold"], ub["prefill_token_threshold"])
+        # ubatch threshold by uniform (False, True); unreachable when ubatching is off
+        self._thr = (ub["prefill_token_threshold"], ub["decode_token_threshold"]) \
+            if ub["enabled"] else (1 << 62, 1 << 62)
         self._m = {k: v.tolist() for k, v in self.routes.items()}
         self._decode_reqs = [min(s // self.q, self.max_num_seqs) for s in self._sizes]
         self._mixed_reqs = [min(s, self.max_num_seqs) for s in self._sizes]
         self._mixed_mode = RuntimeMode[r["mixed_mode"]]
+        # outcome rows, built on first use: [allow * 4 + ubatched * 2 + uniform][lora case]
+        # -> [len(sizes) + 1] outcomes, the last one for "above the largest size" (index -1)
+        self._outcomes: list = [None] * 16
+        self._route = self.route = self._make_route()
+
+    def __getstate__(self) -> dict:  # pickle / copy: the closure and caches are rebuilt
+        return {k: v for k, v in self.__dict__.items() if k not in ("route", "_route", "_outcomes")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._outcomes = [None] * 16
+        self._route = self.route = self._make_route()
+
+    def _outcome(self, allow: RuntimeMode | None, ubatched: bool, uniform: bool, c: int,
+                 i: int) -> tuple:
+        """(mode, graph id, padded tokens, padded reqs, why) for lora case c and size index i;
+        padded tokens / reqs None mean the looked-up token count / the caller's num_reqs."""
+        if i < 0:
+            return ("NONE", -1, None, None,
+                    WHY_NO_GRAPHS if not self._sizes or not self.graphs else WHY_TOO_BIG)
+        m, s = self._m, self._sizes[i]
+        if allow is None or allow is RuntimeMode.FULL:
+            if ubatched:
+                g = m["full_decode_ubatched"][c][i] if uniform else -1
+                if g >= 0:
+                    return ("FULL", g, s, self._decode_reqs[i], WHY_FULL_UBATCHED)
+                return ("NONE", -1, None, None, WHY_NO_UBATCH_GRAPH if uniform else WHY_UBATCH_MIXED)
+            if uniform:
+                g = m["full_decode"][c][i]
+                if g >= 0:
+                    return ("FULL", g, s, self._decode_reqs[i], WHY_FULL_DECODE)
+            g = m["full_mixed"][c][i]
+            if g >= 0:
+                return ("FULL", g, s, self._mixed_reqs[i], WHY_FULL_MIXED)
+        if allow is None or allow is RuntimeMode.PIECEWISE:
+            g = m["piecewise"][c][i] if not ubatched else -1
+            if g >= 0:
+                return ("PIECEWISE", g, s, None, WHY_PIECEWISE)
+        if ubatched and not (uniform and m["full_decode_ubatched"][c][i] >= 0):
+            why = WHY_NO_UBATCH_GRAPH if uniform else WHY_UBATCH_MIXED
+        elif allow is not None and allow is not RuntimeMode.NONE:
+            why = WHY_NOT_ALLOWED
+        elif uniform and m["full_decode_ubatched"][c][i] >= 0 and m["full_decode"][c][i] < 0:
+            why = WHY_NO_TWIN
+        elif self._mixed_mode is RuntimeMode.NONE or not self.graphs:
+            why = WHY_MIXED_NONE if self.graphs else WHY_NO_GRAPHS
+        else:
+            why = WHY_NOT_ALLOWED
+        return ("NONE", -1, None, None, why)
+
+    def _build_outcomes(self, k: int) -> list:
+        allow = (None, RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL)[k >> 2]
+        ubatched, uniform = bool(k & 2), bool(k & 1)
+        idx = list(range(len(self._sizes))) + [-1]
+        rows = [[self._outcome(allow, ubatched, uniform, c, i) for i in idx]
+                for c in range(len(self.resolved["lora_cases"]))]
+        self._outcomes[k] = rows
+        return rows
 
     def route(self, num_tokens: int, num_reqs: int | None = None, max_query_len: int | None = None,
               num_active_loras: int = 0, *, allow: RuntimeMode | str | None = None,
@@ -173,71 +239,68 @@ class DispatchTable:
         """Route one batch.
 
         Uniform decode is ``max_query_len == q and num_tokens == q * num_reqs`` (both given).
-        ``allow`` restricts the runtime mode (DP re-dispatch uses the synced mode), ``pad_to`` looks
-        up at an agreed token count instead of ``num_tokens``, ``ubatched`` asks for the ubatched
-        graph. Raises BatchError for inputs outside the plan's limits.
+        ``allow`` restricts the runtime mode (DP re-dispatch uses the synced mode: a RuntimeMode,
+        its name or its int), ``pad_to`` looks up at an agreed token count instead of
+        ``num_tokens``, ``ubatched`` asks for the ubatched graph. Raises BatchError for inputs
+        outside the plan's limits.
         """
-        n = num_tokens
-        if not 0 < n <= self.max_tokens:
-            raise BatchError(f"num_tokens={n!r} is outside 1..{self.max_tokens} "
-                             "(scheduler.max_num_batched_tokens)")
-        r = num_reqs
-        if r is not None and not 0 < r <= n or r is not None and r > self.max_num_seqs:
-            raise BatchError(f"num_reqs={r!r} must be in 1..min(num_tokens={n}, "
-                             f"scheduler.max_num_seqs={self.max_num_seqs})")
-        mql = max_query_len
-        if mql is not None and (not 0 < mql <= n or r is not None and (mql * r < n or mql > n - r + 1)):
-            raise BatchError(f"max_query_len={mql!r} is impossible for {n} tokens in {r} requests")
-        if num_active_loras < 0 or num_active_loras >= len(self._case_of_count):
-            raise BatchError(f"num_active_loras={num_active_loras!r} is outside 0.."
-                             f"{len(self._case_of_count) - 1} (lora.enabled / lora.max_loras + 1)")
-        c = self._case_of_count[num_active_loras]
-        uniform = mql == self.q and n == self.q * r if r is not None else False
-        ub_on, dec_thr, pre_thr = self._ub
-        wants = ub_on and n >= (dec_thr if uniform else pre_thr)
-        target = n
-        if pad_to is not None:
-            if not n <= pad_to <= self.max_tokens:
-                raise BatchError(f"pad_to={pad_to!r} must be in num_tokens={n}..{self.max_tokens}")
-            target = pad_to
-        ctx = (self, n, r, mql, num_active_loras, uniform, c)
-        allow_mode = RuntimeMode[allow] if isinstance(allow, str) else allow
-        unpadded = r
-        i = self._size_index[target]
-        if i < 0:
-            why = WHY_NO_GRAPHS if not self._sizes or not self.graphs else WHY_TOO_BIG
-            return Route("NONE", -1, target, unpadded, wants, why, ctx)
-        m = self._m
-        if allow_mode is None or allow_mode is RuntimeMode.FULL:
+        return self._route(num_tokens, num_reqs, max_query_len, num_active_loras, allow=allow,
+                           pad_to=pad_to, ubatched=ubatched)
+
+    def _make_route(self):
+        """``route`` as a closure over the lookup lists: locals instead of attribute loads.
+        ``_prepare`` installs it on the instance, so ``table.route(...)`` calls it directly."""
+        max_tokens, max_seqs, q = self.max_tokens, self.max_num_seqs, self.q
+        size_index, coc, thr = self._size_index, self._case_of_count, self._thr
+        outcomes, build, n_counts = self._outcomes, self._build_outcomes, len(self._case_of_count)
+        table, new_route = self, object.__new__
+
+        def route(num_tokens, num_reqs=None, max_query_len=None, num_active_loras=0, *,
+                  allow=None, pad_to=None, ubatched=False):
+            n, r, mql = num_tokens, num_reqs, max_query_len
+            if not 0 < n <= max_tokens:
+                raise BatchError(f"num_tokens={n!r} is outside 1..{max_tokens} "
+                                 "(scheduler.max_num_batched_tokens)")
+            uniform = False
+            if r is not None:
+                if not 0 < r <= n or r > max_seqs:
+                    raise BatchError(f"num_reqs={r!r} must be in 1..min(num_tokens={n}, "
+                                     f"scheduler.max_num_seqs={max_seqs})")
+                if mql is not None:
+                    if not 0 < mql <= n - r + 1 or mql * r < n:
+                        raise BatchError(f"max_query_len={mql!r} is impossible for {n} tokens in "
+                                         f"{r} requests")
+                    uniform = mql == q and n == mql * r
+            elif mql is not None and not 0 < mql <= n:
+                raise BatchError(f"max_query_len={mql!r} is impossible for {n} tokens")
+            if not 0 <= num_active_loras < n_counts:
+                raise BatchError(f"num_active_loras={num_active_loras!r} is outside 0.."
+                                 f"{n_counts - 1} (lora.enabled / lora.max_loras + 1)")
+            c = coc[num_active_loras]
+            k = uniform
+            if allow is not None:
+                try:
+                    k += _ALLOW[allow]
+                except (KeyError, TypeError):
+                    raise BatchError(f"allow={allow!r} is not a runtime mode (NONE, PIECEWISE, "
+                                     "FULL)") from None
             if ubatched:
-                g = m["full_decode_ubatched"][c][i] if uniform else -1
-                if g >= 0:
-                    return Route("FULL", g, self._sizes[i], self._decode_reqs[i], wants,
-                                 WHY_FULL_UBATCHED, ctx)
-                return Route("NONE", -1, target, unpadded, wants, WHY_UBATCH_MIXED, ctx)
-            if uniform:
-                g = m["full_decode"][c][i]
-                if g >= 0:
-                    return Route("FULL", g, self._sizes[i], self._decode_reqs[i], wants,
-                                 WHY_FULL_DECODE, ctx)
-            g = m["full_mixed"][c][i]
-            if g >= 0:
-                return Route("FULL", g, self._sizes[i], self._mixed_reqs[i], wants, WHY_FULL_MIXED, ctx)
-        if allow_mode is None or allow_mode is RuntimeMode.PIECEWISE:
-            g = m["piecewise"][c][i] if not ubatched else -1
-            if g >= 0:
-                return Route("PIECEWISE", g, self._sizes[i], unpadded, wants, WHY_PIECEWISE, ctx)
-        if allow_mode is not None and allow_mode is not RuntimeMode.NONE:
-            why = WHY_NOT_ALLOWED
-        elif ubatched:
-            why = WHY_UBATCH_MIXED
-        elif uniform and m["full_decode_ubatched"][c][i] >= 0 and m["full_decode"][c][i] < 0:
-            why = WHY_NO_TWIN
-        elif self._mixed_mode is RuntimeMode.NONE or not self.graphs:
-            why = WHY_MIXED_NONE if self.graphs else WHY_NO_GRAPHS
-        else:
-            why = WHY_NOT_ALLOWED
-        return Route("NONE", -1, target, unpadded, wants, why, ctx)
+                k += 2
+            target = n
+            if pad_to is not None:
+                if not n <= pad_to <= max_tokens:
+                    raise BatchError(f"pad_to={pad_to!r} must be in num_tokens={n}..{max_tokens}")
+                target = pad_to
+            mode, g, pt, pr, why = (outcomes[k] or build(k))[c][size_index[target]]
+            rt = new_route(Route)  # no __init__ frame: slot stores are cheaper than a call
+            rt.mode, rt.graph_id, rt.why = mode, g, why
+            rt.padded_tokens = target if pt is None else pt
+            rt.padded_reqs = r if pr is None else pr
+            rt.wants_ubatch = n >= thr[uniform]
+            rt._ctx = (table, n, r, mql, num_active_loras, uniform, c, pad_to)
+            return rt
+
+        return route
 
     def lora_case(self, num_active_loras: int) -> int:
         """Captured LoRA count that a batch with this many active adapters uses."""
@@ -268,19 +331,9 @@ class DispatchTable:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "DispatchTable":
-        p = Path(path)
-        try:
-            raw = p.read_bytes()
-        except IsADirectoryError:
-            raise TableError(f"{p}: is a directory, not a table (give the table.json file)") from None
-        except OSError as e:
-            raise TableError(f"{p}: cannot read table: {e.strerror or e}") from None
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TableError(f"{p}: not a graphplan table ({e}); compile one with "
-                             "`plan compile PLAN -o table.json`") from None
-        return cls.from_json(data, source=str(p))
+        data = read_json(path, TableError, "table", "compile one with `plan compile PLAN -o "
+                         "table.json`")
+        return cls.from_json(data, source=str(path))
 
     @classmethod
     def from_json(cls, data, source: str = "<table>") -> "DispatchTable":
@@ -303,6 +356,21 @@ class DispatchTable:
                    compiler_version=data["compiler_version"], fingerprint=data["fingerprint"])
 
 
+def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: str):
+    """Parse a JSON file; every failure is ``error`` naming the file, the problem and ``hint``."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except IsADirectoryError:
+        raise error(f"{p}: is a directory, not a {what} (give the .json file)") from None
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{p}: not a graphplan {what} ({e}); {hint}") from None
+
+
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     p = Path(path)
     if p.is_dir():
@@ -313,6 +381,9 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise OutputError(f"{p}: cannot write here ({e.strerror or e}); choose a writable "
                           "directory with -o") from None
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a written file gets the usual mode
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, p)
