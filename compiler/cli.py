@@ -1,4 +1,4 @@
-"""The ``plan`` command: validate, compile, explain, diff (and report/optimize, see their modules).
+"""The ``plan`` command: validate, compile, explain, diff (report, optimize: ``tuning_cli``).
 
 Exit codes: 0 ok, 2 invalid plan, 1 any other failure. Errors go to stderr as
 ``path:line:col: error[CODE]: message (hint)``; no traceback for bad input, no partial files.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from compiler.errors import GraphplanError, did_you_mean
 
-COMMANDS = ("validate", "compile", "explain", "diff")
+COMMANDS = ("validate", "compile", "explain", "diff", "report", "optimize")
 
 
 class UsageError(GraphplanError):
@@ -30,7 +30,8 @@ class _Parser(argparse.ArgumentParser):
                          + f"\n{self.format_usage().strip()}")
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}."""
     import yaml
     out = {}
     for pair in pairs or []:
@@ -54,7 +55,7 @@ def _load_any(path: str, sets=None):
     if _is_table(path):
         return DispatchTable.load(path), []
     from compiler import compile_loaded, load_plan
-    return compile_loaded(load_plan(path, _overrides(sets)))
+    return compile_loaded(load_plan(path, parse_overrides(sets)))
 
 
 def _print_diags(diags) -> None:
@@ -77,14 +78,23 @@ def cmd_compile(a) -> int:
     from compiler.summary import summary_json, summary_lines
     table, diags = _load_any(a.plan, a.set)
     _print_diags(diags)
+    memory = None
+    if a.memory or a.profile:  # before writing: a bad profile leaves no table behind
+        from compiler.tuning_cli import memory_estimate
+        memory = memory_estimate(table, a.profile)
     if a.output:
         table.save(a.output)
     if a.format == "json":
         out = summary_json(table)
         out["output"] = a.output
+        if memory:
+            out["memory"] = memory
         print(json.dumps(out, sort_keys=True))
         return 0
     print("\n".join(summary_lines(table)))
+    if memory:
+        from compiler.memory import estimate_lines
+        print("\n" + "\n".join(estimate_lines(memory)))
     if a.output:
         print(f"\nwrote {a.output} ({Path(a.output).stat().st_size // 1024} KiB)")
     else:
@@ -136,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("compile", help="compile a plan into a dispatch table")
     sp.add_argument("plan")
     sp.add_argument("-o", "--output", help="where to write table.json (atomically)")
+    sp.add_argument("--memory", action="store_true", help="print the graph-memory estimate")
+    sp.add_argument("--profile", help="calibrated memory profile for --memory (implies it)")
     common(sp)
     sp.set_defaults(fn=cmd_compile)
 
@@ -153,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("b")
     common(sp)
     sp.set_defaults(fn=cmd_diff)
+
+    from compiler.tuning_cli import add_tuning_commands
+    add_tuning_commands(sub, common)
     return p
 
 

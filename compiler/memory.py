@@ -1,0 +1,190 @@
+"""Graph-memory model: how many bytes the shared CUDA-graph pool will hold, before any GPU work.
+
+The model. Every graph is captured into one memory pool, largest first (SEMANTICS.md section 4).
+A graph's intermediate tensors are freed back to the pool when its capture ends, and the next
+(smaller) graph reuses those blocks, so activations cost what the *largest* graph needs, once.
+What is not reused is a per-graph fixed cost: the instantiated graph itself (kernel parameters,
+node bookkeeping) and the blocks a graph keeps alive (its outputs, library workspaces). Hence
+
+    pool bytes ~= per_graph_bytes * num_graphs + per_token_bytes * largest_graph_tokens
+
+A *profile* holds the two coefficients for one model on one device. The runtime calibrates it once:
+capture one graph at each of a few token counts, each into a fresh pool, record the pool growth,
+and fit ``bytes = per_graph_bytes + per_token_bytes * num_tokens`` by least squares
+(``fit_profile``). Format (``save_profile`` / ``load_profile``)::
+
+    {"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": str,
+     "device": str, "per_graph_bytes": float, "per_token_bytes": float,
+     "samples": [[num_tokens, bytes], ...]}
+
+Without a profile, ``DEFAULT_PROFILE`` is used (an order-of-magnitude figure for an 8B-class bf16
+model; outputs say so). Standard library and numpy only: the runtime imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from compiler.errors import GraphplanError
+from compiler.table import DispatchTable, read_json, write_atomic
+
+FORMAT = "graphplan.memory_profile"
+VERSION = 1
+MIB = 1024 * 1024
+
+DEFAULT_PROFILE = {
+    "format": FORMAT, "version": VERSION,
+    "model_fingerprint": "default:8b-class-bf16",
+    "device": "unspecified",
+    # An instantiated graph of a 32-layer decoder (piecewise graphs: one piece per layer) plus
+    # the buffers it keeps alive: a few MiB.
+    "per_graph_bytes": 4.0 * MIB,
+    # Largest live intermediates per token of a Llama-3-8B layer in bf16: gate/up projection
+    # (2 x 14336 x 2 B), the activation output (14336 x 2 B), and a few hidden-size tensors.
+    "per_token_bytes": 112.0 * 1024,
+    "samples": [],
+}
+"""Used when no calibrated profile is given; calibrate with the runtime for real numbers."""
+
+
+class ProfileError(GraphplanError):
+    """A memory profile cannot be read or used (bad JSON, wrong format, bad numbers)."""
+
+
+def _number(value, where: str, source: str, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum:
+        raise ProfileError(f"{source}: {where}: expected a finite number >= {minimum:g}, got "
+                           f"{value!r} (recalibrate with the runtime or fix the file)")
+    return float(value)
+
+
+def _samples(samples, source: str) -> list[list[float]]:
+    if not isinstance(samples, (list, tuple)):
+        raise ProfileError(f"{source}: samples: expected a list of [num_tokens, bytes] pairs")
+    out = []
+    for i, pair in enumerate(samples):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ProfileError(f"{source}: samples[{i}]: expected [num_tokens, bytes], got {pair!r}")
+        n = pair[0]
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) \
+                or n != int(n) or n < 1:
+            raise ProfileError(f"{source}: samples[{i}][0] (num_tokens): expected an integer >= 1, "
+                               f"got {n!r}")
+        out.append([int(n), _number(pair[1], f"samples[{i}][1] (bytes)", source, 0.0)])
+    return out
+
+
+def fit_profile(samples, model_fingerprint: str, device: str) -> dict:
+    """Least-squares fit of ``bytes = per_graph + per_token * num_tokens`` to single-graph samples.
+
+    Needs at least 2 samples at 2 distinct token counts. A negative coefficient (noise) is clamped
+    to 0 and the other refitted alone, so the profile never predicts negative bytes.
+    """
+    pts = _samples(samples, "fit_profile")
+    if len({n for n, _ in pts}) < 2:
+        raise ProfileError("fit_profile: need samples at >= 2 distinct num_tokens to separate the "
+                           f"per-graph from the per-token cost (got {len(pts)} sample(s))")
+    n, b = np.array(pts, dtype=np.float64).T
+    (per_graph, per_token), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), b, rcond=None)
+    if per_token < 0:
+        per_graph, per_token = float(b.mean()), 0.0
+    elif per_graph < 0:
+        per_graph, per_token = 0.0, float((n * b).sum() / (n * n).sum())
+    return {"format": FORMAT, "version": VERSION, "model_fingerprint": str(model_fingerprint),
+            "device": str(device), "per_graph_bytes": float(per_graph),
+            "per_token_bytes": float(per_token), "samples": pts}
+
+
+def check_profile(data, source: str = "<profile>") -> dict:
+    """Validate a profile dict; returns a clean copy. Raises ProfileError naming the field."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{source}: not a graphplan memory profile (no \"format\": \"{FORMAT}\"); "
+                           "calibrate one with the runtime")
+    if data.get("version") != VERSION:
+        raise ProfileError(f"{source}: profile version {data.get('version')!r}; this graphplan "
+                           f"reads version {VERSION}: recalibrate with this graphplan's runtime")
+    for key in ("model_fingerprint", "device"):
+        if not isinstance(data.get(key), str):
+            raise ProfileError(f"{source}: {key}: expected a string, got {data.get(key)!r}")
+    return {"format": FORMAT, "version": VERSION, "model_fingerprint": data["model_fingerprint"],
+            "device": data["device"],
+            "per_graph_bytes": _number(data.get("per_graph_bytes"), "per_graph_bytes", source),
+            "per_token_bytes": _number(data.get("per_token_bytes"), "per_token_bytes", source),
+            "samples": _samples(data.get("samples", []), source)}
+
+
+def load_profile(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    data = read_json(p, ProfileError, "memory profile",
+                     "calibrate one with examples/calibrate_memory.py (runtime/calibrate.py)")
+    out = check_profile(data, str(p))
+    out["source"] = str(p)
+    return out
+
+
+def save_profile(path: str | os.PathLike, profile: dict) -> None:
+    """Validate, then write atomically (never a partial file)."""
+    clean = check_profile(profile, str(path))
+    write_atomic(path, (json.dumps(clean, indent=1, sort_keys=True) + "\n").encode())
+
+
+def pool_bytes(profile: dict, num_graphs: int, largest_tokens: int) -> float:
+    """The model itself: per-graph overhead for every graph + the largest graph's activations."""
+    if num_graphs <= 0:
+        return 0.0
+    return profile["per_graph_bytes"] * num_graphs + profile["per_token_bytes"] * largest_tokens
+
+
+def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
+    """Estimated pool bytes for a compiled table: total, per mode, and the arithmetic in words.
+
+    ``per_mode[m]["bytes"]`` is what that mode's graphs would need alone in their own pool; the
+    modes share one pool, so ``total_bytes`` is not their sum.
+    """
+    default = profile is None
+    prof = DEFAULT_PROFILE if default else check_profile(profile, profile.get("source", "<profile>"))
+    per_mode: dict[str, dict] = {}
+    for g in table.graphs:
+        m = per_mode.setdefault(g.mode.name, {"graphs": 0, "largest_tokens": 0})
+        m["graphs"] += 1
+        m["largest_tokens"] = max(m["largest_tokens"], g.key.num_tokens)
+    for m in per_mode.values():
+        m["bytes"] = int(round(pool_bytes(prof, m["graphs"], m["largest_tokens"])))
+    n = len(table.graphs)
+    largest = max((g.key.num_tokens for g in table.graphs), default=0)
+    overhead = prof["per_graph_bytes"] * n
+    activations = prof["per_token_bytes"] * largest if n else 0.0
+    total = int(round(pool_bytes(prof, n, largest)))
+    source = (profile or {}).get("source", "the given profile")
+    where = ("the built-in default profile (an 8B-class bf16 guess; calibrate with the runtime "
+             "and pass --profile for real numbers)" if default else
+             f"{source} (model {prof['model_fingerprint']}, device {prof['device']})")
+    explanation = (
+        f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = {overhead / MIB:.1f} MiB, "
+        f"+ activations of the largest graph only ({largest} tokens x "
+        f"{prof['per_token_bytes'] / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
+        f"because every graph shares one pool captured largest first and smaller graphs reuse "
+        f"its blocks; total {total / MIB:.1f} MiB, from {where}.")
+    return {"total_bytes": total, "total_mib": total / MIB, "num_graphs": n,
+            "largest_graph_tokens": largest, "overhead_bytes": int(round(overhead)),
+            "activation_bytes": int(round(activations)), "per_mode": per_mode,
+            "profile": {"default": default, "source": "built-in default" if default else source,
+                        "model_fingerprint": prof["model_fingerprint"], "device": prof["device"],
+                        "per_graph_bytes": prof["per_graph_bytes"],
+                        "per_token_bytes": prof["per_token_bytes"]},
+            "explanation": explanation}
+
+
+def estimate_lines(est: dict) -> list[str]:
+    out = [f"graph memory (estimate): {est['total_mib']:.1f} MiB for {est['num_graphs']} graphs"]
+    for mode, m in sorted(est["per_mode"].items()):
+        out.append(f"  {mode:<10} {m['graphs']:>5} graphs, largest {m['largest_tokens']} tokens, "
+                   f"{m['bytes'] / MIB:.1f} MiB alone")
+    out.append(f"  {est['explanation']}")
+    return out
