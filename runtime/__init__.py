@@ -8,11 +8,12 @@ from compiler.errors import BatchError, GraphplanError, TableError
 from compiler.table import DispatchTable, Route, RuntimeMode
 from runtime.buffers import StaticInput
 from runtime.metrics import render_prometheus
+from runtime.piecewise import SplitError
 from runtime.runner import CaptureError, GraphRunner, RunnerStateError
 
 __all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "BatchError",
-           "CaptureError", "GraphplanError", "RunnerStateError", "TableError", "render_prometheus",
-           "load_table"]
+           "CaptureError", "GraphplanError", "RunnerStateError", "SplitError", "TableError",
+           "render_prometheus", "load_table"]
 
 
 def load_table(path) -> DispatchTable:

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from compiler.errors import GraphplanError
 from compiler.table import RuntimeMode
 
 log = logging.getLogger("graphplan.runtime")
@@ -48,15 +49,19 @@ def _graph_fn(runner, views: dict, tokens: int):
     return fn
 
 
-def capture_graphs(runner, modes: tuple[RuntimeMode, ...]) -> dict:
+def capture_graphs(runner, modes: tuple[RuntimeMode, ...], only: set[int] | None = None) -> dict:
     table, backend, buffers = runner.table, runner.backend, runner.buffers
-    ids = [g.id for g in table.graphs if g.mode in modes]  # table order: largest first per mode
+    ids = [g.id for g in table.graphs if g.mode in modes  # table order: largest first per mode
+           and (g.key.num_ubatches == 1 or getattr(runner, "ubatch_body", None))
+           and (only is None or g.id in only)]
     summary = {"graphs": 0, "seconds": 0.0, "bytes": 0, "estimate_bytes": None,
                "estimate_error": None, "per_graph": [], "backend": backend.name}
     if not ids:
         runner.stats_.captured(summary)
         return summary
     t0 = time.perf_counter()
+    if any(table.graphs[g].mode is RuntimeMode.PIECEWISE for g in ids):
+        runner._piecewise = _split(runner)  # SplitError here, before anything is captured
     gc.collect()
     gc.freeze()  # capture allocates many Python objects; keep the collector out of the way
     gid = ids[0]
@@ -68,14 +73,22 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...]) -> dict:
                 reqs = key.num_reqs if key.num_reqs is not None else min(tokens, table.max_num_seqs)
                 buffers.reset(tokens, reqs)
                 views = buffers.views(tokens, reqs)
-                for i in range(max(runner.warmups, 1 if runner._outputs is None else 0)):
-                    out = runner.model(**views)
-                    if runner._outputs is None:
-                        _allocate_outputs(runner, out, buffers.max_tokens)
-                    del out
-                before = backend.memory_used()
-                runner._graphs[gid] = backend.capture(_graph_fn(runner, views, tokens))
-                took = backend.memory_used() - before
+                if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
+                    runner._graphs[gid], took = runner._piecewise.capture(views, tokens)
+                else:
+                    for i in range(max(runner.warmups, 1 if runner._outputs is None else 0)):
+                        out = runner.model(**views)
+                        if runner._outputs is None:
+                            _allocate_outputs(runner, out, buffers.max_tokens)
+                        del out
+                    if key.num_ubatches > 1:  # DBO: streams and events, warmed once first
+                        body = runner.ubatch_body(key, views, tokens)
+                        body()
+                    else:
+                        body = _graph_fn(runner, views, tokens)
+                    before = backend.memory_used()
+                    runner._graphs[gid] = backend.capture(body)
+                    took = backend.memory_used() - before
                 summary["per_graph"].append([gid, tokens, took])
                 summary["bytes"] += took
                 if n_done == 1:  # estimate the rest from the two largest graphs
@@ -83,6 +96,8 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...]) -> dict:
                     summary["estimate_bytes"] = first + took * (len(ids) - 1)
     except Exception as e:
         runner.release()
+        if isinstance(e, GraphplanError):  # already says what is wrong and how to fix it
+            raise
         key = table.graphs[gid].key
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
         fix = ("lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
@@ -100,6 +115,10 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...]) -> dict:
     backend.synchronize()
     summary["graphs"] = len(ids)
     summary["seconds"] = time.perf_counter() - t0
+    if runner._piecewise is not None:
+        pw = runner._piecewise
+        summary["piecewise"] = {"pieces": len(pw.split.pieces), "split_ops": len(pw.split.split_ops),
+                                "piece_graphs": pw.num_graphs(), "static_bytes": pw.crossing_bytes()}
     if summary["estimate_bytes"] and summary["bytes"]:
         summary["estimate_error"] = summary["estimate_bytes"] / summary["bytes"] - 1
     runner.stats_.captured(summary)
@@ -108,8 +127,28 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...]) -> dict:
     return summary
 
 
+def _split(runner):
+    """The model cut at the plan's splitting ops, ready to capture (runtime/piecewise.py)."""
+    from runtime.piecewise import split_model
+    from runtime.piecewise_graphs import PiecewiseGraphs
+    table, model = runner.table, runner.model
+    split = split_model(model, table.plan["cudagraph"]["splitting_ops"], runner.splitting_ops)
+    static = [*runner.buffers.buffers.values()]
+    if isinstance(model, torch.nn.Module):
+        static += [*model.parameters(), *model.buffers()]
+    static += [*split.module.parameters(), *split.module.buffers()]
+    for m in split.module.modules():  # constants the tracer baked in (e.g. a view of the cache)
+        static += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    max_tokens = max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
+    return PiecewiseGraphs(split, backend=runner.backend, buffers=runner.buffers,
+                           max_tokens=max_tokens, max_reqs=table.max_num_seqs, static=static,
+                           warmups=runner.warmups)
+
+
 def capture_line(s: dict) -> str:
-    line = (f"captured {s['graphs']} graphs in {s['seconds']:.2f} s, "
+    pw = s.get("piecewise")
+    pieces = f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops)" if pw else ""
+    line = (f"captured {s['graphs']} graphs{pieces} in {s['seconds']:.2f} s, "
             f"{s['bytes'] / GiB:.3f} GiB ({s['backend']})")
     if s["estimate_bytes"] is not None and s["bytes"]:
         line += (f"; estimate from the two largest graphs {s['estimate_bytes'] / GiB:.3f} GiB "

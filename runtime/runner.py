@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -34,11 +35,16 @@ class GraphRunner:
     ``model`` is any callable taking the static inputs as keyword tensors and returning a tensor
     (or tuple of tensors) whose first dimension is the token count. ``inputs`` names those inputs;
     the runner owns one buffer per input, allocated once at the largest graph's size.
+
+    PIECEWISE graphs need a model that torch.fx can split at the plan's ``splitting_ops``
+    (``runtime/piecewise.py`` says what that takes); ``splitting_ops`` binds a plan op name to the
+    op explicitly (``{"attention": torch.ops.my_ns.attention.default}``) instead of the name rule.
     """
 
     def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
-                 warmups: int = 1, rank: int | None = None, progress: bool = True):
+                 warmups: int = 1, rank: int | None = None, progress: bool = True,
+                 splitting_ops: Mapping[str, object] | None = None):
         if not isinstance(table, DispatchTable):
             table = DispatchTable.load(Path(table))
         if expected_fingerprint is not None and table.fingerprint != expected_fingerprint:
@@ -46,12 +52,12 @@ class GraphRunner:
                              f"runner's {expected_fingerprint[:19]}: compile the plan this server "
                              "was built for, or build the runner for the new table")
         if device is None:
-            device = next((p.device for p in model.parameters()), torch.device("cpu")) \
-                if hasattr(model, "parameters") else torch.device("cpu")
+            device = _model_device(model)
         self.model, self.table = model, table
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
         self.warmups, self.progress = warmups, progress
+        self.splitting_ops = dict(splitting_ops or {})
         self.rank = rank if rank is not None else _default_rank()
         graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
         self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
@@ -59,12 +65,19 @@ class GraphRunner:
         self._graphs: list = [None] * len(table.graphs)
         self._outputs: tuple[torch.Tensor, ...] | None = None
         self._single_output = True
+        # (key, views, tokens) -> the body a ubatched (num_ubatches > 1) graph records; set by
+        # runtime.dp_runner.DPRunner. Without it ubatched graphs are not captured.
+        self.ubatch_body = None
+        self._piecewise = None  # runtime.piecewise_graphs.PiecewiseGraphs once PIECEWISE is captured
         self.captured = False
         self.stats_ = RunnerStats(table, self.backend.name)
 
     # -- capture ----------------------------------------------------------------------------
-    def capture(self, modes: tuple[str, ...] = ("FULL",)) -> dict:
-        """Warm up and capture the table's graphs of the given modes, largest first, into one pool.
+    def capture(self, modes: tuple[str, ...] = ("FULL", "PIECEWISE"),
+                only: set[int] | None = None) -> dict:
+        """Warm up and capture the table's graphs of the given modes (by default every graph the
+        table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
+        ``only`` restricts capture to those graph ids (memory calibration captures one at a time).
 
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
@@ -73,7 +86,7 @@ class GraphRunner:
         if self.captured:
             raise RunnerStateError("capture() already ran for this runner; graphs are captured "
                                    "once — build a new GraphRunner to capture another table")
-        summary = capture_graphs(self, tuple(RuntimeMode[m] for m in modes))
+        summary = capture_graphs(self, tuple(RuntimeMode[m] for m in modes), only)
         self.captured = True
         return summary
 
@@ -97,6 +110,10 @@ class GraphRunner:
             with torch.no_grad():
                 return self.model(**inputs)
         reqs = num_reqs or 0
+        if route.mode == "PIECEWISE":  # piece graphs around eager split ops
+            out = graph.run(inputs, n, reqs)
+            self.stats_.replayed(gid, route.padded_tokens - n)
+            return out
         self.buffers.load(inputs, n, reqs, route.padded_tokens,
                           route.padded_reqs if route.padded_reqs is not None else reqs)
         graph.replay()
@@ -116,8 +133,17 @@ class GraphRunner:
         """Drop every graph and the static outputs (the runner can capture again)."""
         self._graphs = [None] * len(self.table.graphs)
         self._outputs = None
+        self._piecewise = None
         self.backend.release()
         self.captured = False
+
+
+def _model_device(model) -> torch.device:
+    """Where the model's weights (parameters, else buffers) live; CPU for a plain callable."""
+    if isinstance(model, torch.nn.Module):
+        for t in (*model.parameters(), *model.buffers()):
+            return t.device
+    return torch.device("cpu")
 
 
 def _default_rank() -> int:

@@ -1,0 +1,172 @@
+"""Mixed-batch steps of the tiny Llama: eager vs piecewise graphs vs FULL graphs; and what capturing
+a FULL_AND_PIECEWISE plan costs (time, graphs, memory).
+
+    python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16
+    python bench/piecewise_bench.py --device cpu --quick                     # smoke run, tiny sizes
+
+A mixed step at T tokens is chunked prefill plus decodes in one batch: min(T // 4, 32) decodes with
+context, the rest prefill chunks of up to 128 tokens each continuing a prompt. Every mode runs the
+same batch on the same model; capture sizes equal the token counts, so nothing is padded. FULL
+applies here because the tiny model's attention is capturable for any batch (ALWAYS). Bar (GPU):
+piecewise >= 2x faster than eager for mixed steps of <= 256 tokens. Exit status 1 if it fails on
+CUDA; on the CPU the verdicts are printed but not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # noqa: E402
+
+from runtime import DispatchTable, GraphRunner  # noqa: E402
+
+BAR, BAR_TOKENS = 2.0, 256
+TABLES = ROOT / "bench" / "tables"
+DEFAULT_TOKENS = [16, 64, 128, 256, 512]  # the sizes of bench/tables/mixed-*.json
+MiB = 1 << 20
+
+
+def load(name: str, overrides: dict | None) -> DispatchTable:
+    """bench/tables/<name>.json (the device machine needs no compiler), or <name>.yaml compiled
+    with overrides (quick runs and custom token counts)."""
+    if overrides is None:
+        return DispatchTable.load(TABLES / f"{name}.json")
+    from compiler import compile_plan
+    return compile_plan(TABLES / f"{name}.yaml", overrides)
+
+
+def mixed_reqs(tokens: int, max_chunk: int, context: int) -> list[tuple[int, int, list[int]]]:
+    """(cache_row, start_pos, token_ids): decodes with `context` tokens behind them, then chunks."""
+    decodes = max(1, min(tokens // 4, 32))
+    reqs = [(r, context + r % 8, [1 + r]) for r in range(decodes)]
+    left, row = tokens - decodes, decodes
+    while left:
+        n = min(left, max_chunk)
+        reqs.append((row, context // 2, [7 + (i % 50) for i in range(n)]))
+        left, row = left - n, row + 1
+    return reqs
+
+
+def time_step(fn, device: torch.device, iters: int, repeats: int = 3) -> float:
+    """Median over repeats of the mean step time in ms (device synchronized around each loop)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / iters * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny model and sizes (a smoke run)")
+    p.add_argument("--tokens", type=int, nargs="*", help="mixed-step token counts")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--out", type=Path, help="also write the report to this file")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if a.quick:
+        cfg = TinyLlamaConfig(vocab_size=512, hidden=128, layers=2, heads=2, kv_heads=1,
+                              intermediate=256, max_model_len=128, num_cache_rows=64)
+        tokens, iters, max_chunk = a.tokens or [8, 16, 32], a.iters or 5, 16
+    else:
+        cfg = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
+                              intermediate=2816, max_model_len=256, num_cache_rows=64)
+        tokens, iters, max_chunk = a.tokens or DEFAULT_TOKENS, a.iters or 50, 128
+    stock = tokens == DEFAULT_TOKENS and not a.quick
+    mixed = None if stock else {"cudagraph.capture_sizes": sorted(set(tokens)),
+                                "scheduler.max_num_batched_tokens": max(64, *tokens)}
+    fp = None if not a.quick else {"scheduler.max_num_seqs": 16,
+                                   "scheduler.max_num_batched_tokens": 32}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = TinyLlama(cfg, seed=0, device=device, dtype=dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        platform.processor() or "cpu")
+    lines = [f"# piecewise_bench: python bench/piecewise_bench.py {' '.join(sys.argv[1:])}",
+             f"# date {datetime.datetime.now().isoformat(timespec='seconds')}, device {name}, "
+             f"torch {torch.__version__}, {dtype}",
+             f"# model: layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads}, "
+             f"intermediate {cfg.intermediate}, vocab {cfg.vocab_size}, max_model_len "
+             f"{cfg.max_model_len}"]
+
+    # capture cost of a FULL_AND_PIECEWISE plan with vLLM's default sizes
+    table = load("full-and-piecewise-51", fp)
+    runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False)
+    s = runner.capture()
+    pw = s["piecewise"]
+    lines.append(f"# FULL_AND_PIECEWISE capture (vllm preset, max_num_seqs {table.max_num_seqs}): "
+                 f"{s['graphs']} graphs ({pw['piece_graphs']} piece graphs of {pw['pieces']} "
+                 f"pieces, {pw['split_ops']} eager split ops per step) in {s['seconds']:.2f} s; "
+                 f"graph pool {s['bytes'] / MiB:.1f} MiB; static buffers "
+                 f"{(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
+    runner.release()
+    del runner
+
+    runners = {m: GraphRunner(model, load(f"mixed-{m.lower()}", mixed), static_inputs(model),
+                              device=device, progress=False) for m in ("PIECEWISE", "FULL")}
+    for runner in runners.values():
+        runner.capture()
+    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} {'piecewise ms':>12} {'FULL ms':>8} "
+            f"{'pw speedup':>10} {'FULL speedup':>12} {'pw err':>8}  bar (piecewise >= {BAR:g}x "
+            f"eager, <= {BAR_TOKENS} tokens)")
+    lines += [head, "-" * len(head)]
+    failed = False
+    with torch.no_grad():
+        for t in tokens:
+            reqs = mixed_reqs(t, max_chunk, cfg.max_model_len // 4)
+            batch = make_batch(model, reqs)
+            r, q = len(reqs), max(len(x) for _, _, x in reqs)
+            eager_fn = lambda: model(**batch)  # noqa: E731
+            ms = {"eager": time_step(eager_fn, device, iters)}
+            ref = eager_fn().clone()
+            err = 0.0
+            for mode, runner in runners.items():
+                step = lambda runner=runner: runner.step(batch, num_reqs=r, max_query_len=q)  # noqa: E731
+                ms[mode] = time_step(step, device, iters)
+                if mode == "PIECEWISE":
+                    err = rel_err(step(), ref)
+            sp, sf = ms["eager"] / ms["PIECEWISE"], ms["eager"] / ms["FULL"]
+            if t > BAR_TOKENS:
+                verdict = "n/a"
+            else:
+                ok = sp >= BAR
+                failed |= not ok
+                verdict = "PASS" if ok else "FAIL"
+            lines.append(f"{t:>6} {r:>4} {ms['eager']:>9.3f} {ms['PIECEWISE']:>12.3f} "
+                         f"{ms['FULL']:>8.3f} {sp:>9.2f}x {sf:>11.2f}x {err:>8.1e}  {verdict}")
+    stats = {m: r.stats() for m, r in runners.items()}
+    assert all(s["eager_steps"] == {} for s in stats.values()), "a timed step ran eagerly"
+    assert stats["PIECEWISE"]["replays_by_mode"]["PIECEWISE"] > 0
+    enforce = device.type == "cuda"
+    lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
+                 + ("" if enforce else " (informational: the bar applies on CUDA)"))
+    report = "\n".join(lines) + "\n"
+    print(report, end="")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(report)
+    return 1 if failed and enforce else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

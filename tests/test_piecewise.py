@@ -1,0 +1,246 @@
+"""Piecewise graphs on the CPU stand-in: splitting at the plan's ops, capture, replay around eager
+attention on mixed batches, FULL_AND_PIECEWISE routing, errors, release on failure, metrics.
+
+The stand-in re-runs each recorded piece on the buffers it was captured on, so a tensor that crossed
+a split at a non-static address would give wrong logits here, as it would with CUDA graphs.
+"""
+
+import pytest
+import torch
+from generate import continuous_generate
+from tiny_llama import (ATTENTION_OP, TinyLlama, TinyLlamaConfig, make_batch, reference_generate,
+                        static_inputs)
+from torch import nn
+
+from compiler import compile_plan
+from runtime import CaptureError, GraphRunner, SplitError, render_prometheus
+from runtime.piecewise import split_model
+
+CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96,
+                      max_model_len=48, num_cache_rows=8)
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def plan(mode="PIECEWISE", sizes=SIZES, splitting_ops=("attention",)):
+    return {"version": 1, "name": "pw", "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
+                          "splitting_ops": list(splitting_ops), "capture_sizes": list(sizes)}}
+
+
+def runner_for(p, model=None, **kw):
+    model = model or TinyLlama(CFG, seed=0)
+    return model, GraphRunner(model, compile_plan(p), static_inputs(model), progress=False, **kw)
+
+
+def toks(n, seed):
+    return torch.randint(1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mixed_steps():
+    """(reqs, num_tokens) per step: chunked prefills next to decodes, at captured and in-between
+    token counts; each step continues the cache rows of the steps before it."""
+    return [[(0, 0, toks(5, 1)), (1, 0, toks(2, 2))],                      # 7 tokens
+            [(0, 5, toks(1, 3)), (1, 2, toks(7, 4)), (2, 0, toks(8, 5))],   # 16
+            [(0, 6, toks(1, 6)), (1, 9, toks(1, 7)), (2, 8, toks(11, 8))],  # 13
+            [(0, 7, toks(1, 9)), (2, 19, toks(2, 10)), (3, 0, toks(1, 11))],  # 4
+            [(r, 8 + r, toks(1, 20 + r)) for r in range(3)] + [(3, 1, toks(17, 12))]]  # 20
+
+
+def test_splitting_finds_one_attention_per_layer_and_yields_layers_plus_one_pieces():
+    split = split_model(TinyLlama(CFG, seed=0), ["attention"])
+    assert [p.op for p in split.split_ops] == ["attention"] * CFG.layers
+    assert len(split.pieces) == CFG.layers + 1
+    assert [p.op is None for p in split.parts] == [True, False] * CFG.layers + [True]
+    for part in split.split_ops:
+        called = [n.target for n in split.submodule(part).graph.nodes if n.op == "call_function"]
+        assert called == [ATTENTION_OP]
+
+
+def test_split_model_gives_the_same_outputs_as_the_model():
+    model, twin = TinyLlama(CFG, seed=0), TinyLlama(CFG, seed=0)
+    split = split_model(twin, ["attention"])
+    for reqs in mixed_steps():
+        batch = make_batch(model, reqs)
+        torch.testing.assert_close(split.module(**batch), model(**batch), atol=0, rtol=0)
+    torch.testing.assert_close(twin.kv_cache, model.kv_cache, atol=0, rtol=0)
+
+
+def test_an_explicit_binding_or_the_qualified_name_selects_the_op():
+    model = TinyLlama(CFG, seed=0)
+    bound = split_model(model, ["attn_core"], {"attn_core": ATTENTION_OP})
+    qualified = split_model(model, ["tiny_llama::attention"])
+    assert len(bound.split_ops) == len(qualified.split_ops) == CFG.layers
+    with pytest.raises(SplitError, match=r"binds \['other'\], which the plan's"):
+        split_model(model, ["attention"], {"other": ATTENTION_OP})
+
+
+def test_piecewise_replay_matches_eager_on_mixed_batches_at_captured_and_in_between_sizes():
+    model, runner = runner_for(plan())
+    summary = runner.capture()
+    eager = TinyLlama(CFG, seed=0)
+    for reqs in mixed_steps():
+        batch = make_batch(model, reqs)
+        mql = max(len(t) for _, _, t in reqs)
+        out = runner.step(batch, num_reqs=len(reqs), max_query_len=mql)
+        ref = eager(**{k: v.clone() for k, v in batch.items()})
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    real = slice(0, CFG.num_cache_rows)  # padding tokens wrote only the dummy row
+    torch.testing.assert_close(model.kv_cache[:, :, real], eager.kv_cache[:, :, real],
+                               atol=1e-6, rtol=1e-6)
+    s = runner.stats()
+    assert s["replays_by_mode"] == {"PIECEWISE": 5} and s["eager_steps"] == {}
+    assert s["padding_tokens"] == (8 - 7) + 0 + (16 - 13) + 0 + (32 - 20)
+    assert summary["piecewise"]["pieces"] == CFG.layers + 1
+    assert summary["piecewise"]["piece_graphs"] == len(SIZES) * (CFG.layers + 1)
+
+
+def test_full_and_piecewise_routes_decodes_to_full_and_mixed_steps_to_piecewise():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture()
+    prompts = [toks(5, 1), toks(1, 2), toks(9, 3), toks(3, 4)]
+    with_graphs = reference_generate(model, prompts, 6, step=lambda b, r, q: runner.step(b, r, q))
+    assert with_graphs == reference_generate(TinyLlama(CFG, seed=0), prompts, 6)
+    s = runner.stats()
+    assert s["replays_by_mode"] == {"PIECEWISE": 1, "FULL": 5}  # the prefill, then 5 decodes
+    assert s["eager_steps"] == {}
+
+
+def test_continuous_batching_with_graphs_generates_what_eager_does():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture()
+    prompts = [toks(n, 30 + n) for n in (13, 4, 21, 1, 9, 17)]
+    kw = dict(chunk=16, max_num_seqs=4, arrive_every=2)
+    with_graphs = continuous_generate(model, prompts, 5, **kw,
+                                      step=lambda b, r, q: runner.step(b, r, q))
+    assert with_graphs == continuous_generate(TinyLlama(CFG, seed=0), prompts, 5, **kw)
+    s = runner.stats()
+    assert s["replays_by_mode"]["PIECEWISE"] > 0 and s["replays_by_mode"]["FULL"] > 0
+    assert s["eager_steps"] == {}
+
+
+def test_capturing_full_only_leaves_mixed_steps_eager_with_their_reason():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture(modes=("FULL",))
+    reqs = mixed_steps()[0]
+    runner.step(make_batch(model, reqs), num_reqs=2, max_query_len=5)
+    assert runner.stats()["eager_steps"] == {"piecewise_not_captured": 1}
+
+
+def test_stats_and_prometheus_show_piecewise_replays_by_mode():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture()
+    runner.step(make_batch(model, mixed_steps()[0]), num_reqs=2, max_query_len=5)  # 7 -> 8 tokens
+    runner.step(make_batch(model, [(5, 0, [3])]), num_reqs=1, max_query_len=1)     # uniform decode
+    s = runner.stats()
+    assert s["replays_by_mode"] == {"PIECEWISE": 1, "FULL": 1}
+    pw = next(g for g in s["graphs"] if g["mode"] == "PIECEWISE")
+    assert (pw["num_tokens"], pw["replays"], pw["padding_tokens"]) == (8, 1, 1)
+    text = render_prometheus(s)
+    assert f'graphplan_graph_replays_total{{graph="{pw["id"]}",mode="PIECEWISE",num_tokens="8"}} 1' \
+        in text
+    assert 'mode="FULL",num_tokens="1"} 1' in text
+
+
+# ---- models that cannot be split, and a capture that fails ----
+
+class Branchy(TinyLlama):
+    """Python control flow on a tensor value: not fx-traceable."""
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        if input_ids.sum() > 0:
+            input_ids = input_ids + 0
+        return super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc)
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, 8)
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        return self.embed(input_ids)
+
+
+class WeightAcrossSplits(TinyLlama):
+    """Computes a weight-shaped tensor before the first attention and uses it after the last."""
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        scale = self.norm.weight * 2.0  # [hidden]: not a view of a buffer, no token dimension
+        logits = super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc)
+        return logits * scale.mean()
+
+
+@pytest.mark.parametrize("model, match", [
+    (Branchy(CFG), r"cannot split Branchy into piecewise graphs: torch.fx.symbolic_trace failed: "
+                   r"TraceError.*no Python control flow on tensor values"),
+    (NoAttention(), r"cannot split NoAttention: splitting op 'attention' \(plan "
+                    r"cudagraph.splitting_ops\) matches no call.*custom op named "
+                    r"'<namespace>::attention'"),
+    (WeightAcrossSplits(CFG), r"value 'mul' of piece submod_0 \(starting at node mul\) crosses the "
+                              r"split at 'attention' \(node attention_default\) with shape \(64,\): "
+                              r"no leading token dimension"),
+])
+def test_a_model_that_cannot_be_split_gives_an_error_naming_the_problem(model, match):
+    runner = GraphRunner(model, compile_plan(plan()), static_inputs(TinyLlama(CFG)), device="cpu",
+                         progress=False)
+    with pytest.raises(SplitError, match=match):
+        runner.capture()
+    assert runner.captured_graph_ids() == [] and not runner.captured and runner._piecewise is None
+
+
+FAIL_AT = {"tokens": None}
+
+
+def fail_at(x):
+    """A leaf call inside the last piece that fails at one size (as if capture ran out of memory)."""
+    if x.shape[0] == FAIL_AT["tokens"]:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return x
+
+
+torch.fx.wrap("fail_at")
+
+
+class FailsAt(TinyLlama):
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        return fail_at(super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc))
+
+
+def test_failed_piecewise_capture_names_the_graph_releases_everything_and_runner_stays_usable():
+    model = FailsAt(CFG, seed=0)
+    _, runner = runner_for(plan("FULL_AND_PIECEWISE"), model)
+    FAIL_AT["tokens"] = 4
+    try:
+        with pytest.raises(CaptureError, match=r"graph #3 \(4 tokens, None requests.*Released every "
+                                               r"graph.*lower cudagraph.capture_sizes"):
+            runner.capture()
+    finally:
+        FAIL_AT["tokens"] = None
+    assert runner.captured_graph_ids() == [] and not runner.captured and runner._piecewise is None
+    reqs = mixed_steps()[0]
+    out = runner.step(make_batch(model, reqs), num_reqs=2, max_query_len=5)  # eager, still works
+    assert out.shape == (7, CFG.vocab_size)
+    assert runner.stats()["eager_steps"] == {"piecewise_not_captured": 1}
+    runner.capture()  # a retry after fixing the cause captures everything
+    assert len(runner.captured_graph_ids()) == len(runner.table.graphs)
+
+
+def test_generate_main_continuous_check_passes_with_piecewise_and_full_replays(tmp_path, root, capsys):
+    import generate
+    table = tmp_path / "table.json"
+    compile_plan(str(root / "plans" / "tiny-llama.yaml"),
+                 {"cudagraph.capture_sizes": [1, 2, 4, 8, 16]}).save(table)
+    argv = ["--table", str(table), "--device", "cpu", "--prompts", "4", "--new-tokens", "3",
+            "--continuous", "--chunk", "16", "--max-prompt-len", "20", "--check"]
+    assert generate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "check: tokens with graphs == tokens eager" in out and "'PIECEWISE'" in out
+
+
+def test_bench_tables_are_compiled_from_their_plans(root):
+    from compiler import DispatchTable
+    for name in ("mixed-piecewise", "mixed-full", "full-and-piecewise-51"):
+        compiled = compile_plan(str(root / "bench" / "tables" / f"{name}.yaml"))
+        stored = DispatchTable.load(root / "bench" / "tables" / f"{name}.json")
+        assert stored.fingerprint == compiled.fingerprint, f"regenerate bench/tables/{name}.json"
