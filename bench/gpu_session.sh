@@ -4,6 +4,7 @@
 set -u
 export PYTHONPATH="$PWD:$PWD/examples" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -c "import torch;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; date -u; } | tee "$OUT/device.txt"
@@ -11,7 +12,13 @@ for step in "$@"; do
   case "$step" in
     tests)     timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
     runtime)   timeout 500 python bench/runtime_bench.py --out "$OUT/runtime_bench.md" 2>&1 | tail -40 ;;
-    generate)  python -m compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && python examples/generate.py --table /tmp/tiny.json --check 2>&1 | tee "$OUT/generate.log" | tail -5 ;;
+    generate)  python -m compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
+    piecewise) timeout 400 python bench/piecewise_bench.py --out "$OUT/piecewise_bench.md" 2>&1 | tail -30 ;;
+    server)    timeout 400 python bench/server_load.py --device cuda --clients 32 --requests 16 --max-tokens 64 --prompt-len 64 --time-limit 120 --out "$OUT/server_load.md" 2>&1 | tail -25 ;;
+    dptests)   nvidia-smi topo -m > "$OUT/topo.txt"; timeout 420 python -m pytest -q -p no:cacheprovider tests/test_dp_gpu.py 2>&1 | tee "$OUT/dp_gpu_tests.log" | tail -15 ;;
+    dpsync)    timeout 120 python bench/dp_sync_bench.py --out "$OUT/dp_sync_bench.md" 2>&1 | tail -12 ;;
+    dbo)       timeout 500 python bench/dbo_bench.py --ranks 2 --out "$OUT/dbo_bench.md" 2>&1 | tail -40 ;;
+    dbo-sweep) for i in 2048 4096; do timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --intermediate $i --out "$OUT/dbo_bench_i$i.md" 2>&1 | tail -12; done ;;
     *)         echo "unknown step $step" ;;
   esac
 done

@@ -12,6 +12,7 @@ EAGER_REASONS = {
     T.WHY_NOT_ALLOWED: "mode_not_allowed",
     T.WHY_NO_TWIN: "no_plain_twin",
     T.WHY_UBATCH_MIXED: "ubatched_mixed_batch",
+    T.WHY_NO_UBATCH_GRAPH: "no_ubatched_graph",
 }
 
 

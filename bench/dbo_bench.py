@@ -1,0 +1,260 @@
+"""DBO (two-batch overlap) on vs off for the comm-heavy model, on 2 GPUs over NCCL.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        python bench/dbo_bench.py --ranks 2 --out bench/results/dbo_bench.md        # GPUs
+    python bench/dbo_bench.py --device cpu --quick                                   # smoke run
+
+Each rank runs examples/comm_model.py (a tensor-parallel-style MLP stack, one all-reduce per layer
+over NCCL) through a DPRunner: the DP agreement every step (CPU Gloo group, as a server would), then
+a graph replay. "off" compiles the plan with ubatching disabled (plain FULL decode graphs); "on"
+enables it (ubatched graphs at and above the decode threshold; the plain twins below it). The model's
+intermediate size is sized to the link once, before anything is timed: the smallest candidate whose
+per-layer compute at the threshold takes at least the all-reduce's time (``--intermediate`` fixes
+it), so the benchmark measures overlap rather than a model that is all compute or all comm.
+
+Modes: ``graph`` (captured graphs; NCCL inside CUDA graphs) and ``eager`` (the same schedule, no
+graphs; Python launch overhead included). Step time is the mean over timed steps (median of
+repeats). Bar: "on" >= 1.15x faster than "off" at every batch at/above the threshold (graph mode; the
+eager mode's bar is reported too and used when graph capture fails).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast stays off (device machines)
+    os.environ.setdefault(_k, _v)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+BAR = 1.15
+
+
+def _plan(world: int, sizes: list[int], threshold: int, ubatch: bool) -> dict:
+    top = max(sizes)
+    return {"version": 1, "name": f"dbo-bench-{'on' if ubatch else 'off'}",
+            "scheduler": {"max_num_seqs": top, "max_num_batched_tokens": top},
+            "cudagraph": {"mode": "FULL_DECODE_ONLY", "attention_support": "UNIFORM_BATCH",
+                          "splitting_ops": [], "capture_sizes": sizes},
+            "parallel": {"data_parallel_size": world, "backend": "gloo", "sync_timeout_s": 120,
+                         "ubatch": {"enabled": ubatch, "num_ubatches": 2,
+                                    "decode_token_threshold": threshold,
+                                    "prefill_token_threshold": max(threshold, 2)}}}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(fn, device, iters: int, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
+
+
+def _calibrate(a, device, dtype, group) -> tuple[int, list]:
+    """Smallest intermediate (per rank) whose layer compute at the threshold >= all-reduce time."""
+    import torch.distributed as dist
+    t, h = a.threshold, a.hidden
+    x = torch.randn(t, h, device=device, dtype=dtype)
+    y = torch.randn(t, h, device=device, dtype=dtype)
+    comm = _time_steps(lambda: dist.all_reduce(y, group=group), device, a.iters, 3)
+    rows, pick = [], None
+    for inter in a.candidates:
+        up = torch.randn(h, inter, device=device, dtype=dtype) * h ** -0.5
+        down = torch.randn(inter, h, device=device, dtype=dtype) * inter ** -0.5
+        comp = _time_steps(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters, 3)
+        rows.append((inter, comp, comm))
+        if pick is None and comp >= comm:
+            pick = inter
+    pick = pick or a.candidates[-1]
+    vote = torch.tensor([pick], device=device)  # every rank must build the same model
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return int(vote.item()), rows
+
+
+def _worker(rank: int, world: int, a, out_dir: str) -> None:
+    import torch.distributed as dist
+    from comm_model import CommMLP, static_inputs
+
+    from compiler import compile_plan
+    from runtime import CaptureError, GraphRunner
+    from runtime.dp import DPCoordinator
+    from runtime.dp_runner import DPRunner
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=a.init, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=180),
+                                device_id=device)
+        dtype = torch.bfloat16
+    else:
+        torch.set_num_threads(1)
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo", init_method=a.init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+    model_group = dist.group.WORLD
+    if cuda and a.comm_priority == "high":
+        # the model's all-reduces on a high-priority NCCL stream: their kernels are scheduled
+        # ahead of the other ubatch's queued GEMM blocks, which is what lets them overlap
+        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        model_group = dist.new_group(list(range(world)), backend="nccl", pg_options=opts)
+    inter, calib = (a.intermediate, []) if a.intermediate else \
+        _calibrate(a, device, dtype, model_group)
+    model = CommMLP(vocab=1024, hidden=a.hidden, intermediate=inter * world, layers=a.layers,
+                    group=model_group, device=device, dtype=dtype)
+    coord = DPCoordinator(dist.group.WORLD, backend="gloo", timeout_s=120)
+    runners, capture_error = {}, None
+    for name, ub in (("off", False), ("on", True)):
+        table = compile_plan(_plan(world, a.sizes, a.threshold, ub))
+        runners[name] = DPRunner(GraphRunner(model, table, static_inputs(), device=device,
+                                             progress=False), coord)
+    results = []
+    for mode in a.modes:
+        if mode == "graph":
+            try:
+                for r in runners.values():
+                    r.capture(("FULL",))
+            except CaptureError as e:
+                capture_error = str(e)
+            ok = torch.tensor([capture_error is None], dtype=torch.int32)  # CPU: over Gloo
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not ok.item():  # every rank skips graph mode if any rank could not capture
+                capture_error = capture_error or "another rank's capture failed"
+                for r in runners.values():
+                    r.runner.release()
+                continue
+        else:
+            for r in runners.values():
+                r.runner.release()
+        for t in a.sizes:
+            ids = torch.randint(0, 1024, (t,), device=device,
+                                generator=torch.Generator(device=device).manual_seed(rank + t))
+            batch = {"input_ids": ids}
+            row = {"mode": mode, "tokens": t}
+            for name, r in runners.items():
+                row[name] = _time_steps(lambda: r.step(batch, t, 1), device, a.iters, a.repeats)
+                row[f"{name}_ubatched"] = bool(r.last_decision.ubatch)
+            results.append(row)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"results": results, "intermediate": inter, "calibration": calib,
+         "capture_error": capture_error, "device": torch.cuda.get_device_name(device) if cuda
+         else platform.processor() or "cpu"}))
+    for r in runners.values():  # graphs hold the NCCL communicator: drop them before destroying it
+        r.runner.release()
+    torch.cuda.synchronize() if cuda else None
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(a, ranks: list[dict]) -> tuple[str, bool]:
+    r0 = ranks[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines = [f"# DBO on vs off: comm-heavy MLP, {a.ranks} ranks, {a.device}",
+             "", f"{now:%Y-%m-%d %H:%M} UTC, {r0['device']}, torch {torch.__version__}; "
+             f"`python bench/dbo_bench.py {' '.join(a.argv)}`", "",
+             f"model: hidden {a.hidden}, {a.layers} layers, intermediate {r0['intermediate']} per "
+             f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; decode threshold {a.threshold} "
+             f"tokens; model NCCL stream priority {a.comm_priority}; DP agreement over a CPU Gloo group every step"]
+    if r0["calibration"]:
+        lines += ["", "calibration at the threshold (per layer): " + ", ".join(
+            f"I={i}: compute {c * 1e6:.1f} us vs all-reduce {m * 1e6:.1f} us"
+            for i, c, m in r0["calibration"])]
+    if r0["capture_error"]:
+        lines += ["", f"graph capture FAILED, graph rows missing: {r0['capture_error']}"]
+    lines += ["", "| mode | tokens | off us/step | on us/step | on ubatched | speedup | bar |",
+              "|---|---|---|---|---|---|---|"]
+    verdicts: dict[str, list[bool]] = {}
+    for i, row in enumerate(r0["results"]):
+        off = max(r["results"][i]["off"] for r in ranks)  # the slowest rank sets the step
+        on = max(r["results"][i]["on"] for r in ranks)
+        speed = off / on
+        gated = row["tokens"] >= a.threshold
+        ok = speed >= BAR
+        if gated:
+            verdicts.setdefault(row["mode"], []).append(ok)
+        mark = ("PASS" if ok else "FAIL") if gated else "-"
+        lines.append(f"| {row['mode']} | {row['tokens']} | {off * 1e6:.1f} | {on * 1e6:.1f} | "
+                     f"{row['on_ubatched']} | {speed:.2f}x | {mark} |")
+    mode = "graph" if verdicts.get("graph") else "eager"
+    passed = bool(verdicts.get(mode)) and all(verdicts[mode])
+    lines += ["", f"Bar: DBO >= {BAR}x faster at every batch >= {a.threshold} tokens ({mode} mode): "
+              f"{'PASS' if passed else 'FAIL'}"
+              + ("" if a.device == "cuda" else " (CPU smoke run: no overlap exists on a CPU; the "
+                 "bar is for 2 GPUs)")]
+    for m, v in verdicts.items():
+        if m != mode:
+            lines.append(f"{m} mode: {'PASS' if all(v) else 'FAIL'} ({sum(v)}/{len(v)} sizes)")
+    return "\n".join(lines), passed
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[64, 128, 256, 512, 1024, 2048, 4096])
+    p.add_argument("--threshold", type=int, default=512, help="ubatch.decode_token_threshold")
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--intermediate", type=int, default=0, help="per rank; 0 = size it to the link")
+    p.add_argument("--candidates", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[512, 1024, 1536, 2048, 3072, 4096, 6144, 8192])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["graph", "eager"])
+    p.add_argument("--comm-priority", choices=("high", "normal"), default="high",
+                   help="stream priority of the model's NCCL collectives")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    p.add_argument("--out", help="also write the table (markdown) here")
+    a = p.parse_args(argv)
+    a.argv = argv
+    if a.quick:
+        a.sizes, a.threshold, a.hidden, a.layers = [8, 16, 32], 16, 64, 3
+        a.candidates, a.iters, a.repeats = [64, 128], 3, 2
+    if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
+        print(f"dbo_bench: needs {a.ranks} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        a.init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(a.ranks, a, tmp), nprocs=a.ranks, join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(a.ranks)]
+    text, passed = _report(a, ranks)
+    print(text)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    return 0 if passed or a.device != "cuda" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

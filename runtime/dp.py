@@ -1,0 +1,244 @@
+"""Data-parallel agreement (SEMANTICS section 6) on torch.distributed.
+
+Every step each DP rank writes four int32 values into its own column of a ``[4, dp_size]`` tensor
+(unpadded tokens, padded tokens, wants-ubatch, dispatched runtime mode), one all-reduce (sum) makes
+every column visible to every rank, and ``agree`` turns that matrix into the same decision on every
+rank. ``agree`` and ``contribution`` are pure; ``DPCoordinator`` owns the tensor, the process group
+and the timeout.
+
+graphplan's choices where SEMANTICS leaves room (each a documented rule, tested):
+- a rank with no work contributes ``IDLE``: 0 tokens, no ubatch wish, mode FULL (neutral for the
+  min), so an idle rank never lowers the others' mode but does call off micro-batching (its last
+  ubatch would be empty), as vLLM's one-token dummy run does;
+- when every rank is idle nobody runs anything (``DPDecision.idle``);
+- an idle rank runs a dummy batch of ``dummy_tokens``: the agreed padded size, or the largest
+  unpadded size when ranks keep their own sizes (synced mode NONE, no ubatch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from compiler.errors import GraphplanError
+from compiler.table import RuntimeMode
+
+UNPADDED, PADDED, WANTS_UBATCH, MODE = range(4)  # rows of the all-reduced tensor
+MODE_OF = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}  # Route.mode -> what a rank contributes
+IDLE = (0, 0, 0, int(RuntimeMode.FULL))
+_MODES = tuple(RuntimeMode)  # int -> RuntimeMode without the enum's call overhead
+
+
+class DPError(GraphplanError):
+    """DP ranks cannot agree: mismatched tables or group sizes, or a failed collective."""
+
+
+class DPTimeoutError(DPError):
+    """A DP collective did not complete within parallel.sync_timeout_s: a rank died or stalled."""
+
+
+@dataclass(frozen=True, slots=True)
+class DPDecision:
+    """What every rank agreed on for one step (identical on every rank)."""
+
+    mode: RuntimeMode
+    """Synced runtime mode: the minimum over ranks; re-dispatch allows only this mode."""
+    ubatch: bool
+    """Every rank wanted to micro-batch and the last ubatch is not empty."""
+    pad_to: int | None
+    """Agreed token count (max padded over ranks) when mode != NONE or ubatch; None: ranks keep
+    their own sizes."""
+    num_tokens: tuple[int, ...]
+    """Unpadded tokens per rank (0 = idle)."""
+    padded_tokens: tuple[int, ...]
+    ubatch_aborted: bool
+    """Every rank wanted to micro-batch, but the last ubatch would have been empty."""
+
+    @property
+    def idle(self) -> bool:
+        """No rank has work: nobody runs the model this step."""
+        return max(self.num_tokens) == 0
+
+    @property
+    def dummy_tokens(self) -> int:
+        """Tokens an idle rank runs so that collectives match."""
+        return self.pad_to if self.pad_to is not None else max(self.num_tokens)
+
+
+def contribution(num_tokens: int, route=None) -> tuple[int, int, int, int]:
+    """This rank's column: (unpadded, padded, wants_ubatch, mode); IDLE without work."""
+    if route is None or num_tokens == 0:
+        return IDLE
+    return (num_tokens, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
+
+
+def agree(matrix, num_ubatches: int) -> DPDecision:
+    """The step's decision from the all-reduced ``[4, dp_size]`` matrix (rows of ints)."""
+    unpadded, padded, wants, modes = matrix
+    mode = _MODES[min(modes)]
+    max_padded = max(padded)
+    ubatch = min(wants) == 1  # every rank wants it
+    aborted = ubatch and (max_padded // num_ubatches) * (num_ubatches - 1) >= min(unpadded)
+    ubatch = ubatch and not aborted
+    pad_to = max_padded if (mode or ubatch) and max_padded > 0 else None
+    return DPDecision(mode, ubatch, pad_to, tuple(unpadded), tuple(padded), aborted)
+
+
+def _digest_words(fingerprint: str) -> np.ndarray:
+    """A table fingerprint (``sha256:<64 hex>``) as 8 int32 words, summable without overflow;
+    any other string is hashed first."""
+    algo, _, hexdigest = fingerprint.partition(":")
+    try:
+        raw = bytes.fromhex(hexdigest) if algo == "sha256" and len(hexdigest) == 64 else None
+    except ValueError:
+        raw = None
+    return np.frombuffer(raw or hashlib.sha256(fingerprint.encode()).digest(), dtype="<i4")
+
+
+def _words_hex(words: np.ndarray) -> str:
+    return "sha256:" + words.astype("<i4").tobytes().hex()
+
+
+class DPCoordinator:
+    """One all-reduce per step over a DP process group, with a timeout.
+
+    ``group``: the DP process group (default: the world; a single process without
+    torch.distributed is a DP group of one). ``backend``: ``auto`` uses the group's own CPU
+    (Gloo) backend when it has one, else NCCL on the current CUDA device; ``gloo`` makes a Gloo
+    subgroup of the same ranks when the group has none; ``nccl`` all-reduces on the GPU.
+    Construction is collective when it makes a subgroup (every rank must construct it).
+    """
+
+    def __init__(self, group=None, *, backend: str = "auto", timeout_s: float = 300.0,
+                 num_ubatches: int = 2, device: torch.device | str | None = None):
+        import torch.distributed as dist
+        self.timeout_s, self.num_ubatches = float(timeout_s), num_ubatches
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.step_no = 0
+        self.sync_seconds = 0.0
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.group, self.rank, self.size, self.device = None, 0, 1, torch.device("cpu")
+        else:
+            group = group or dist.group.WORLD
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+            have = str(dist.get_backend(group)).lower()
+            want = backend.lower()
+            if want == "auto":
+                want = "gloo" if "gloo" in have else "nccl"
+            if want == "gloo" and "gloo" not in have:
+                group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                       timeout=self._timeout)
+            elif want == "nccl" and "nccl" not in have:
+                raise DPError(f"parallel.backend is nccl, but the DP process group's backend is "
+                              f"{have!r}: initialize it with NCCL, or set parallel.backend: gloo")
+            self.group = group
+            if want == "nccl":
+                self.device = torch.device(device) if device is not None else \
+                    torch.device("cuda", torch.cuda.current_device())
+            else:
+                self.device = torch.device("cpu")
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._buf = torch.zeros(4, self.size, dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda":
+            self._host = torch.zeros(4, self.size, dtype=torch.int32, pin_memory=True)
+            self._event = torch.cuda.Event()
+        else:
+            self._host = self._buf
+        self._np = self._host.numpy()  # [4, dp_size] host view: numpy writes cost no dispatch
+        # Gloo: all-gather each rank's column instead of all-reducing the zero-padded matrix. The
+        # result is the same [4, dp_size] matrix, in one exchange instead of a ring all-reduce's
+        # reduce-scatter + all-gather: ~half the latency (measured in bench/dp_sync_bench.py).
+        self._col = torch.zeros(4, dtype=torch.int32)
+        self._cols = [torch.zeros(4, dtype=torch.int32) for _ in range(self.size)]
+        self._cols_np = [c.numpy() for c in self._cols]
+
+    @classmethod
+    def for_table(cls, table, group=None, *, backend: str | None = None, device=None
+                  ) -> "DPCoordinator":
+        """A coordinator with the plan's backend, timeout and ubatch count."""
+        r = table.resolved
+        return cls(group, backend=backend or r.get("dp_backend", "auto"),
+                   timeout_s=r.get("sync_timeout_s", 300.0),
+                   num_ubatches=r["ubatch"]["num_ubatches"], device=device)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _all_reduce(self, buf: torch.Tensor, host: torch.Tensor, what: str) -> None:
+        """Sum ``buf`` over the group in place; on CUDA ``host`` (pinned) is copied in and out."""
+        if self.size == 1:
+            return
+        cuda = buf.is_cuda
+        if cuda:
+            buf.copy_(host, non_blocking=True)
+        try:
+            work = self.group.allreduce([buf])
+            if not cuda:
+                work.wait(self._timeout)
+                return
+            work.wait()  # the current stream waits for NCCL; the host does not
+            host.copy_(buf, non_blocking=True)
+            self._event.record()
+        except RuntimeError as e:
+            raise self._failure(what, e) from e
+        start = time.monotonic()
+        while not self._event.query():  # the host waits with a deadline, never forever
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                raise self._failure(what, RuntimeError("timed out"))
+            if waited > 2e-3:  # spin through a normal step; back off once something is late
+                time.sleep(1e-4)
+
+    def _failure(self, what: str, e: Exception) -> DPError:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "timed out" in msg.lower() or "timeout" in msg.lower():
+            return DPTimeoutError(
+                f"DP rank {self.rank}/{self.size}: {what} did not complete within "
+                f"parallel.sync_timeout_s={self.timeout_s:g} s: another rank died, stalled or "
+                "stopped stepping (every rank calls step() every step, with no batch when it has "
+                "no work); the process group is unusable now, restart the DP group")
+        return DPError(f"DP rank {self.rank}/{self.size}: {what} failed ({msg}): another rank "
+                       "probably died; restart the DP group")
+
+    def check_fingerprint(self, fingerprint: str) -> None:
+        """All ranks must run the same compiled table; a mismatch raises on every rank."""
+        host = torch.zeros(self.size, 8, dtype=torch.int32)  # [dp_size, 8]: each rank's digest
+        mine = _digest_words(fingerprint)
+        host[self.rank] = torch.from_numpy(mine.copy())
+        buf = host.to(self.device) if self.device.type == "cuda" else host
+        if buf.is_cuda:
+            host = host.pin_memory()
+        self._all_reduce(buf, host, "the start-up table fingerprint check")
+        got = host.numpy()
+        bad = [r for r in range(self.size) if not np.array_equal(got[r], mine)]
+        if bad:
+            raise DPError(
+                f"DP table fingerprint mismatch: rank {self.rank} runs table "
+                f"{_words_hex(mine)[:23]}..., rank {bad[0]} runs {_words_hex(got[bad[0]])[:23]}... "
+                f"(ranks that differ from rank {self.rank}: {bad}); every DP rank must load the "
+                "same compiled table (same plan, overrides and compiler version)")
+
+    def sync(self, unpadded: int, padded: int, wants_ubatch: int, mode: int) -> DPDecision:
+        """The step's one collective (Gloo: all-gather of columns; NCCL: all-reduce), then
+        ``agree`` on the [4, dp_size] matrix."""
+        t0 = time.perf_counter()
+        self.step_no += 1
+        if self.size > 1 and self.device.type == "cpu":
+            self._col.numpy()[:] = (unpadded, padded, wants_ubatch, mode)
+            try:
+                self.group.allgather([self._cols], [self._col]).wait(self._timeout)
+            except RuntimeError as e:
+                raise self._failure(f"step {self.step_no}'s DP all-gather", e) from e
+            matrix = np.stack(self._cols_np, axis=1).tolist()  # [4, dp_size]
+        else:
+            a = self._np
+            a.fill(0)
+            a[:, self.rank] = (unpadded, padded, wants_ubatch, mode)
+            self._all_reduce(self._buf, self._host, f"step {self.step_no}'s DP all-reduce")
+            matrix = a.tolist()
+        d = agree(matrix, self.num_ubatches)
+        self.sync_seconds += time.perf_counter() - t0
+        return d
