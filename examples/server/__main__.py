@@ -1,0 +1,81 @@
+"""python -m examples.server --plan plans/tiny-llama.yaml [--port 8000] [--device cuda]
+
+Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
+to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
+swaps it in between steps; SIGTERM / SIGINT drain and stop. Exit codes: 0 after a clean stop,
+2 for an invalid plan, 1 for any other start-up failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+import torch
+
+from compiler.errors import GraphplanError
+from examples.server.app import Server
+from examples.server.model import DTYPES, ModelSpec, parse_sets
+
+log = logging.getLogger("graphplan.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.server",
+                                description="Serve the tiny Llama through graphplan's runtime.")
+    p.add_argument("--plan", required=True,
+                   help="a plan (.yaml, .yaml.j2) or a compiled table.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="plan override, as `plan compile --set` (e.g. cudagraph.mode=NONE)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the log)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    d = ModelSpec()
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--no-progress", action="store_true", help="no capture progress bar")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = ModelSpec(layers=a.layers, hidden=a.hidden, vocab_size=a.vocab_size,
+                     max_model_len=a.max_model_len, seed=a.seed, dtype=a.dtype)
+    try:
+        server = Server(a.plan, overrides=parse_sets(a.set) or None, host=a.host, port=a.port,
+                        device=a.device, spec=spec, progress=not a.no_progress,
+                        max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout)
+    except GraphplanError as e:
+        print(f"server: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"server: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, server.handle_sighup)
+    server.start()
+    while not stop.wait(0.2):  # the main thread stays free for signal handlers
+        if server.engine.state == "failed":
+            break
+    log.info("stopping (%s)", "start-up failed" if server.engine.state == "failed" else "signal")
+    server.stop()
+    return 1 if server.engine.state == "failed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
