@@ -1,0 +1,66 @@
+"""Calibrate the compiler's graph-memory model (compiler/memory.py) on a real GPU, once per model
+and device, the way the model is defined: capture a few FULL graphs, largest first, into ONE pool
+(as the runner does) and record how much the pool grows at each. The first graph's growth is its
+activations plus one graph's fixed cost; every later graph reuses those blocks, so its growth is
+the per-graph cost alone. Hence ``per_graph_bytes`` = mean growth of the later graphs and
+``per_token_bytes`` = (first growth - per_graph_bytes) / first graph's tokens. (Fitting graphs
+captured into fresh pools instead counts a whole pool's fixed cost per graph: on an H200 that
+overestimated a 51-graph pool tenfold.) The profile it saves is what ``plan compile --memory
+--profile P`` and ``plan report`` read; its ``samples`` are the [num_tokens, growth] pairs."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from compiler import memory
+from compiler.table import DispatchTable, RuntimeMode
+from runtime.runner import GraphRunner
+
+
+def model_fingerprint(model) -> str:
+    """The model's architecture (class, parameter and buffer names, shapes, dtypes), not its
+    weights: the memory a graph takes depends on shapes only."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    if isinstance(model, torch.nn.Module):
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def device_name(device: torch.device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def calibration_sizes(table: DispatchTable, count: int = 4) -> list[int]:
+    """Token counts of FULL graphs spread over the table's range, the largest included."""
+    tokens = sorted({g.key.num_tokens for g in table.graphs
+                     if g.mode is RuntimeMode.FULL and g.key.num_ubatches == 1})
+    if len(tokens) < 2:
+        raise ValueError("memory calibration needs at least two FULL graph sizes in the table")
+    picks = {tokens[round(i * (len(tokens) - 1) / (count - 1))] for i in range(count)}
+    return sorted(picks)
+
+
+def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count: int = 4,
+                     path=None) -> dict:
+    """Measure, return (and with ``path``, save atomically) a memory profile for this model."""
+    sizes = calibration_sizes(table, count)
+    ids = {next(g.id for g in table.graphs if g.mode is RuntimeMode.FULL
+                and g.key.num_ubatches == 1 and g.key.num_tokens == t) for t in sizes}
+    runner = GraphRunner(model, table, inputs, device=device, progress=False)
+    summary = runner.capture(("FULL",), only=ids)
+    runner.release()
+    samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
+    per_graph = max(0.0, sum(b for _, b in samples[1:]) / (len(samples) - 1))
+    per_token = max(0.0, (samples[0][1] - per_graph) / samples[0][0])
+    profile = memory.check_profile({
+        "format": memory.FORMAT, "version": memory.VERSION,
+        "model_fingerprint": model_fingerprint(model), "device": device_name(runner.device),
+        "per_graph_bytes": float(per_graph), "per_token_bytes": float(per_token),
+        "samples": samples})
+    if path is not None:
+        memory.save_profile(path, profile)
+    return profile
