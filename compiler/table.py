@@ -368,7 +368,7 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: 
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{p}: not a graphplan {what} ({e}); {hint}") from None
+        raise error(f"{p}: not a graphplan {what}: not JSON ({e}); {hint}") from None
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
