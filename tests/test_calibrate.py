@@ -60,3 +60,18 @@ def test_calibrated_estimate_is_close_to_a_real_capture_on_the_gpu():
     runner = GraphRunner(model, table, static_inputs(model), progress=False)
     actual = runner.capture()["bytes"]
     assert actual > 0 and 0.5 <= est / actual <= 2.0, (est, actual)
+
+
+def test_calibrate_memory_example_writes_a_profile_and_fails_cleanly_on_a_bad_table(tmp_path,
+                                                                                    capsys):
+    import calibrate_memory  # examples/calibrate_memory.py
+    table = tmp_path / "t.json"
+    compile_plan(PLAN).save(table)
+    out = tmp_path / "profile.json"
+    assert calibrate_memory.main(["--table", str(table), "-o", str(out), "--device", "cpu"]) == 0
+    assert memory.load_profile(out)["device"] == "cpu"
+    assert "MiB per graph" in capsys.readouterr().out
+    bad, out2 = tmp_path / "bad.json", tmp_path / "p2.json"
+    bad.write_text("{")
+    assert calibrate_memory.main(["--table", str(bad), "-o", str(out2)]) == 1
+    assert "not a graphplan table" in capsys.readouterr().err and not out2.exists()
