@@ -119,6 +119,8 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
         dist.init_process_group("gloo", init_method=a.init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
     model_group = dist.group.WORLD
+    if cuda and a.comm_sms:  # the carveout applies to cuBLASLt: use it for both on and off
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     if cuda and a.comm_priority == "high":
         # the model's all-reduces on a high-priority NCCL stream: their kernels are scheduled
         # ahead of the other ubatch's queued GEMM blocks, which is what lets them overlap
@@ -133,7 +135,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
     for name, ub in (("off", False), ("on", True)):
         table = compile_plan(_plan(world, a.sizes, a.threshold, ub))
         runners[name] = DPRunner(GraphRunner(model, table, static_inputs(), device=device,
-                                             progress=False), coord)
+                                             progress=False), coord, comm_sms=a.comm_sms or None)
     results = []
     for mode in a.modes:
         if mode == "graph":
@@ -180,7 +182,7 @@ def _report(a, ranks: list[dict]) -> tuple[str, bool]:
              f"`python bench/dbo_bench.py {' '.join(a.argv)}`", "",
              f"model: hidden {a.hidden}, {a.layers} layers, intermediate {r0['intermediate']} per "
              f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; decode threshold {a.threshold} "
-             f"tokens; model NCCL stream priority {a.comm_priority}; DP agreement over a CPU Gloo group every step"]
+             f"tokens; model NCCL stream priority {a.comm_priority}; ubatch comm_sms {a.comm_sms}; DP agreement over a CPU Gloo group every step"]
     if r0["calibration"]:
         lines += ["", "calibration at the threshold (per layer): " + ", ".join(
             f"I={i}: compute {c * 1e6:.1f} us vs all-reduce {m * 1e6:.1f} us"
@@ -229,6 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=lambda s: s.split(","), default=["graph", "eager"])
     p.add_argument("--comm-priority", choices=("high", "normal"), default="high",
                    help="stream priority of the model's NCCL collectives")
+    p.add_argument("--comm-sms", type=int, default=0,
+                   help="SMs that ubatched matmuls leave to NCCL (cuBLASLt carveout; 0 = off)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")

@@ -19,7 +19,7 @@ import torch
 
 from compiler.errors import BatchError
 from runtime.dp import MODE_OF, DPCoordinator, DPDecision, DPError, contribution
-from runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, ubatch_slices,
+from runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, sm_carveout, ubatch_slices,
                             uniform_query_lens)
 
 
@@ -62,8 +62,9 @@ class DPRunner:
     """
 
     def __init__(self, runner, coordinator: DPCoordinator | None = None, *,
-                 check_fingerprint: bool = True):
+                 check_fingerprint: bool = True, comm_sms: int | None = None):
         self.runner, self.table = runner, runner.table
+        self.comm_sms = comm_sms  # SMs matmuls leave to communication while ubatches overlap
         self.coord = coordinator or DPCoordinator.for_table(self.table)
         if check_fingerprint:
             self.coord.check_fingerprint(self.table.fingerprint)
@@ -163,7 +164,7 @@ class DPRunner:
         padded = pad_inputs(self.specs, inputs, route.padded_tokens, padded_reqs)
         slices = ubatch_slices(query_lens, route.padded_tokens, self.k,
                                max(padded_reqs, len(query_lens)))
-        with torch.no_grad():
+        with torch.no_grad(), sm_carveout(self.comm_sms):
             outs = run_ubatches(runner.model, [slice_inputs(self.specs, padded, sl)
                                                for sl in slices], self.streams)
         parts = [_as_tuple(o) for o in outs]
@@ -195,7 +196,9 @@ class DPRunner:
         model, streams = runner.model, self.streams
 
         def fn():
-            outs = run_ubatches(model, [slice_inputs(specs, views, sl) for sl in slices], streams)
+            with sm_carveout(self.comm_sms):
+                outs = run_ubatches(model, [slice_inputs(specs, views, sl) for sl in slices],
+                                    streams)
             for sl, out in zip(slices, outs):
                 for dst, src in zip(runner._outputs, _as_tuple(out)):
                     dst[sl.token_start:sl.padded_token_stop].copy_(src)

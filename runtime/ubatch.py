@@ -19,6 +19,8 @@ with no streams: sequential.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -154,6 +156,24 @@ def _tensors(x):
     elif isinstance(x, (tuple, list)):
         for y in x:
             yield from _tensors(y)
+
+
+@contextlib.contextmanager
+def sm_carveout(comm_sms: int | None):
+    """Inside: cuBLASLt matmuls target all SMs but ``comm_sms``, so the other ubatch's NCCL kernel
+    finds SMs free and runs beside them instead of after them (vLLM's ``comm_sms``; PyTorch's
+    experimental carveout, baked into kernels captured inside). A no-op when None/0 or when this
+    torch lacks the switch."""
+    set_ = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if not comm_sms or set_ is None:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    set_(comm_sms)
+    try:
+        yield
+    finally:
+        set_(previous)
 
 
 def run_ubatches(model, ubatch_inputs: list[dict], streams: UbatchStreams | None = None) -> list:

@@ -179,3 +179,18 @@ def test_agreement_follows_the_rules_for_any_columns(k, cols):
     assert d.pad_to == (padded if (d.mode != 0 or d.ubatch) and padded else None)
     if d.ubatch:  # then every rank can slice its batch: the last ubatch holds real tokens
         assert all(len(ubatch_slices([1] * c[0], padded, k)) == k for c in cols)
+
+
+def test_sm_carveout_is_set_inside_and_restored_after_even_on_error():
+    import torch
+    from runtime.ubatch import sm_carveout
+    get = torch._C._get_sm_carveout_experimental
+    before = get()
+    with sm_carveout(16):
+        assert get() == 16
+    assert get() == before
+    with pytest.raises(RuntimeError), sm_carveout(8):
+        raise RuntimeError("boom")
+    assert get() == before
+    with sm_carveout(None):
+        assert get() == before
