@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device session: install the carried wheels, then run the named steps, logging under $OUT.
 #   bash bench/gpu_session.sh tests runtime piecewise server    (steps: see below)
+# The device machine has torch but no jsonschema/hypothesis; carry wheels for its Python 3.12
+# (device run with carry [".carry"]; .carry/ is git-ignored), made here once with:
+#   pip download jsonschema hypothesis --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
 set -u
 export PYTHONPATH="$PWD:$PWD/examples" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
