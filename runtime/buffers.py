@@ -38,6 +38,21 @@ class StaticInput:
     def rows(self, tokens: int, reqs: int) -> int:
         return tokens if self.per == "token" else reqs + (self.per == "req+1")
 
+    @property
+    def fill(self) -> int | float:
+        """The constant a row gets when there is no real row to repeat (``"last"``: 0)."""
+        return 0 if self.pad == "last" else self.pad
+
+
+def as_tuple(out) -> tuple:
+    """A model's output (one tensor, or a tuple/list of them) as a tuple."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def real_rows(out, n: int):
+    """The first ``n`` rows (the real tokens) of a model output of either form."""
+    return tuple(o[:n] for o in out) if isinstance(out, (tuple, list)) else out[:n]
+
 
 class StaticBuffers:
     """The runner's input buffers. Invariant for constant pads: rows >= ``_clean[name]`` hold the
@@ -58,7 +73,7 @@ class StaticBuffers:
         for s in specs:
             shape = (s.rows(max_tokens, max_reqs), *s.trailing)
             buf = torch.empty(shape, dtype=s.dtype, device=self.device)
-            buf.fill_(0 if s.pad == "last" else s.pad)
+            buf.fill_(s.fill)
             self.buffers[s.name] = buf
             self._clean[s.name] = 0
         self.device = next(iter(self.buffers.values())).device  # "cuda" -> "cuda:0"
@@ -114,7 +129,7 @@ class StaticBuffers:
         """Pad values everywhere up to the given counts (what graphs are captured on)."""
         for s in self.specs:
             buf = self.buffers[s.name]
-            buf[: s.rows(padded_tokens, padded_reqs)].fill_(0 if s.pad == "last" else s.pad)
+            buf[: s.rows(padded_tokens, padded_reqs)].fill_(s.fill)
             self._clean[s.name] = 0
 
     def views(self, tokens: int, reqs: int) -> dict[str, torch.Tensor]:

@@ -12,13 +12,10 @@ import torch
 
 from compiler.errors import GraphplanError
 from compiler.table import RuntimeMode
+from runtime.buffers import as_tuple
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
-
-
-def _as_tuple(out) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _progress(items, runner, desc: str):
@@ -32,7 +29,7 @@ def _progress(items, runner, desc: str):
 
 
 def _allocate_outputs(runner, out, max_tokens: int) -> None:
-    outs = _as_tuple(out)
+    outs = as_tuple(out)
     runner._single_output = not isinstance(out, (tuple, list))
     runner._outputs = tuple(torch.empty((max_tokens, *o.shape[1:]), dtype=o.dtype, device=o.device)
                             for o in outs)
@@ -44,7 +41,7 @@ def _graph_fn(runner, views: dict, tokens: int):
     model, statics = runner.model, runner._outputs
 
     def fn():
-        for dst, src in zip(statics, _as_tuple(model(**views))):
+        for dst, src in zip(statics, as_tuple(model(**views))):
             dst[:tokens].copy_(src)
     return fn
 

@@ -18,13 +18,10 @@ from __future__ import annotations
 import torch
 
 from compiler.errors import BatchError
+from runtime.buffers import as_tuple, real_rows
 from runtime.dp import MODE_OF, DPCoordinator, DPDecision, DPError, contribution
 from runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, sm_carveout, ubatch_slices,
                             uniform_query_lens)
-
-
-def _as_tuple(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def pad_inputs(specs, inputs: dict[str, torch.Tensor], tokens: int, reqs: int) -> dict:
@@ -40,7 +37,7 @@ def pad_inputs(specs, inputs: dict[str, torch.Tensor], tokens: int, reqs: int) -
         if s.pad == "last" and t.shape[0]:
             fill = t[-1:].expand(extra, *t.shape[1:])
         else:
-            fill = t.new_full((extra, *t.shape[1:]), 0 if s.pad == "last" else s.pad)
+            fill = t.new_full((extra, *t.shape[1:]), s.fill)
         out[s.name] = torch.cat([t, fill])
     return out
 
@@ -147,7 +144,7 @@ class DPRunner:
         padded = pad_inputs(self.specs, inputs, route.padded_tokens, num_reqs or 0)
         with torch.no_grad():
             out = runner.model(**padded)
-        return _slice(out, n)
+        return real_rows(out, n)
 
     def _eager_ubatched(self, route, inputs, n, num_reqs, max_query_len, query_lens):
         runner, table = self.runner, self.table
@@ -167,17 +164,17 @@ class DPRunner:
         with torch.no_grad(), sm_carveout(self.comm_sms):
             outs = run_ubatches(runner.model, [slice_inputs(self.specs, padded, sl)
                                                for sl in slices], self.streams)
-        parts = [_as_tuple(o) for o in outs]
+        parts = [as_tuple(o) for o in outs]
         full = tuple(torch.cat(cols) for cols in zip(*parts))
-        return _slice(full if len(full) > 1 else full[0], n)
+        return real_rows(full if len(full) > 1 else full[0], n)
 
     def _dummy(self, tokens: int, reqs: int) -> dict:
         key = (tokens, reqs)
         batch = self._dummies.get(key)
         if batch is None:
             dev = self.runner.device
-            batch = {s.name: torch.full((s.rows(tokens, reqs), *s.trailing),
-                                        0 if s.pad == "last" else s.pad, dtype=s.dtype, device=dev)
+            batch = {s.name: torch.full((s.rows(tokens, reqs), *s.trailing), s.fill, dtype=s.dtype,
+                                        device=dev)
                      for s in self.specs}
             if len(self._dummies) > 64:
                 self._dummies.clear()
@@ -200,7 +197,7 @@ class DPRunner:
                 outs = run_ubatches(model, [slice_inputs(specs, views, sl) for sl in slices],
                                     streams)
             for sl, out in zip(slices, outs):
-                for dst, src in zip(runner._outputs, _as_tuple(out)):
+                for dst, src in zip(runner._outputs, as_tuple(out)):
                     dst[sl.token_start:sl.padded_token_stop].copy_(src)
         return fn
 
@@ -210,9 +207,3 @@ class DPRunner:
         s["dp"] = {**self.counts, "rank": self.coord.rank, "size": self.coord.size,
                    "backend": self.coord.backend, "sync_seconds": self.coord.sync_seconds}
         return s
-
-
-def _slice(out, n: int):
-    if isinstance(out, (tuple, list)):
-        return tuple(o[:n] for o in out)
-    return out[:n]

@@ -23,6 +23,7 @@ import copy
 
 import torch
 
+from runtime.buffers import real_rows
 from runtime.piecewise import Part, SplitError, SplitModel, get_attr
 
 
@@ -70,7 +71,7 @@ class PiecewiseGraphs:
         self.tokens, self.replaying = tokens, True
         with torch.no_grad():
             out = self.module.forward(**b.views(tokens, reqs))  # .forward: no module hooks to run
-        return out[:n] if isinstance(out, torch.Tensor) else tuple(o[:n] for o in out)
+        return real_rows(out, n)
 
     def num_graphs(self) -> int:
         return sum(len(c.graphs) for c in self.calls if isinstance(c, _PieceCall))
