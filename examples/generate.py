@@ -41,10 +41,8 @@ def build(table_path, device: str, layers: int = 2, hidden: int = 256, seed: int
           progress: bool = True):
     """The tiny model sized to the table's limits, and a runner with its graphs captured."""
     table = load_table(table_path)
-    cfg = TinyLlamaConfig(layers=layers, hidden=hidden, heads=max(hidden // 64, 1),
-                          kv_heads=max(hidden // 256, 1), intermediate=hidden * 3,
-                          vocab_size=2048, max_model_len=128,
-                          num_cache_rows=table.max_num_seqs)
+    cfg = TinyLlamaConfig.sized(hidden=hidden, layers=layers, vocab_size=2048, max_model_len=128,
+                                num_cache_rows=table.max_num_seqs)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = TinyLlama(cfg, seed=seed, device=device, dtype=dtype)
     runner = GraphRunner(model, table, static_inputs(model), device=device, progress=progress)

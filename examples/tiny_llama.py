@@ -40,6 +40,13 @@ class TinyLlamaConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @classmethod
+    def sized(cls, *, hidden: int, layers: int, **rest) -> "TinyLlamaConfig":
+        """A config shaped from its hidden size: 64-wide heads, a K/V head per 4 query heads
+        (at least one of each), SwiGLU intermediate 3 x hidden."""
+        return cls(hidden=hidden, layers=layers, heads=max(hidden // 64, 1),
+                   kv_heads=max(hidden // 256, 1), intermediate=hidden * 3, **rest)
+
 
 # ---- attention core: one custom op, so torch.fx can split the forward at it ----
 

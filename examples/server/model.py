@@ -25,7 +25,7 @@ class ModelSpec:
 
     layers: int = 2
     hidden: int = 256
-    """Heads are hidden // 64 (at least 1), K/V heads hidden // 256 (at least 1)."""
+    """The rest of the shape follows from it (TinyLlamaConfig.sized)."""
     vocab_size: int = 2048
     max_model_len: int = 128
     """Prompt plus generated tokens of one request."""
@@ -37,11 +37,9 @@ class ModelSpec:
     argmaxes can flip when a request is batched with others."""
 
     def config(self, num_cache_rows: int) -> TinyLlamaConfig:
-        h = self.hidden
-        return TinyLlamaConfig(layers=self.layers, hidden=h, heads=max(h // 64, 1),
-                               kv_heads=max(h // 256, 1), intermediate=h * 3,
-                               vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                               num_cache_rows=num_cache_rows)
+        return TinyLlamaConfig.sized(hidden=self.hidden, layers=self.layers,
+                                     vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                                     num_cache_rows=num_cache_rows)
 
 
 def build_model(spec: ModelSpec, table: DispatchTable, device: str | torch.device) -> TinyLlama:
