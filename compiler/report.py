@@ -11,31 +11,13 @@ from importlib import resources
 
 from compiler import report_charts as charts
 from compiler.memory import MIB, estimate
-from compiler.summary import compact_sizes, coverage
+from compiler.summary import compact_sizes, coverage, padding_profile
 from compiler.table import DispatchTable, write_atomic
 from compiler.trace import Padding, Workload, padding
 
 MAX_GRAPH_ROWS = 2000
 ROUTINE_LABEL = {"full_decode": "FULL decode", "full_decode_ubatched": "FULL decode, ubatched",
                  "full_mixed": "FULL mixed", "piecewise": "PIECEWISE"}
-
-
-def routine_padding(sizes, step: int) -> dict:
-    """Padding of batches of step, 2*step, ... up to the largest size: worst, mean, waste share."""
-    total_pad = total_padded = count = 0
-    worst, at, prev = 0, 0, 0
-    for s in sizes:
-        n0 = prev + step                              # batches n0, n0 + step, ..., <= s pad to s
-        k = (s - n0) // step + 1 if n0 <= s else 0
-        if k:
-            pads = (s - n0) * k - step * k * (k - 1) // 2
-            total_pad, total_padded, count = total_pad + pads, total_padded + s * k, count + k
-            if s - n0 > worst:
-                worst, at = s - n0, n0
-        prev = s
-    return {"worst_pad": worst, "worst_at": at, "batches": count,
-            "mean_pad": total_pad / count if count else 0.0,
-            "waste_pct": 100.0 * total_pad / total_padded if total_padded else 0.0}
 
 
 def _limit(table: DispatchTable, routine: str) -> int:
@@ -111,7 +93,7 @@ def build(table: DispatchTable, *, source: str, located=None, work: Workload | N
     routines = []
     for c in coverage(table):
         step = table.q if c.routine == "decode" else 1
-        stats = routine_padding(c.sizes, step)
+        stats = padding_profile(c.sizes, step)
         routines.append({"routine": c.routine, "mode": c.mode, "sizes": c.sizes, "step": step,
                          "compact": compact_sizes(c.sizes), **stats,
                          "chart": charts.padding_chart(c.sizes, step, _limit(table, c.routine),

@@ -37,15 +37,27 @@ class Coverage:
     """A num_tokens that gets ``worst_pad``."""
 
 
-def _worst(sizes, step: int) -> tuple[int, int]:
-    """Worst padding for batches of step, 2*step, ... tokens that land on ``sizes``."""
+def padding_profile(sizes, step: int) -> dict:
+    """Padding of batches of step, 2*step, ... up to the largest size: worst, mean, waste share."""
+    total_pad = total_padded = count = 0
     worst, at, prev = 0, 0, 0
     for s in sizes:
-        n = prev + step  # the smallest batch that pads up to s
-        if n <= s and s - n > worst:
-            worst, at = s - n, n
+        n0 = prev + step                              # batches n0, n0 + step, ..., <= s pad to s
+        k = (s - n0) // step + 1 if n0 <= s else 0
+        if k:
+            pads = (s - n0) * k - step * k * (k - 1) // 2
+            total_pad, total_padded, count = total_pad + pads, total_padded + s * k, count + k
+            if s - n0 > worst:
+                worst, at = s - n0, n0
         prev = s
-    return worst, at
+    return {"worst_pad": worst, "worst_at": at, "batches": count,
+            "mean_pad": total_pad / count if count else 0.0,
+            "waste_pct": 100.0 * total_pad / total_padded if total_padded else 0.0}
+
+
+def _worst_at(sizes, step: int) -> tuple[int, int]:
+    p = padding_profile(sizes, step)
+    return p["worst_pad"], p["worst_at"]
 
 
 def coverage(table: DispatchTable) -> list[Coverage]:
@@ -59,11 +71,11 @@ def coverage(table: DispatchTable) -> list[Coverage]:
 
     decode = present("full_decode") or present("full_decode_ubatched")
     if decode:
-        out.append(Coverage("decode", "FULL", decode, *_worst(decode, q)))
+        out.append(Coverage("decode", "FULL", decode, *_worst_at(decode, q)))
     for name, mode in (("full_mixed", "FULL"), ("piecewise", "PIECEWISE")):
         mixed = present(name)
         if mixed:
-            out.append(Coverage("mixed", mode, mixed, *_worst(mixed, 1)))
+            out.append(Coverage("mixed", mode, mixed, *_worst_at(mixed, 1)))
     return out
 
 
