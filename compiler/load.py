@@ -174,6 +174,26 @@ def apply_overrides(data: dict, overrides: dict, file: str) -> dict:
     return data
 
 
+def read_plan(path: Path, overrides: dict) -> tuple[str, object, dict]:
+    """A plan file as written: (text after templating, data with overrides, positions); no
+    schema, no defaults. ``plan optimize`` rewrites plans from this."""
+    file = str(path)
+    text = read_text(path)
+    if path.name.endswith(".j2"):
+        from compiler.template import render  # Jinja2 only when a template is used
+        text = render(text, overrides, file)
+        overrides = {}
+    if not text.strip():
+        _fail(file, "empty", "the plan is empty",
+              "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
+    data, positions = parse_yaml(text, file)
+    if overrides:
+        if not isinstance(data, dict):
+            _fail(file, "not-a-mapping", "the plan must be a mapping of keys to values")
+        data = apply_overrides(data, overrides, file)
+    return text, data, positions
+
+
 def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     """Load and validate a plan from a path or a dict (overrides: template variables for a
     ``.j2`` plan, dotted keys for a plain one)."""
@@ -181,21 +201,8 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     if isinstance(source, dict):
         file, data, positions = "<plan>", apply_overrides(source, overrides, "<plan>"), {}
     elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        file = str(path)
-        text = read_text(path)
-        if path.name.endswith(".j2"):
-            from compiler.template import render  # Jinja2 only when a template is used
-            text = render(text, overrides, file)
-            overrides = {}
-        if not text.strip():
-            _fail(file, "empty", "the plan is empty",
-                  "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
-        data, positions = parse_yaml(text, file)
-        if overrides:
-            if not isinstance(data, dict):
-                _fail(file, "not-a-mapping", "the plan must be a mapping of keys to values")
-            data = apply_overrides(data, overrides, file)
+        file = str(source)
+        _, data, positions = read_plan(Path(source), overrides)
     else:
         raise TypeError(f"compile_plan: source must be a path or a dict, not {type(source).__name__}")
     if not isinstance(data, dict):

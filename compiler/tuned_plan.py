@@ -18,14 +18,8 @@ def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     if path.endswith(".json"):
         from compiler.table import DispatchTable
         return copy.deepcopy(DispatchTable.load(path).plan), []
-    from compiler.load import apply_overrides, parse_yaml, read_text
-    text = read_text(Path(path))
-    if path.endswith(".j2"):
-        from compiler.template import render
-        text, overrides = render(text, overrides, path), {}
-    data, _ = parse_yaml(text, path)
-    if overrides:
-        data = apply_overrides(data, overrides, path)
+    from compiler.load import read_plan
+    text, data, _ = read_plan(Path(path), overrides)
     comments = []
     for line in text.splitlines():
         if not line.startswith("#"):
