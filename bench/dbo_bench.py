@@ -31,13 +31,13 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import socket  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from timing import time_per_call  # noqa: E402  (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -57,37 +57,18 @@ def _plan(world: int, sizes: list[int], threshold: int, ubatch: bool) -> dict:
                                     "prefill_token_threshold": max(threshold, 2)}}}
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_steps(fn, device, iters: int, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
-
-
 def _calibrate(a, device, dtype, group) -> tuple[int, list]:
     """Smallest intermediate (per rank) whose layer compute at the threshold >= all-reduce time."""
     import torch.distributed as dist
     t, h = a.threshold, a.hidden
     x = torch.randn(t, h, device=device, dtype=dtype)
     y = torch.randn(t, h, device=device, dtype=dtype)
-    comm = _time_steps(lambda: dist.all_reduce(y, group=group), device, a.iters, 3)
+    comm = time_per_call(lambda: dist.all_reduce(y, group=group), device, a.iters, 3)
     rows, pick = [], None
     for inter in a.candidates:
         up = torch.randn(h, inter, device=device, dtype=dtype) * h ** -0.5
         down = torch.randn(inter, h, device=device, dtype=dtype) * inter ** -0.5
-        comp = _time_steps(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters, 3)
+        comp = time_per_call(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters, 3)
         rows.append((inter, comp, comm))
         if pick is None and comp >= comm:
             pick = inter
@@ -160,7 +141,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
             batch = {"input_ids": ids}
             row = {"mode": mode, "tokens": t}
             for name, r in runners.items():
-                row[name] = _time_steps(lambda: r.step(batch, t, 1), device, a.iters, a.repeats)
+                row[name] = time_per_call(lambda: r.step(batch, t, 1), device, a.iters, a.repeats)
                 row[f"{name}_ubatched"] = bool(r.last_decision.ubatch)
             results.append(row)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(

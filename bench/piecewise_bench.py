@@ -18,10 +18,11 @@ import argparse
 import datetime
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from timing import time_per_call  # noqa: E402  (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -54,22 +55,6 @@ def mixed_reqs(tokens: int, max_chunk: int, context: int) -> list[tuple[int, int
         reqs.append((row, context // 2, [7 + (i % 50) for i in range(n)]))
         left, row = left - n, row + 1
     return reqs
-
-
-def time_step(fn, device: torch.device, iters: int, repeats: int = 3) -> float:
-    """Median over repeats of the mean step time in ms (device synchronized around each loop)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -137,12 +122,12 @@ def main(argv=None) -> int:
             batch = make_batch(model, reqs)
             r, q = len(reqs), max(len(x) for _, _, x in reqs)
             eager_fn = lambda: model(**batch)  # noqa: E731
-            ms = {"eager": time_step(eager_fn, device, iters)}
+            ms = {"eager": time_per_call(eager_fn, device, iters, 3) * 1e3}
             ref = eager_fn().clone()
             err = 0.0
             for mode, runner in runners.items():
                 step = lambda runner=runner: runner.step(batch, num_reqs=r, max_query_len=q)  # noqa: E731
-                ms[mode] = time_step(step, device, iters)
+                ms[mode] = time_per_call(step, device, iters, 3) * 1e3
                 if mode == "PIECEWISE":
                     err = rel_err(step(), ref)
             sp, sf = ms["eager"] / ms["PIECEWISE"], ms["eager"] / ms["FULL"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,29 +26,10 @@ from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # 
 
 from compiler.table import DispatchTable  # noqa: E402
 from runtime import GraphRunner  # noqa: E402
+from timing import sync, time_per_call  # noqa: E402  (bench/ is the script's folder)
 
 DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"     # vLLM default sizes, FULL decode
 LARGEST_TABLE = ROOT / "bench" / "tables" / "decode-512-only.json"  # the largest graph alone
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_per_call(fn, device, iters: int, repeats: int) -> float:
-    """Median over repeats of the mean seconds per call, in steady state (sync at the ends)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(device)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
 
 
 def decode_batch(model, n: int):

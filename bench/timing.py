@@ -1,0 +1,29 @@
+"""Steady-state step timing for the GPU benchmarks (a CPU device works too, for smoke runs)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_per_call(fn, device: torch.device, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean seconds per call over ``iters`` back-to-back calls,
+    after 3 warm-up calls; the device is synchronized only around each loop (steady state)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
