@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.summary import compact_sizes, coverage
+from compiler.summary import coverage
 from compiler.table import DispatchTable
 
 
@@ -119,5 +119,3 @@ def diff_json(d: TableDiff) -> dict:
             "worst_padding": [{"routine": r, "mode": m, "before": b, "after": a}
                               for r, m, b, a in d.padding]}
 
-
-__all__ = ["diff_tables", "diff_lines", "diff_json", "compact_sizes"]

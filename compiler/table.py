@@ -166,7 +166,6 @@ class DispatchTable:
         self._sizes: list[int] = sizes.tolist()
         self._case_of_count: list[int] = list(r["lora_case_of_count"])
         ub = r["ubatch"]
-        self._ub = (ub["enabled"], ub["decode_token_threshold"], ub["prefill_token_threshold"])
         # ubatch threshold by uniform (False, True); unreachable when ubatching is off
         self._thr = (ub["prefill_token_threshold"], ub["decode_token_threshold"]) \
             if ub["enabled"] else (1 << 62, 1 << 62)
