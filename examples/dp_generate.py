@@ -65,7 +65,9 @@ def build(ranks: int, device: str, dbo: bool, seed: int = 0, modes: tuple[str, .
 
 @torch.no_grad()
 def dp_generate(model, dp, prompts, new_tokens: int, steps: int) -> list[list[int]]:
-    """reference_generate's loop through the DPRunner, then idle steps until ``steps``."""
+    """reference_generate's loop through the DPRunner, then idle steps until ``steps``. Each
+    decode step's DP exchange is started (``dp.prepare``) before the host waits for the previous
+    step's logits, so it overlaps the GPU."""
     reqs = [(row, 0, list(p)) for row, p in enumerate(prompts)]
     out: list[list[int]] = [[] for _ in prompts]
     for i in range(steps):
@@ -76,7 +78,10 @@ def dp_generate(model, dp, prompts, new_tokens: int, steps: int) -> list[list[in
         last = batch["query_start_loc"][1:].long() - 1
         logits = dp.step(batch, len(reqs), max(len(t) for _, _, t in reqs),
                          query_lens=[len(t) for _, _, t in reqs])
-        next_ids = logits[last].argmax(dim=-1).tolist()
+        if i + 1 < steps:  # the next step's shape is known now: agree on it while the GPU runs
+            n = len(reqs) if i + 1 < new_tokens else 0  # one token per request, or no work
+            dp.prepare(n, n or None, 1 if n else None)
+        next_ids = logits[last].argmax(dim=-1).tolist()  # waits for the GPU
         for tokens, tok in zip(out, next_ids):
             tokens.append(tok)
         reqs = [(row, start + len(t), [tok]) for (row, start, t), tok in zip(reqs, next_ids)]

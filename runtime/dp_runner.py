@@ -42,6 +42,13 @@ def pad_inputs(specs, inputs: dict[str, torch.Tensor], tokens: int, reqs: int) -
     return out
 
 
+def _shape_text(shape: tuple) -> str:
+    if shape == (0,):
+        return "no work"
+    n, reqs, mql, loras = shape
+    return f"{n} tokens, num_reqs={reqs}, max_query_len={mql}, num_active_loras={loras}"
+
+
 def dummy_shape(tokens: int, q: int, max_num_seqs: int) -> tuple[int, int]:
     """(num_reqs, max_query_len) of an idle rank's dummy batch: uniform decode when it can be
     (so FULL decode graphs replay), else as many requests as allowed."""
@@ -77,6 +84,7 @@ class DPRunner:
         self._offsets = next((s.name for s in self.specs if s.per == "req+1"), None)
         self._dummies: dict = {}
         self.last_decision: DPDecision | None = None
+        self._announced: tuple | None = None  # the shape prepare() started an exchange for
         self.counts = {"steps": 0, "idle_steps": 0, "dummy_steps": 0, "ubatched_steps": 0,
                        "ubatch_aborted": 0, "dp_padding_tokens": 0}
         runner.ubatch_body = self._ubatch_body  # capture records ubatched keys with this body
@@ -105,7 +113,17 @@ class DPRunner:
             route = table.route(n, num_reqs, max_query_len, num_active_loras)
             runner.buffers.check(inputs, n, num_reqs)
             own = (n, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
-        d = self.coord.sync(*own)
+        if self._announced is not None:
+            shape = (n, num_reqs, max_query_len, num_active_loras) if n else (0,)
+            if shape != self._announced:
+                raise BatchError(
+                    f"step() got a batch of shape {_shape_text(shape)}, but prepare() announced "
+                    f"{_shape_text(self._announced)} and the DP peers are agreeing on that one: "
+                    "call step() with the announced batch (inputs=None if it had no tokens)")
+            self._announced = None
+            d = self.coord.finish()
+        else:
+            d = self.coord.sync(*own)
         self.last_decision = d
         c = self.counts
         c["steps"] += 1
@@ -128,6 +146,25 @@ class DPRunner:
         return None if dummy else out
 
     __call__ = step
+
+    def prepare(self, num_tokens: int = 0, num_reqs: int | None = None,
+                max_query_len: int | None = None, num_active_loras: int = 0) -> None:
+        """Start the next step's DP exchange now, from the batch's shape alone, so that it runs
+        while the current step's GPU work does (a scheduler knows the next batch's shape before
+        the sampled tokens that fill it exist). The next ``step()`` must get a batch of exactly
+        this shape (``num_tokens=0``: no work, ``step(None)``) and only collects the agreement.
+        A shape the table rejects raises BatchError here, before anything is sent."""
+        if self._announced is not None:
+            raise BatchError(f"prepare() was already called for the next step "
+                             f"({_shape_text(self._announced)}): call step() first")
+        if num_tokens:
+            route = self.table.route(num_tokens, num_reqs, max_query_len, num_active_loras)
+            own = (num_tokens, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
+            shape = (num_tokens, num_reqs, max_query_len, num_active_loras)
+        else:
+            own, shape = contribution(0), (0,)
+        self.coord.start(*own)
+        self._announced = shape
 
     def _execute(self, route, d: DPDecision, inputs, n, num_reqs, max_query_len, query_lens):
         runner, gid = self.runner, route.graph_id

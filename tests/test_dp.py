@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from compiler import compile_plan
+from compiler.errors import BatchError
 from compiler.table import RuntimeMode
 from runtime import GraphRunner, StaticInput
 from runtime.dp import IDLE, DPCoordinator, DPError, DPTimeoutError, agree, contribution
@@ -71,6 +72,41 @@ def test_a_dp_group_of_one_needs_no_torch_distributed():
     assert c.sync(5, 8, 0, 2).pad_to == 8
 
 
+def test_an_exchange_is_started_once_and_finished_once():
+    c = DPCoordinator()
+    c.start(5, 8, 0, 2)
+    with pytest.raises(DPError, match="still in flight: finish"):
+        c.start(5, 8, 0, 2)
+    assert c.finish().pad_to == 8 and c.step_no == 1
+    with pytest.raises(DPError, match="finish\\(\\) without start\\(\\)"):
+        c.finish()
+
+
+def test_prepare_announces_the_next_batch_and_step_must_bring_that_batch():
+    from tiny_llama import static_inputs
+    model, ref = _tiny()
+    dp = DPRunner(GraphRunner(model, compile_plan(_plan(dp=2)), static_inputs(model),
+                              progress=False))
+    from tiny_llama import make_batch
+    batch = make_batch(model, [(0, 0, [5, 6, 7]), (1, 0, [9])])
+    with pytest.raises(BatchError, match="max_num_batched_tokens"):
+        dp.prepare(10_000, 2, 3)  # the table rejects it before anything is sent
+    dp.prepare(4, 2, 3)
+    with pytest.raises(BatchError, match="already called for the next step"):
+        dp.prepare(4, 2, 3)
+    with pytest.raises(BatchError, match=r"got a batch of shape 4 tokens, num_reqs=2, "
+                       r"max_query_len=2.*prepare\(\) announced 4 tokens, num_reqs=2, "
+                       r"max_query_len=3"):
+        dp.step(batch, 2, 2)
+    with pytest.raises(BatchError, match="announced 4 tokens.*inputs=None if it had no tokens"):
+        dp.step(None)
+    out = dp.step(batch, 2, 3)  # the announced batch: the exchange is collected, then it runs
+    torch.testing.assert_close(out, ref(**batch), rtol=1e-4, atol=1e-4)
+    assert dp.counts["steps"] == 1 and dp.coord.step_no == 1
+    dp.prepare()  # an idle step, announced
+    assert dp.step(None) is None and dp.last_decision.idle
+
+
 # -- spawned Gloo ranks -------------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -96,7 +132,10 @@ def _spawn(target, world, tmp_path, *args):
 
 def _suite(rank, world, parts):
     """Several workers in one spawn (each spawn costs seconds of process start-up)."""
-    return {name: globals()[name](rank, world, *args) for name, *args in parts}
+    out = {}
+    for name, *args in parts:  # a worker run twice is keyed name@its-last-argument the 2nd time
+        out[f"{name}@{args[-1]}" if name in out else name] = globals()[name](rank, world, *args)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +148,9 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return _spawn(_suite, 4, tmp_path_factory.mktemp("four"), [
-        ("_agreement_worker", "FULL_AND_PIECEWISE", 300), ("_runner_worker", "FULL_DECODE_ONLY", 16)])
+        ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
+        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, 2),
+        ("_runner_worker", "FULL_DECODE_ONLY", 16)])
 
 
 def _plan(mode="FULL", timeout=30, dp=2, **ub):
@@ -136,9 +177,13 @@ def _random_batch(rng: random.Random):
     return kind, lens
 
 
-def _agreement_worker(rank, world, mode, steps):
+def _agreement_worker(rank, world, mode, steps, p2p_max=None):
+    import runtime.dp
+    if p2p_max is not None:  # groups larger than this all-gather instead of point-to-point
+        runtime.dp.P2P_MAX_RANKS = p2p_max
     table = compile_plan(_plan(mode, dp=world))
     coord = DPCoordinator.for_table(table)
+    assert (coord._peers is None) == (p2p_max is not None and world > p2p_max)
     out = []
     for s in range(steps):  # every rank draws every rank's batch: all know the expected matrix
         rng = random.Random(1000 * s + 7)
@@ -148,7 +193,12 @@ def _agreement_worker(rank, world, mode, steps):
             n = sum(lens)
             route = table.route(n, len(lens), max(lens)) if n else None
             cols.append(contribution(n, route))
-        d = coord.sync(*cols[rank])
+        if s % 2:  # started early, collected after other work (what DPRunner.prepare does)
+            coord.start(*cols[rank])
+            time.sleep(rng.random() * 1e-3)
+            d = coord.finish()
+        else:
+            d = coord.sync(*cols[rank])
         expected = agree(list(zip(*cols)), 2)
         assert d == expected, (s, d, expected)
         out.append([int(d.mode), d.ubatch, d.pad_to, d.ubatch_aborted])
@@ -160,6 +210,9 @@ def test_every_rank_reaches_the_decision_of_the_pure_function_over_random_steps(
     ranks = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
     per_rank = [r["_agreement_worker"] for r in ranks]
     assert all(r == per_rank[0] for r in per_rank)
+    if world == 4:  # the all-gather path (groups past P2P_MAX_RANKS) agrees the same way
+        gathered = [r["_agreement_worker@2"] for r in ranks]
+        assert all(r == per_rank[0][:100] for r in gathered)
     flags = {(m, u, a) for m, u, _, a in per_rank[0]}
     assert {True, False} <= {u for _, u, _ in flags} and any(a for *_, a in flags)
     assert {0, 1, 2} <= {m for m, _, _ in flags}  # NONE, PIECEWISE and FULL all occurred
@@ -184,6 +237,8 @@ def _runner_worker(rank, world, mode, steps):
     log = []
     for s in range(steps):
         kind, lens = _random_batch(rng)
+        if s % 3 == 1:  # announced ahead, as a scheduler running one step ahead does
+            dp.prepare(sum(lens), len(lens), max(lens)) if lens else dp.prepare()
         if kind == "idle":
             assert dp.step(None) is None
             log.append([list(dp.last_decision.num_tokens), list(IDLE), None])

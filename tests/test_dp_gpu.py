@@ -71,7 +71,11 @@ def _agreement_worker(rank, world):
             n = rng.choice([0, 1, 7, 31, 32, 33, 64, 100, 256])
             r = rng.choice([n, max(n // 4, 1)]) if n else 0
             cols.append(contribution(n, table.route(n, r, -(-n // r)) if n else None))
-        d = coord.sync(*cols[rank])
+        if s % 2:  # started, then collected (the NCCL exchange queues; finish waits)
+            coord.start(*cols[rank])
+            d = coord.finish()
+        else:
+            d = coord.sync(*cols[rank])
         assert d == agree(list(zip(*cols)), 2), s
         out.append([int(d.mode), d.ubatch, d.pad_to])
     return out
@@ -96,6 +100,8 @@ def _graph_worker(rank, world):
     summary = dp.capture(("FULL",))
     worst, ubatched = 0.0, 0
     for step, n in enumerate([8, 30, 32, 40, 64, 100, 128, 200, 256, 33]):
+        if step % 2:  # announced ahead (DPRunner.prepare), then stepped
+            dp.prepare(n, n, 1)
         ids = torch.randint(0, 1024, (n,), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(100 * rank + step))
         out = dp.step({"input_ids": ids}, n, 1).clone()
