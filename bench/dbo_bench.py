@@ -29,15 +29,15 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from timing import time_per_call  # noqa: E402  (bench/ is the script's folder)
+from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
+from timing import time_per_call  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -57,25 +57,54 @@ def _plan(world: int, sizes: list[int], threshold: int, ubatch: bool) -> dict:
                                     "prefill_token_threshold": max(threshold, 2)}}}
 
 
+def _graph_seconds(fn, device, iters: int) -> float:
+    """GPU seconds per call of ``fn`` replayed as a CUDA graph (no launch overhead in it)."""
+    if device.type != "cuda":
+        return time_per_call(fn, device, iters, 3)
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    t = time_per_call(g.replay, device, iters, 3)
+    del g
+    return t
+
+
 def _calibrate(a, device, dtype, group) -> tuple[int, list]:
-    """Smallest intermediate (per rank) whose layer compute at the threshold >= all-reduce time."""
+    """The intermediate size (per rank) whose layer compute at the threshold is closest to the
+    all-reduce's time (DBO hides at most the shorter of the two: it has most to hide when they
+    are equal), both timed as CUDA graphs (GPU time: eager timing of a 20 us kernel measures
+    its launch)."""
     import torch.distributed as dist
     t, h = a.threshold, a.hidden
     x = torch.randn(t, h, device=device, dtype=dtype)
     y = torch.randn(t, h, device=device, dtype=dtype)
-    comm = time_per_call(lambda: dist.all_reduce(y, group=group), device, a.iters, 3)
-    rows, pick = [], None
+    comm = _graph_seconds(lambda: dist.all_reduce(y, group=group), device, a.iters)
+    rows = []
     for inter in a.candidates:
         up = torch.randn(h, inter, device=device, dtype=dtype) * h ** -0.5
         down = torch.randn(inter, h, device=device, dtype=dtype) * inter ** -0.5
-        comp = time_per_call(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters, 3)
+        comp = _graph_seconds(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters)
         rows.append((inter, comp, comm))
-        if pick is None and comp >= comm:
-            pick = inter
-    pick = pick or a.candidates[-1]
+    pick = min(rows, key=lambda r: abs(math.log(r[1] / r[2])))[0]
     vote = torch.tensor([pick], device=device)  # every rank must build the same model
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
     return int(vote.item()), rows
+
+
+def _nccl_group(world: int, *, high_priority: bool, max_ctas: int = 0):
+    """A NCCL communicator over all ranks; ``max_ctas`` caps the SMs its kernels take (Megatron's
+    per-communicator ``max_ctas`` for TP comm overlap)."""
+    import torch.distributed as dist
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas:
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(max_ctas, 4)
+    return dist.new_group(list(range(world)), backend="nccl", pg_options=opts)
 
 
 def _worker(rank: int, world: int, a, out_dir: str) -> None:
@@ -99,23 +128,30 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
         device, dtype = torch.device("cpu"), torch.float32
         dist.init_process_group("gloo", init_method=a.init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
-    model_group = dist.group.WORLD
+    groups = {"off": dist.group.WORLD, "on": dist.group.WORLD}
     if cuda and a.comm_sms:  # the carveout applies to cuBLASLt: use it for both on and off
         torch.backends.cuda.preferred_blas_library("cublaslt")
-    if cuda and a.comm_priority == "high":
+    if cuda:
         # the model's all-reduces on a high-priority NCCL stream: their kernels are scheduled
-        # ahead of the other ubatch's queued GEMM blocks, which is what lets them overlap
-        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        model_group = dist.new_group(list(range(world)), backend="nccl", pg_options=opts)
+        # ahead of the other ubatch's queued GEMM blocks, which is what lets them overlap; "on"
+        # may cap the SMs its communicator takes, "off" keeps NCCL's own choice (its best)
+        high = a.comm_priority == "high"
+        groups["off"] = _nccl_group(world, high_priority=high)
+        groups["on"] = _nccl_group(world, high_priority=high, max_ctas=a.comm_ctas) \
+            if a.comm_ctas else groups["off"]
     inter, calib = (a.intermediate, []) if a.intermediate else \
-        _calibrate(a, device, dtype, model_group)
-    model = CommMLP(vocab=1024, hidden=a.hidden, intermediate=inter * world, layers=a.layers,
-                    group=model_group, device=device, dtype=dtype)
+        _calibrate(a, device, dtype, groups["off"])
+    built: dict = {}  # one model per communicator (the same weights either way)
+    models = {name: built.get(id(g)) or built.setdefault(id(g), CommMLP(
+        vocab=1024, hidden=a.hidden, intermediate=inter * world, layers=a.layers, group=g,
+        device=device, dtype=dtype)) for name, g in groups.items()}
     coord = DPCoordinator(dist.group.WORLD, backend="gloo", timeout_s=120)
     runners, capture_error = {}, None
     for name, ub in (("off", False), ("on", True)):
-        table = compile_plan(_plan(world, a.sizes, a.threshold, ub))
-        runners[name] = DPRunner(GraphRunner(model, table, static_inputs(), device=device,
+        # "on" micro-batches from the smallest size up, so the table shows where DBO starts to
+        # pay; the bar applies from --threshold (what a plan for this model would set)
+        table = compile_plan(_plan(world, a.sizes, min(a.sizes) if ub else a.threshold, ub))
+        runners[name] = DPRunner(GraphRunner(models[name], table, static_inputs(), device=device,
                                              progress=False), coord, comm_sms=a.comm_sms or None)
     results = []
     for mode in a.modes:
@@ -162,8 +198,10 @@ def _report(a, ranks: list[dict]) -> tuple[str, bool]:
              "", f"{now:%Y-%m-%d %H:%M} UTC, {r0['device']}, torch {torch.__version__}; "
              f"`python bench/dbo_bench.py {' '.join(a.argv)}`", "",
              f"model: hidden {a.hidden}, {a.layers} layers, intermediate {r0['intermediate']} per "
-             f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; decode threshold {a.threshold} "
-             f"tokens; model NCCL stream priority {a.comm_priority}; ubatch comm_sms {a.comm_sms}; DP agreement over a CPU Gloo group every step"]
+             f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; 'on' micro-batches every size, the "
+             f"bar applies from {a.threshold} tokens; NCCL peer-to-peer {a.nccl_p2p}; model NCCL stream priority {a.comm_priority}; 'on': ubatch matmul SM "
+             f"carveout {a.comm_sms}, NCCL max_ctas {a.comm_ctas or 'default'}; DP agreement "
+             "over a CPU Gloo group every step"]
     if r0["calibration"]:
         lines += ["", "calibration at the threshold (per layer): " + ", ".join(
             f"I={i}: compute {c * 1e6:.1f} us vs all-reduce {m * 1e6:.1f} us"
@@ -190,6 +228,16 @@ def _report(a, ranks: list[dict]) -> tuple[str, bool]:
               f"{'PASS' if passed else 'FAIL'}"
               + ("" if a.device == "cuda" else " (CPU smoke run: no overlap exists on a CPU; the "
                  "bar is for 2 GPUs)")]
+    speed = {}  # tokens -> speedup, in the verdict's mode
+    for i, row in enumerate(r0["results"]):
+        if row["mode"] == mode:
+            speed[row["tokens"]] = max(r["results"][i]["off"] for r in ranks) / \
+                max(r["results"][i]["on"] for r in ranks)
+    for goal, what in ((1.0, "break-even"), (BAR, f"{BAR}x")):
+        ok = [t for t in speed if all(v >= goal for u, v in speed.items() if u >= t)]
+        lines.append(f"DBO {what} from: " + (f"{min(ok)} tokens (set parallel.ubatch."
+                     f"decode_token_threshold: {min(ok)} for this model on this machine)"
+                     if ok else "no measured size"))
     for m, v in verdicts.items():
         if m != mode:
             lines.append(f"{m} mode: {'PASS' if all(v) else 'FAIL'} ({sum(v)}/{len(v)} sizes)")
@@ -214,6 +262,11 @@ def main(argv=None) -> int:
                    help="stream priority of the model's NCCL collectives")
     p.add_argument("--comm-sms", type=int, default=0,
                    help="SMs that ubatched matmuls leave to NCCL (cuBLASLt carveout; 0 = off)")
+    p.add_argument("--comm-ctas", type=int, default=0,
+                   help="NCCL max_ctas of the \"on\" model's communicator (0 = NCCL's choice)")
+    p.add_argument("--nccl-p2p", choices=("on", "off"), default="on",
+                   help="off: NCCL without NVLink peer-to-peer (PCIe + host memory), a slower "
+                        "link like the inter-node ones DBO is built for")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
@@ -226,13 +279,9 @@ def main(argv=None) -> int:
     if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
         print(f"dbo_bench: needs {a.ranks} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        a.init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(a.ranks, a, tmp), nprocs=a.ranks, join=True)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(a.ranks)]
+    if a.nccl_p2p == "off":
+        os.environ["NCCL_P2P_DISABLE"] = "1"  # the spawned ranks inherit it
+    ranks = spawn_ranks(_worker, a.ranks, a)
     text, passed = _report(a, ranks)
     print(text)
     if a.out:

@@ -21,8 +21,9 @@ for step in "$@"; do
     server)    timeout 400 python bench/server_load.py --device cuda --clients 32 --requests 16 --max-tokens 64 --prompt-len 64 --time-limit 120 --out "$OUT/server_load.md" 2>&1 | tail -25 ;;
     dptests)   nvidia-smi topo -m > "$OUT/topo.txt"; timeout 420 python -m pytest -q -p no:cacheprovider tests/test_dp_gpu.py 2>&1 | tee "$OUT/dp_gpu_tests.log" | tail -15 ;;
     dpsync)    timeout 120 python bench/dp_sync_bench.py --out "$OUT/dp_sync_bench.md" 2>&1 | tail -12 ;;
-    dbo)       timeout 500 python bench/dbo_bench.py --ranks 2 --out "$OUT/dbo_bench.md" 2>&1 | tail -40 ;;
-    dbo-sweep) for i in 2048 4096; do timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --intermediate $i --out "$OUT/dbo_bench_i$i.md" 2>&1 | tail -12; done ;;
+    dbo)       timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --threshold 4096 --sizes 512,1024,2048,4096,8192,16384 --out "$OUT/dbo_bench.md" 2>&1 | tail -20 ;;
+    dbo-pcie)  timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --nccl-p2p off --threshold 512 --sizes 128,256,512,1024,2048 --candidates 2048,4096,8192,16384 --iters 10 --repeats 3 --out "$OUT/dbo_bench_pcie.md" 2>&1 | tail -20 ;;
+    probe)     timeout 240 python bench/overlap_probe.py --ranks 2 --out "$OUT/overlap_probe.md" 2>&1 | tail -60 ;;
     *)         echo "unknown step $step" ;;
   esac
 done
