@@ -35,6 +35,7 @@ MODE_OF = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}  # Route.mode -> what a rank co
 IDLE = (0, 0, 0, int(RuntimeMode.FULL))
 _MODES = tuple(RuntimeMode)  # int -> RuntimeMode without the enum's call overhead
 P2P_MAX_RANKS = 8  # Gloo DP groups up to this size exchange columns point-to-point
+EXCHANGES = ("auto", "p2p", "all_gather", "all_reduce")  # how a Gloo group exchanges the matrix
 _TAG = 0x6770  # the tag of graphplan's DP exchange on a group the caller may share
 
 
@@ -109,18 +110,24 @@ def _words_hex(words: np.ndarray) -> str:
 
 
 class DPCoordinator:
-    """One all-reduce per step over a DP process group, with a timeout.
+    """One exchange of the [4, dp_size] matrix per step over a DP process group, with a timeout.
 
     ``group``: the DP process group (default: the world; a single process without
     torch.distributed is a DP group of one). ``backend``: ``auto`` uses the group's own CPU
     (Gloo) backend when it has one, else NCCL on the current CUDA device; ``gloo`` makes a Gloo
     subgroup of the same ranks when the group has none; ``nccl`` all-reduces on the GPU.
-    Construction is collective when it makes a subgroup (every rank must construct it).
+    ``exchange`` (Gloo): ``p2p`` sends each rank's column to every peer (the lowest latency,
+    the default up to P2P_MAX_RANKS ranks), ``all_gather`` gathers the columns (the default past
+    it), ``all_reduce`` sums the zero-padded matrix (SEMANTICS section 6 to the letter); all three
+    give the same matrix. Construction is collective when it makes a subgroup (every rank must construct it).
     """
 
     def __init__(self, group=None, *, backend: str = "auto", timeout_s: float = 300.0,
-                 num_ubatches: int = 2, device: torch.device | str | None = None):
+                 num_ubatches: int = 2, device: torch.device | str | None = None,
+                 exchange: str = "auto"):
         import torch.distributed as dist
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
         self.timeout_s, self.num_ubatches = float(timeout_s), num_ubatches
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.step_no = 0
@@ -164,8 +171,11 @@ class DPCoordinator:
         self._cols = [torch.zeros(4, dtype=torch.int32) for _ in range(self.size)]
         self._cols[self.rank] = self._col
         self._cols_np = [c.numpy() for c in self._cols]
+        if exchange == "auto":
+            exchange = "p2p" if self.size <= P2P_MAX_RANKS else "all_gather"
+        self.exchange = "all_reduce" if self.device.type == "cuda" else exchange
         self._peers = [r for r in range(self.size) if r != self.rank] \
-            if self.size <= P2P_MAX_RANKS else None
+            if self.exchange == "p2p" else None
         self._inflight: tuple | None = None  # the works of a started, unfinished exchange
         self._t0 = 0.0
 
@@ -256,7 +266,11 @@ class DPCoordinator:
         elif self.device.type == "cpu":
             self._col.numpy()[:] = (unpadded, padded, wants_ubatch, mode)
             try:
-                if self._peers is None:
+                if self.exchange == "all_reduce":  # the zero-padded matrix, summed
+                    self._np.fill(0)
+                    self._np[:, self.rank] = self._col.numpy()
+                    self._inflight = (self.group.allreduce([self._buf]),)
+                elif self.exchange == "all_gather":
                     self._inflight = (self.group.allgather([self._cols], [self._col]),)
                 else:
                     g, cols = self.group, self._cols
@@ -283,7 +297,8 @@ class DPCoordinator:
                     w.wait(self._timeout)
             except RuntimeError as e:
                 raise self._failure(what, e) from e
-            matrix = np.stack(self._cols_np, axis=1).tolist()  # [4, dp_size]
+            matrix = self._np.tolist() if self.exchange == "all_reduce" else \
+                np.stack(self._cols_np, axis=1).tolist()  # [4, dp_size]
         else:
             if self.size > 1:
                 self._wait_event(what)
@@ -293,7 +308,7 @@ class DPCoordinator:
         return d
 
     def sync(self, unpadded: int, padded: int, wants_ubatch: int, mode: int) -> DPDecision:
-        """The step's one exchange (Gloo: columns point-to-point, or an all-gather past
-        P2P_MAX_RANKS; NCCL: all-reduce), then ``agree`` on the [4, dp_size] matrix."""
+        """The step's one exchange (NCCL: all-reduce; Gloo: ``exchange``, by default the columns
+        point-to-point, or an all-gather past P2P_MAX_RANKS), then ``agree`` on the matrix."""
         self.start(unpadded, padded, wants_ubatch, mode)
         return self.finish()

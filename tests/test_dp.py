@@ -70,6 +70,8 @@ def test_a_dp_group_of_one_needs_no_torch_distributed():
     assert (c.size, c.rank) == (1, 0)
     c.check_fingerprint("sha256:x")
     assert c.sync(5, 8, 0, 2).pad_to == 8
+    with pytest.raises(ValueError, match="exchange='ring': use one of auto, p2p, all_gather"):
+        DPCoordinator(exchange="ring")
 
 
 def test_an_exchange_is_started_once_and_finished_once():
@@ -142,6 +144,7 @@ def _suite(rank, world, parts):
 def two_ranks(tmp_path_factory):
     return _spawn(_suite, 2, tmp_path_factory.mktemp("two"), [
         ("_mismatch_worker",), ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
+        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_reduce"),
         ("_runner_worker", "FULL", 30), ("_comm_worker",), ("_generate_worker",)])
 
 
@@ -149,7 +152,7 @@ def two_ranks(tmp_path_factory):
 def four_ranks(tmp_path_factory):
     return _spawn(_suite, 4, tmp_path_factory.mktemp("four"), [
         ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
-        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, 2),
+        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_gather"),
         ("_runner_worker", "FULL_DECODE_ONLY", 16)])
 
 
@@ -177,13 +180,12 @@ def _random_batch(rng: random.Random):
     return kind, lens
 
 
-def _agreement_worker(rank, world, mode, steps, p2p_max=None):
-    import runtime.dp
-    if p2p_max is not None:  # groups larger than this all-gather instead of point-to-point
-        runtime.dp.P2P_MAX_RANKS = p2p_max
+def _agreement_worker(rank, world, mode, steps, exchange="auto"):
     table = compile_plan(_plan(mode, dp=world))
     coord = DPCoordinator.for_table(table)
-    assert (coord._peers is None) == (p2p_max is not None and world > p2p_max)
+    if exchange != "auto":
+        coord = DPCoordinator(coord.group, timeout_s=30, exchange=exchange)
+    assert coord.exchange == ("p2p" if exchange == "auto" else exchange)
     out = []
     for s in range(steps):  # every rank draws every rank's batch: all know the expected matrix
         rng = random.Random(1000 * s + 7)
@@ -210,9 +212,8 @@ def test_every_rank_reaches_the_decision_of_the_pure_function_over_random_steps(
     ranks = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
     per_rank = [r["_agreement_worker"] for r in ranks]
     assert all(r == per_rank[0] for r in per_rank)
-    if world == 4:  # the all-gather path (groups past P2P_MAX_RANKS) agrees the same way
-        gathered = [r["_agreement_worker@2"] for r in ranks]
-        assert all(r == per_rank[0][:100] for r in gathered)
+    other = "all_gather" if world == 4 else "all_reduce"  # the other exchanges agree the same
+    assert all(r[f"_agreement_worker@{other}"] == per_rank[0][:100] for r in ranks)
     flags = {(m, u, a) for m, u, _, a in per_rank[0]}
     assert {True, False} <= {u for _, u, _ in flags} and any(a for *_, a in flags)
     assert {0, 1, 2} <= {m for m, _, _ in flags}  # NONE, PIECEWISE and FULL all occurred
