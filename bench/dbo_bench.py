@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
-from timing import time_per_call  # noqa: E402
+from timing import graph_time_per_call, time_per_call  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -57,23 +57,6 @@ def _plan(world: int, sizes: list[int], threshold: int, ubatch: bool) -> dict:
                                     "prefill_token_threshold": max(threshold, 2)}}}
 
 
-def _graph_seconds(fn, device, iters: int) -> float:
-    """GPU seconds per call of ``fn`` replayed as a CUDA graph (no launch overhead in it)."""
-    if device.type != "cuda":
-        return time_per_call(fn, device, iters, 3)
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    t = time_per_call(g.replay, device, iters, 3)
-    del g
-    return t
-
-
 def _calibrate(a, device, dtype, group) -> tuple[int, list]:
     """The intermediate size (per rank) whose layer compute at the threshold is closest to the
     all-reduce's time (DBO hides at most the shorter of the two: it has most to hide when they
@@ -83,12 +66,13 @@ def _calibrate(a, device, dtype, group) -> tuple[int, list]:
     t, h = a.threshold, a.hidden
     x = torch.randn(t, h, device=device, dtype=dtype)
     y = torch.randn(t, h, device=device, dtype=dtype)
-    comm = _graph_seconds(lambda: dist.all_reduce(y, group=group), device, a.iters)
+    comm = graph_time_per_call(lambda: dist.all_reduce(y, group=group), device, a.iters)
     rows = []
     for inter in a.candidates:
         up = torch.randn(h, inter, device=device, dtype=dtype) * h ** -0.5
         down = torch.randn(inter, h, device=device, dtype=dtype) * inter ** -0.5
-        comp = _graph_seconds(lambda: x + torch.nn.functional.silu(x @ up) @ down, device, a.iters)
+        comp = graph_time_per_call(lambda: x + torch.nn.functional.silu(x @ up) @ down, device,
+                                   a.iters)
         rows.append((inter, comp, comm))
     pick = min(rows, key=lambda r: abs(math.log(r[1] / r[2])))[0]
     vote = torch.tensor([pick], device=device)  # every rank must build the same model

@@ -27,47 +27,19 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
+from timing import graph_time_per_call  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
-def _graph_us(fn, reps: int) -> float:
-    """Mean GPU time of one replay of a graph recording ``fn`` (both ranks replay together)."""
-    import torch.distributed as dist
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside the graph (NCCL and cuBLAS set up their state)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    dist.barrier(group=_CPU)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    del g
-    return start.elapsed_time(end) * 1e3 / reps
-
-
-_CPU = None
-
-
 def _worker(rank: int, world: int, a, out_dir: str) -> None:
-    global _CPU
     import torch.distributed as dist
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=a.init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120), device_id=dev)
-    _CPU = dist.new_group(backend="gloo")
     groups = {}
     for ctas in a.ctas:
         opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
@@ -87,8 +59,8 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
         ys = torch.randn(M, H, device=dev, dtype=dt)
         comm = {}
         for ctas, g in groups.items():
-            comm[ctas] = _graph_us(lambda g=g: [dist.all_reduce(ys, group=g) for _ in range(L)],
-                                   a.reps)
+            comm[ctas] = 1e6 * graph_time_per_call(
+                lambda g=g: [dist.all_reduce(ys, group=g) for _ in range(L)], dev, a.reps)
         for I in a.inter:
             up = torch.randn(H, I, device=dev, dtype=dt) * H ** -0.5
             down = torch.randn(I, H, device=dev, dtype=dt) * I ** -0.5
@@ -103,7 +75,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
                     continue
                 if carve is not None:
                     carve(sms)
-                comp = _graph_us(mlp, a.reps)
+                comp = 1e6 * graph_time_per_call(mlp, dev, a.reps)
                 for ctas, g in groups.items():
                     def both(g=g):
                         main = torch.cuda.current_stream()
@@ -113,7 +85,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
                                 dist.all_reduce(ys, group=g)
                         mlp()
                         main.wait_stream(side)
-                    t = _graph_us(both, a.reps)
+                    t = 1e6 * graph_time_per_call(both, dev, a.reps)
                     rows.append({"M": M, "I": I, "sms": sms, "ctas": ctas, "mlp": comp,
                                  "comm": comm[ctas], "both": t})
                 if carve is not None:
@@ -121,7 +93,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"rows": rows, "device": torch.cuda.get_device_name(dev), "carveout": carve is not None}))
     torch.cuda.synchronize()
-    dist.barrier(group=_CPU)
+    dist.barrier()
     dist.destroy_process_group()
 
 

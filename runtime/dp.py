@@ -5,8 +5,8 @@ Every step each DP rank writes four int32 values into its own column of a ``[4, 
 column visible to every rank (NCCL: an all-reduce of the zero-padded matrix; Gloo: the columns sent
 point-to-point, the same matrix at lower latency), and ``agree`` turns that matrix into the same
 decision on every rank. The exchange can be started early (``start``) and collected later
-(``finish``), so it runs while the previous step's GPU work does. ``agree`` and ``contribution`` are pure; ``DPCoordinator`` owns the tensor, the process group
-and the timeout.
+(``finish``), so it runs while the previous step's GPU work does. ``agree`` and ``contribution``
+are pure; ``DPCoordinator`` owns the tensor, the process group and the timeout.
 
 graphplan's choices where SEMANTICS leaves room (each a documented rule, tested):
 - a rank with no work contributes ``IDLE``: 0 tokens, no ubatch wish, mode FULL (neutral for the
@@ -119,7 +119,8 @@ class DPCoordinator:
     ``exchange`` (Gloo): ``p2p`` sends each rank's column to every peer (the lowest latency,
     the default up to P2P_MAX_RANKS ranks), ``all_gather`` gathers the columns (the default past
     it), ``all_reduce`` sums the zero-padded matrix (SEMANTICS section 6 to the letter); all three
-    give the same matrix. Construction is collective when it makes a subgroup (every rank must construct it).
+    give the same matrix. Construction is collective when it makes a subgroup (every rank must
+    construct it).
     """
 
     def __init__(self, group=None, *, backend: str = "auto", timeout_s: float = 300.0,
@@ -173,7 +174,8 @@ class DPCoordinator:
         self._cols_np = [c.numpy() for c in self._cols]
         if exchange == "auto":
             exchange = "p2p" if self.size <= P2P_MAX_RANKS else "all_gather"
-        self.exchange = "all_reduce" if self.device.type == "cuda" else exchange
+        # NCCL all-reduces; so does a group of one (its own column is the matrix)
+        self.exchange = "all_reduce" if self.device.type == "cuda" or self.size == 1 else exchange
         self._peers = [r for r in range(self.size) if r != self.rank] \
             if self.exchange == "p2p" else None
         self._inflight: tuple | None = None  # the works of a started, unfinished exchange
@@ -258,54 +260,49 @@ class DPCoordinator:
                           "flight: finish() it before starting the next")
         self._t0 = time.perf_counter()
         self.step_no += 1
-        what = f"step {self.step_no}'s DP exchange"
-        if self.size == 1:
-            self._inflight = ()
+        col = (unpadded, padded, wants_ubatch, mode)
+        if self.exchange == "all_reduce":  # the zero-padded matrix, summed
             self._np.fill(0)
-            self._np[:, 0] = (unpadded, padded, wants_ubatch, mode)
-        elif self.device.type == "cpu":
-            self._col.numpy()[:] = (unpadded, padded, wants_ubatch, mode)
-            try:
-                if self.exchange == "all_reduce":  # the zero-padded matrix, summed
-                    self._np.fill(0)
-                    self._np[:, self.rank] = self._col.numpy()
-                    self._inflight = (self.group.allreduce([self._buf]),)
-                elif self.exchange == "all_gather":
-                    self._inflight = (self.group.allgather([self._cols], [self._col]),)
-                else:
-                    g, cols = self.group, self._cols
-                    works = [g.recv([cols[r]], r, _TAG) for r in self._peers]
-                    self._inflight = (*works, *(g.send([self._col], r, _TAG) for r in self._peers))
-            except RuntimeError as e:
-                raise self._failure(what, e) from e
-        else:  # NCCL: the all-reduce and the copy back are queued; finish() waits on the event
-            a = self._np
-            a.fill(0)
-            a[:, self.rank] = (unpadded, padded, wants_ubatch, mode)
-            self._all_reduce(self._buf, self._host, what, wait=False)
-            self._inflight = ()
+            self._np[:, self.rank] = col
+        else:
+            self._col.numpy()[:] = col
+        g, works = self.group, ()
+        try:
+            if self.size == 1:
+                pass
+            elif self.device.type == "cuda":  # queued with the copy back; finish() waits
+                self._all_reduce(self._buf, self._host, self._what(), wait=False)
+            elif self.exchange == "all_reduce":
+                works = (g.allreduce([self._buf]),)
+            elif self.exchange == "all_gather":
+                works = (g.allgather([self._cols], [self._col]),)
+            else:
+                works = (*(g.recv([self._cols[r]], r, _TAG) for r in self._peers),
+                         *(g.send([self._col], r, _TAG) for r in self._peers))
+        except RuntimeError as e:
+            raise self._failure(self._what(), e) from e
+        self._inflight = works
 
     def finish(self) -> DPDecision:
         """Wait for the exchange ``start`` posted (with the timeout) and agree on the matrix."""
         works, self._inflight = self._inflight, None
         if works is None:
             raise DPError(f"DP rank {self.rank}: finish() without start()")
-        what = f"step {self.step_no}'s DP exchange"
-        if self.size > 1 and self.device.type == "cpu":
-            try:
-                for w in works:
-                    w.wait(self._timeout)
-            except RuntimeError as e:
-                raise self._failure(what, e) from e
-            matrix = self._np.tolist() if self.exchange == "all_reduce" else \
-                np.stack(self._cols_np, axis=1).tolist()  # [4, dp_size]
-        else:
-            if self.size > 1:
-                self._wait_event(what)
-            matrix = self._np.tolist()
+        try:
+            for w in works:
+                w.wait(self._timeout)
+        except RuntimeError as e:
+            raise self._failure(self._what(), e) from e
+        if self.device.type == "cuda" and self.size > 1:
+            self._wait_event(self._what())
+        matrix = self._np.tolist() if self.exchange == "all_reduce" else \
+            np.stack(self._cols_np, axis=1).tolist()  # [4, dp_size]
         d = agree(matrix, self.num_ubatches)
         self.sync_seconds += time.perf_counter() - self._t0
         return d
+
+    def _what(self) -> str:
+        return f"step {self.step_no}'s DP exchange"
 
     def sync(self, unpadded: int, padded: int, wants_ubatch: int, mode: int) -> DPDecision:
         """The step's one exchange (NCCL: all-reduce; Gloo: ``exchange``, by default the columns

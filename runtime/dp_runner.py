@@ -19,7 +19,7 @@ import torch
 
 from compiler.errors import BatchError
 from runtime.buffers import as_tuple, real_rows
-from runtime.dp import MODE_OF, DPCoordinator, DPDecision, DPError, contribution
+from runtime.dp import DPCoordinator, DPDecision, DPError, contribution
 from runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, sm_carveout, ubatch_slices,
                             uniform_query_lens)
 
@@ -42,11 +42,16 @@ def pad_inputs(specs, inputs: dict[str, torch.Tensor], tokens: int, reqs: int) -
     return out
 
 
-def _shape_text(shape: tuple) -> str:
-    if shape == (0,):
+def _shape(n: int, num_reqs, max_query_len, num_active_loras) -> tuple:
+    """What prepare() announces and step() must match (any batch without tokens is "no work")."""
+    return (n, num_reqs, max_query_len, num_active_loras) if n else (0, None, None, 0)
+
+
+def _shape_text(n: int, num_reqs, max_query_len, num_active_loras) -> str:
+    if not n:
         return "no work"
-    n, reqs, mql, loras = shape
-    return f"{n} tokens, num_reqs={reqs}, max_query_len={mql}, num_active_loras={loras}"
+    return (f"{n} tokens, num_reqs={num_reqs}, max_query_len={max_query_len}, "
+            f"num_active_loras={num_active_loras}")
 
 
 def dummy_shape(tokens: int, q: int, max_num_seqs: int) -> tuple[int, int]:
@@ -106,24 +111,23 @@ class DPRunner:
         batches before stepping.
         """
         table, runner = self.table, self.runner
-        if inputs is None:
-            n, own = 0, contribution(0)
-        else:
-            n = runner.buffers.num_tokens(inputs)
-            route = table.route(n, num_reqs, max_query_len, num_active_loras)
+        n = 0 if inputs is None else runner.buffers.num_tokens(inputs)
+        if self._announced is None:
+            route = None if inputs is None else \
+                table.route(n, num_reqs, max_query_len, num_active_loras)
+        elif _shape(n, num_reqs, max_query_len, num_active_loras) != self._announced:
+            got = _shape_text(n, num_reqs, max_query_len, num_active_loras)
+            raise BatchError(
+                f"step() got a batch of shape {got}, but prepare() announced "
+                f"{_shape_text(*self._announced)} and the DP peers are agreeing on that one: call "
+                "step() with the announced batch (inputs=None if it had no tokens)")
+        if inputs is not None:
             runner.buffers.check(inputs, n, num_reqs)
-            own = (n, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
-        if self._announced is not None:
-            shape = (n, num_reqs, max_query_len, num_active_loras) if n else (0,)
-            if shape != self._announced:
-                raise BatchError(
-                    f"step() got a batch of shape {_shape_text(shape)}, but prepare() announced "
-                    f"{_shape_text(self._announced)} and the DP peers are agreeing on that one: "
-                    "call step() with the announced batch (inputs=None if it had no tokens)")
+        if self._announced is None:
+            d = self.coord.sync(*contribution(n, route))
+        else:  # the exchange prepare() started: only collect it
             self._announced = None
             d = self.coord.finish()
-        else:
-            d = self.coord.sync(*own)
         self.last_decision = d
         c = self.counts
         c["steps"] += 1
@@ -140,8 +144,9 @@ class DPRunner:
             inputs = self._dummy(n, num_reqs)
         route = table.route(n, num_reqs, max_query_len, num_active_loras, allow=d.mode,
                             pad_to=d.pad_to, ubatched=d.ubatch)
-        if own[0] and d.pad_to:
-            c["dp_padding_tokens"] += d.pad_to - own[1]  # beyond this rank's own padding
+        me = self.coord.rank
+        if d.num_tokens[me] and d.pad_to:  # beyond this rank's own padding
+            c["dp_padding_tokens"] += d.pad_to - d.padded_tokens[me]
         out = self._execute(route, d, inputs, n, num_reqs, max_query_len, query_lens)
         return None if dummy else out
 
@@ -156,15 +161,11 @@ class DPRunner:
         A shape the table rejects raises BatchError here, before anything is sent."""
         if self._announced is not None:
             raise BatchError(f"prepare() was already called for the next step "
-                             f"({_shape_text(self._announced)}): call step() first")
-        if num_tokens:
-            route = self.table.route(num_tokens, num_reqs, max_query_len, num_active_loras)
-            own = (num_tokens, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
-            shape = (num_tokens, num_reqs, max_query_len, num_active_loras)
-        else:
-            own, shape = contribution(0), (0,)
-        self.coord.start(*own)
-        self._announced = shape
+                             f"({_shape_text(*self._announced)}): call step() first")
+        route = self.table.route(num_tokens, num_reqs, max_query_len, num_active_loras) \
+            if num_tokens else None
+        self.coord.start(*contribution(num_tokens, route))
+        self._announced = _shape(num_tokens, num_reqs, max_query_len, num_active_loras)
 
     def _execute(self, route, d: DPDecision, inputs, n, num_reqs, max_query_len, query_lens):
         runner, gid = self.runner, route.graph_id
