@@ -125,10 +125,11 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
             if a.comm_ctas else groups["off"]
     inter, calib = (a.intermediate, []) if a.intermediate else \
         _calibrate(a, device, dtype, groups["off"])
-    built: dict = {}  # one model per communicator (the same weights either way)
-    models = {name: built.get(id(g)) or built.setdefault(id(g), CommMLP(
-        vocab=1024, hidden=a.hidden, intermediate=inter * world, layers=a.layers, group=g,
-        device=device, dtype=dtype)) for name, g in groups.items()}
+    def model(group):
+        return CommMLP(vocab=1024, hidden=a.hidden, intermediate=inter * world, layers=a.layers,
+                       group=group, device=device, dtype=dtype)
+    models = {"off": model(groups["off"])}  # a second model only for a second communicator
+    models["on"] = models["off"] if groups["on"] is groups["off"] else model(groups["on"])
     coord = DPCoordinator(dist.group.WORLD, backend="gloo", timeout_s=120)
     runners, capture_error = {}, None
     for name, ub in (("off", False), ("on", True)):
@@ -182,10 +183,11 @@ def _report(a, ranks: list[dict]) -> tuple[str, bool]:
              "", f"{now:%Y-%m-%d %H:%M} UTC, {r0['device']}, torch {torch.__version__}; "
              f"`python bench/dbo_bench.py {' '.join(a.argv)}`", "",
              f"model: hidden {a.hidden}, {a.layers} layers, intermediate {r0['intermediate']} per "
-             f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; 'on' micro-batches every size, the "
-             f"bar applies from {a.threshold} tokens; NCCL peer-to-peer {a.nccl_p2p}; model NCCL stream priority {a.comm_priority}; 'on': ubatch matmul SM "
-             f"carveout {a.comm_sms}, NCCL max_ctas {a.comm_ctas or 'default'}; DP agreement "
-             "over a CPU Gloo group every step"]
+             f"rank, {'bf16' if a.device == 'cuda' else 'fp32'}; 'on' micro-batches every size, "
+             f"the bar applies from {a.threshold} tokens; NCCL peer-to-peer {a.nccl_p2p}; model "
+             f"NCCL stream priority {a.comm_priority}; 'on': ubatch matmul SM carveout "
+             f"{a.comm_sms}, NCCL max_ctas {a.comm_ctas or 'default'}; DP agreement over a CPU "
+             "Gloo group every step"]
     if r0["calibration"]:
         lines += ["", "calibration at the threshold (per layer): " + ", ".join(
             f"I={i}: compute {c * 1e6:.1f} us vs all-reduce {m * 1e6:.1f} us"

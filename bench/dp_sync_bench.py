@@ -78,12 +78,8 @@ def _worker(rank: int, world: int, port: int, steps: int, gpu_step_us: float,
     from compiler import compile_plan
     from runtime.dp import DPCoordinator, contribution
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     table = compile_plan(ROOT / "plans" / "deepseek-v3-dp8-dbo.yaml",
                          {"parallel.data_parallel_size": world, "parallel.backend": "gloo"})
-    coord = DPCoordinator.for_table(table)
-    coord.check_fingerprint(table.fingerprint)
     rng = random.Random(rank)
     batches = []  # (n, reqs, max_query_len): decode and mixed steps of every size class
     for _ in range(steps):
@@ -93,6 +89,18 @@ def _worker(rank: int, world: int, port: int, steps: int, gpu_step_us: float,
         else:
             r = rng.randint(1, 64)
             batches.append((r + rng.randint(0, 4000), r, None))
+    # graphplan's own work per step without communication (route, pack, agree, re-route): the
+    # same coordinator as a DP group of one, made before torch.distributed is initialized
+    solo, logic_no_comm = DPCoordinator.for_table(table), []
+    for n, r, mql in batches:
+        t0 = time.perf_counter()
+        d = solo.sync(*contribution(n, table.route(n, r, mql)))
+        table.route(n, r, mql, allow=d.mode, pad_to=d.pad_to, ubatched=d.ubatch)
+        logic_no_comm.append(time.perf_counter() - t0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    coord = DPCoordinator.for_table(table)
+    coord.check_fingerprint(table.fingerprint)
     raw = torch.zeros(4, world, dtype=torch.int32)
     col = torch.zeros(4, dtype=torch.int32)
     cols = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
@@ -143,17 +151,7 @@ def _worker(rank: int, world: int, port: int, steps: int, gpu_step_us: float,
     launch()
     timed("dp_step_pipelined", pipelined)
     wait()
-    # graphplan's own work per step without the collective: pack, agree, route, re-route
-    solo = DPCoordinator.__new__(DPCoordinator)  # the same coordinator as a DP group of one
-    solo.__dict__.update(coord.__dict__, size=1, rank=0)
-    logic = []
-    for n, r, mql in batches:
-        t0 = time.perf_counter()
-        route = table.route(n, r, mql)
-        d = solo.sync(*contribution(n, route))
-        table.route(n, r, mql, allow=d.mode, pad_to=d.pad_to, ubatched=d.ubatch)
-        logic.append(time.perf_counter() - t0)
-    timings["dp_logic_no_comm"] = logic
+    timings["dp_logic_no_comm"] = logic_no_comm
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({k: _stats(v) for k, v in timings.items()}))
     dist.barrier()
     os._exit(0)
