@@ -8,7 +8,7 @@ DP 8 + DBO) and the vLLM-default plan (plans/llama3-8b-h100.yaml):
    one call; *cold*: the first call in a fresh process whose imports are already done (what it
    pays on top of imports: schema file, validator, first-use caches), median of 7 processes;
 2. ``plan compile PLAN -o table.json`` wall clock as a subprocess (the installed console script,
-   else ``python -m compiler.cli``) median of 10 <= 0.5 s; ``python -m compiler.cli`` is reported
+   else ``python -m graphplan.compiler.cli``) median of 10 <= 0.5 s; ``python -m graphplan.compiler.cli`` is reported
    beside it;
 3. ``route()`` median per call <= 1 us over a realistic mix of 20000 batches (60 % uniform decode,
    40 % mixed; LoRA counts drawn when the plan has LoRA; on a DP plan every step is a route plus
@@ -36,17 +36,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 from machine import machine  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
-from compiler import compile_plan  # noqa: E402
+from graphplan.compiler import compile_plan  # noqa: E402
 
 PLANS = [ROOT / "plans" / "large-65k-lora8-dp8.yaml", ROOT / "plans" / "llama3-8b-h100.yaml"]
 COMPILE_BAR_MS, CLI_BAR_S, ROUTE_BAR_NS = 50.0, 0.5, 1000.0
 
 _COLD = """
 import json, sys, time
-import compiler, compiler.load, compiler.resolve, compiler.schema, compiler.sizes, compiler.modes
-import compiler.table, compiler.table_check, compiler.explain_route, jsonschema, yaml
+import graphplan.compiler.load, graphplan.compiler.resolve, jsonschema, yaml
+from graphplan.compiler import compile_plan
 t0 = time.perf_counter()
-compiler.compile_plan(sys.argv[1])
+compile_plan(sys.argv[1])
 print(json.dumps(time.perf_counter() - t0))
 """
 
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
             wall = cli_wall(script, plan)
             row("`plan compile -o`, wall clock", name, f"{wall:.3f} s", f"<= {CLI_BAR_S} s",
                 wall <= CLI_BAR_S, "console script")
-        wall = cli_wall([sys.executable, "-m", "compiler.cli"], plan)
-        row("`python -m compiler.cli compile -o`", name, f"{wall:.3f} s", f"<= {CLI_BAR_S} s",
+        wall = cli_wall([sys.executable, "-m", "graphplan.compiler.cli"], plan)
+        row("`python -m graphplan.compiler.cli compile -o`", name, f"{wall:.3f} s", f"<= {CLI_BAR_S} s",
             wall <= CLI_BAR_S if not script else None, "" if not script else "no bar: beside it")
         kinds = "route + DP re-dispatch per step" if batches[0][4] else "route per step"
         row("route(), per call", name, f"{route_ns:.0f} ns", f"<= {ROUTE_BAR_NS:.0f} ns",

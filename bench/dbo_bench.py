@@ -95,10 +95,10 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
     import torch.distributed as dist
     from comm_model import CommMLP, static_inputs
 
-    from compiler import compile_plan
-    from runtime import CaptureError, GraphRunner
-    from runtime.dp import DPCoordinator
-    from runtime.dp_runner import DPRunner
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime import CaptureError, GraphRunner
+    from graphplan.runtime.dp import DPCoordinator
+    from graphplan.runtime.dp_runner import DPRunner
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)

@@ -75,8 +75,8 @@ def _worker(rank: int, world: int, port: int, steps: int, gpu_step_us: float,
     import torch
     import torch.distributed as dist
 
-    from compiler import compile_plan
-    from runtime.dp import DPCoordinator, contribution
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime.dp import DPCoordinator, contribution
     torch.set_num_threads(1)
     table = compile_plan(ROOT / "plans" / "deepseek-v3-dp8-dbo.yaml",
                          {"parallel.data_parallel_size": world, "parallel.backend": "gloo"})

@@ -6,7 +6,10 @@
 #   pip download jsonschema hypothesis --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
 set -u
-export PYTHONPATH="$PWD:$PWD/examples" PYTHONUNBUFFERED=1
+# graphplan is not pip-installed there: a namespace folder maps graphplan.{compiler,runtime,schemas}
+# onto the checkout's folders, as `pip install -e .` does here.
+mkdir -p /tmp/gp/graphplan && for d in compiler runtime schemas; do ln -sfn "$PWD/$d" "/tmp/gp/graphplan/$d"; done
+export PYTHONPATH="/tmp/gp:$PWD/examples" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,7 +19,7 @@ for step in "$@"; do
   case "$step" in
     tests)     timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
     runtime)   timeout 500 python bench/runtime_bench.py --out "$OUT/runtime_bench.md" 2>&1 | tail -40 ;;
-    generate)  python -m compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
+    generate)  python -m graphplan.compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
     piecewise) timeout 400 python bench/piecewise_bench.py --out "$OUT/piecewise_bench.md" 2>&1 | tail -30 ;;
     server)    timeout 400 python bench/server_load.py --device cuda --clients 32 --requests 16 --max-tokens 64 --prompt-len 64 --time-limit 120 --out "$OUT/server_load.md" 2>&1 | tail -25 ;;
     dptests)   nvidia-smi topo -m > "$OUT/topo.txt"; timeout 420 python -m pytest -q -p no:cacheprovider tests/test_dp_gpu.py 2>&1 | tee "$OUT/dp_gpu_tests.log" | tail -15 ;;

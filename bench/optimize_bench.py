@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from machine import machine  # noqa: E402
 
-from compiler import compile_plan  # noqa: E402
-from compiler.optimize import optimize  # noqa: E402
-from compiler.trace import aggregate, check_trace, load_trace  # noqa: E402
+from graphplan.compiler import compile_plan  # noqa: E402
+from graphplan.compiler.optimize import optimize  # noqa: E402
+from graphplan.compiler.trace import aggregate, check_trace, load_trace  # noqa: E402
 import make_traces  # noqa: E402
 
 PLAN = ROOT / "plans" / "llama3-8b-h100.yaml"

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # noqa: E402
 
-from runtime import DispatchTable, GraphRunner  # noqa: E402
+from graphplan.runtime import DispatchTable, GraphRunner  # noqa: E402
 
 BAR, BAR_TOKENS = 2.0, 256
 TABLES = ROOT / "bench" / "tables"
@@ -41,7 +41,7 @@ def load(name: str, overrides: dict | None) -> DispatchTable:
     with overrides (quick runs and custom token counts)."""
     if overrides is None:
         return DispatchTable.load(TABLES / f"{name}.json")
-    from compiler import compile_plan
+    from graphplan.compiler import compile_plan
     return compile_plan(TABLES / f"{name}.yaml", overrides)
 
 

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # noqa: E402
 
-from compiler.table import DispatchTable  # noqa: E402
-from runtime import GraphRunner  # noqa: E402
+from graphplan.compiler.table import DispatchTable  # noqa: E402
+from graphplan.runtime import GraphRunner  # noqa: E402
 from timing import sync, time_per_call  # noqa: E402  (bench/ is the script's folder)
 
 DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"     # vLLM default sizes, FULL decode

@@ -6,10 +6,10 @@ uses) stays light.
 
 from __future__ import annotations
 
-from compiler.errors import (BatchError, Diagnostic, GraphplanError, OutputError, PlanError,
+from graphplan.compiler.errors import (BatchError, Diagnostic, GraphplanError, OutputError, PlanError,
                              TableError)
-from compiler.table import COMPILER_VERSION as __version__
-from compiler.table import BatchDescriptor, DispatchTable, Graph, Route, RuntimeMode
+from graphplan.compiler.table import COMPILER_VERSION as __version__
+from graphplan.compiler.table import BatchDescriptor, DispatchTable, Graph, Route, RuntimeMode
 
 __all__ = ["compile_plan", "load_plan", "DispatchTable", "Route", "BatchDescriptor", "Graph",
            "RuntimeMode", "Diagnostic", "GraphplanError", "PlanError", "TableError",
@@ -27,7 +27,7 @@ def compile_plan(source, overrides: dict | None = None) -> DispatchTable:
 
 def compile_loaded(loaded):
     """(table, located diagnostics) for a LoadedPlan; the CLI prints the diagnostics."""
-    from compiler.resolve import resolve
+    from graphplan.compiler.resolve import resolve
     try:
         table, diags = resolve(loaded.spec, loaded.plan)
     except PlanError as e:
@@ -36,5 +36,5 @@ def compile_loaded(loaded):
 
 
 def load_plan(source, overrides: dict | None = None):
-    from compiler.load import load_plan as _load
+    from graphplan.compiler.load import load_plan as _load
     return _load(source, overrides)

@@ -11,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from compiler.errors import GraphplanError, did_you_mean
+from graphplan.compiler.errors import GraphplanError, did_you_mean
 
+PLAN_EXTRA = ("yaml", "jsonschema", "jinja2")  # the `graphplan[plan]` extra (pyproject.toml)
 COMMANDS = ("validate", "compile", "explain", "diff", "report", "optimize")
 
 
@@ -51,10 +52,10 @@ def _is_table(path: str) -> bool:
 
 def _load_any(path: str, sets=None):
     """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
-    from compiler.table import DispatchTable
+    from graphplan.compiler.table import DispatchTable
     if _is_table(path):
         return DispatchTable.load(path), []
-    from compiler import compile_loaded, load_plan
+    from graphplan.compiler import compile_loaded, load_plan
     return compile_loaded(load_plan(path, parse_overrides(sets)))
 
 
@@ -75,12 +76,12 @@ def cmd_validate(a) -> int:
 
 
 def cmd_compile(a) -> int:
-    from compiler.summary import summary_json, summary_lines
+    from graphplan.compiler.summary import summary_json, summary_lines
     table, diags = _load_any(a.plan, a.set)
     _print_diags(diags)
     memory = None
     if a.memory or a.profile:  # before writing: a bad profile leaves no table behind
-        from compiler.tuning_cli import memory_estimate
+        from graphplan.compiler.tuning_cli import memory_estimate
         memory = memory_estimate(table, a.profile)
     if a.output:
         table.save(a.output)
@@ -93,7 +94,7 @@ def cmd_compile(a) -> int:
         return 0
     print("\n".join(summary_lines(table)))
     if memory:
-        from compiler.memory import estimate_lines
+        from graphplan.compiler.memory import estimate_lines
         print("\n" + "\n".join(estimate_lines(memory)))
     if a.output:
         print(f"\nwrote {a.output} ({Path(a.output).stat().st_size // 1024} KiB)")
@@ -119,7 +120,7 @@ def cmd_explain(a) -> int:
 
 
 def cmd_diff(a) -> int:
-    from compiler.diff import diff_json, diff_lines, diff_tables
+    from graphplan.compiler.diff import diff_json, diff_lines, diff_tables
     before, _ = _load_any(a.a, a.set)
     after, _ = _load_any(a.b, a.set)
     d = diff_tables(before, after)
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(fn=cmd_diff)
 
-    from compiler.tuning_cli import add_tuning_commands
+    from graphplan.compiler.tuning_cli import add_tuning_commands
     add_tuning_commands(sub, common)
     return p
 
@@ -178,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     except GraphplanError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
+    except ModuleNotFoundError as e:
+        if e.name not in PLAN_EXTRA:
+            raise
+        print(f"plan: this command needs {e.name!r}, part of the plan extra: "
+              "pip install 'graphplan[plan]'", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("plan: interrupted", file=sys.stderr)
         return 1

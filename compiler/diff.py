@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.summary import coverage
-from compiler.table import DispatchTable
+from graphplan.compiler.summary import coverage
+from graphplan.compiler.table import DispatchTable
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compiler import table as T
+from graphplan.compiler import table as T
 
 
 def _batch_sentence(t, n, r, mql, uniform) -> str:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from compiler.errors import Diagnostic, PlanError
-from compiler.schema import fill_defaults, schema_errors
-from compiler.spec import PlanSpec, plan_from_dict
+from graphplan.compiler.errors import Diagnostic, PlanError
+from graphplan.compiler.schema import fill_defaults, schema_errors
+from graphplan.compiler.spec import PlanSpec, plan_from_dict
 
 MAX_PLAN_BYTES = 4 * 1024 * 1024
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -180,7 +180,7 @@ def read_plan(path: Path, overrides: dict) -> tuple[str, object, dict]:
     file = str(path)
     text = read_text(path)
     if path.name.endswith(".j2"):
-        from compiler.template import render  # Jinja2 only when a template is used
+        from graphplan.compiler.template import render  # Jinja2 only when a template is used
         text = render(text, overrides, file)
         overrides = {}
     if not text.strip():

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.errors import GraphplanError
-from compiler.table import DispatchTable, read_json, write_atomic
+from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.table import DispatchTable, read_json, write_atomic
 
 FORMAT = "graphplan.memory_profile"
 VERSION = 1

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from compiler.errors import Diagnostic, plan_error
-from compiler.spec import AttentionSupport as S
-from compiler.spec import CudagraphSpec, Mode
-from compiler.table import RuntimeMode
+from graphplan.compiler.errors import Diagnostic, plan_error
+from graphplan.compiler.spec import AttentionSupport as S
+from graphplan.compiler.spec import CudagraphSpec, Mode
+from graphplan.compiler.table import RuntimeMode
 
 _PATH = "cudagraph.mode"
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler.errors import GraphplanError
-from compiler.memory import DEFAULT_PROFILE, check_profile
-from compiler.size_dp import min_units, solve
-from compiler.table import DispatchTable
-from compiler.trace import Padding, Workload, padding, step_route
+from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.memory import DEFAULT_PROFILE, check_profile
+from graphplan.compiler.size_dp import min_units, solve
+from graphplan.compiler.table import DispatchTable
+from graphplan.compiler.trace import Padding, Workload, padding, step_route
 
 MAX_CANDIDATES = 4000
 
@@ -66,7 +66,7 @@ def _ceil_to(x, step):
 
 
 def _with_sizes(plan: dict, sizes, lora: bool = True) -> DispatchTable:
-    from compiler import compile_plan
+    from graphplan.compiler import compile_plan
     cg = dict(plan["cudagraph"], capture_sizes=[int(s) for s in sizes], strict=False)
     d = dict(plan, cudagraph=cg)
     if not lora:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from importlib import resources
 
-from compiler import report_charts as charts
-from compiler.memory import MIB, estimate
-from compiler.summary import compact_sizes, coverage, padding_profile
-from compiler.table import DispatchTable, write_atomic
-from compiler.trace import Padding, Workload, padding
+from graphplan.compiler import report_charts as charts
+from graphplan.compiler.memory import MIB, estimate
+from graphplan.compiler.summary import compact_sizes, coverage, padding_profile
+from graphplan.compiler.table import DispatchTable, write_atomic
+from graphplan.compiler.trace import Padding, Workload, padding
 
 MAX_GRAPH_ROWS = 2000
 ROUTINE_LABEL = {"full_decode": "FULL decode", "full_decode_ubatched": "FULL decode, ubatched",
@@ -126,7 +126,7 @@ def build(table: DispatchTable, *, source: str, located=None, work: Workload | N
 
 def render(context: dict) -> str:
     import jinja2
-    text = resources.files("compiler").joinpath("templates/report.html.j2").read_text("utf-8")
+    text = resources.files("graphplan.compiler").joinpath("templates/report.html.j2").read_text("utf-8")
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
     return env.from_string(text).render(**context)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler.errors import Diagnostic, PlanError
-from compiler.modes import resolve_mode
-from compiler.sizes import resolve_sizes
-from compiler.spec import LoraSpec, Mode, PlanSpec
-from compiler.table import ROUTINES, BatchDescriptor, DispatchTable, Graph, RuntimeMode
+from graphplan.compiler.errors import Diagnostic, PlanError
+from graphplan.compiler.modes import resolve_mode
+from graphplan.compiler.sizes import resolve_sizes
+from graphplan.compiler.spec import LoraSpec, Mode, PlanSpec
+from graphplan.compiler.table import ROUTINES, BatchDescriptor, DispatchTable, Graph, RuntimeMode
 
 STRICT_CODES = frozenset({"mode-downgrade", "size-dropped", "size-rounded"})
 """Diagnostics that ``strict: true`` turns into errors: each loses throughput silently."""

@@ -7,12 +7,12 @@ import json
 from functools import lru_cache
 from importlib import resources
 
-from compiler.errors import did_you_mean
+from graphplan.compiler.errors import did_you_mean
 
 
 @lru_cache(maxsize=None)
 def load_schema(name: str = "plan.schema.json") -> dict:
-    return json.loads(resources.files("schemas").joinpath(name).read_text("utf-8"))
+    return json.loads(resources.files("graphplan.schemas").joinpath(name).read_text("utf-8"))
 
 
 @lru_cache(maxsize=None)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from compiler.errors import Diagnostic, plan_error
-from compiler.spec import CaptureSizesSpec, SchedulerSpec
+from graphplan.compiler.errors import Diagnostic, plan_error
+from graphplan.compiler.spec import CaptureSizesSpec, SchedulerSpec
 
 MAX_SIZES = 4096
 """More capture sizes than this is a mistake (each one is a graph per LoRA case and routine)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from compiler.table import RuntimeMode
+from graphplan.compiler.table import RuntimeMode
 
 
 class Mode(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.table import DispatchTable
+from graphplan.compiler.table import DispatchTable
 
 
 def compact_sizes(sizes) -> str:

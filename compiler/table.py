@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.errors import BatchError, OutputError, TableError
+from graphplan.compiler.errors import BatchError, OutputError, TableError
 
 FORMAT = "graphplan.table"
 FORMAT_VERSION = 1
@@ -104,7 +104,7 @@ class Route:
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        from compiler.explain_route import route_reasons  # plain Python, no dependencies
+        from graphplan.compiler.explain_route import route_reasons  # plain Python, no dependencies
         return route_reasons(self)
 
     def to_json(self) -> dict:
@@ -336,7 +336,7 @@ class DispatchTable:
 
     @classmethod
     def from_json(cls, data, source: str = "<table>") -> "DispatchTable":
-        from compiler.table_check import check_table_json  # structure checks, no dependencies
+        from graphplan.compiler.table_check import check_table_json  # structure checks, no dependencies
         check_table_json(data, source)
         body = {k: v for k, v in data.items() if k != "checksum"}
         if _sha256(body) != data["checksum"]:

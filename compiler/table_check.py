@@ -6,8 +6,8 @@ against it, and another feeds broken tables here.
 
 from __future__ import annotations
 
-from compiler.errors import TableError
-from compiler.table import FORMAT, FORMAT_VERSION, ROUTINES
+from graphplan.compiler.errors import TableError
+from graphplan.compiler.table import FORMAT, FORMAT_VERSION, ROUTINES
 
 _TOP = {"format": str, "format_version": int, "compiler_version": str, "fingerprint": str,
         "checksum": str, "plan": dict, "resolved": dict, "graphs": list, "routes": dict,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jinja2
 
-from compiler.errors import Diagnostic, PlanError
+from graphplan.compiler.errors import Diagnostic, PlanError
 
 
 def render(text: str, variables: dict, file: str) -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.errors import GraphplanError
-from compiler.table import DispatchTable
+from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.table import DispatchTable
 
 KEYS = ("num_tokens", "num_reqs", "max_query_len")
 MAX_TRACE_BYTES = 1 << 30

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from compiler.errors import GraphplanError
+from graphplan.compiler.errors import GraphplanError
 
 HEADER_MARK = "# Tuned by `plan optimize`"
 
@@ -16,9 +16,9 @@ def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     """The plan as its author wrote it (rendered, overrides applied, no defaults filled) and its
     leading comment lines. A compiled ``table.json`` gives its plan with defaults filled."""
     if path.endswith(".json"):
-        from compiler.table import DispatchTable
+        from graphplan.compiler.table import DispatchTable
         return copy.deepcopy(DispatchTable.load(path).plan), []
-    from compiler.load import read_plan
+    from graphplan.compiler.load import read_plan
     text, data, _ = read_plan(Path(path), overrides)
     comments = []
     for line in text.splitlines():
@@ -46,7 +46,7 @@ def tuned_plan_text(data: dict, sizes, header: list[str], comments: list[str]) -
 
 def check_tuned(text: str, sizes) -> None:
     """The written plan must compile to exactly the chosen sizes, or nothing is written."""
-    from compiler import compile_plan
+    from graphplan.compiler import compile_plan
     table = compile_plan(yaml.safe_load(text))
     if list(table.capture_sizes) != [int(s) for s in sizes]:
         raise GraphplanError(f"internal: the tuned plan resolves to {list(table.capture_sizes)}, "

@@ -12,21 +12,21 @@ MIB = 1024 * 1024
 
 
 def memory_estimate(table, profile_path: str | None) -> dict:
-    from compiler.memory import estimate, load_profile
+    from graphplan.compiler.memory import estimate, load_profile
     return estimate(table, load_profile(profile_path) if profile_path else None)
 
 
 def _workload(path: str, table):
-    from compiler.trace import aggregate, check_trace, load_trace
+    from graphplan.compiler.trace import aggregate, check_trace, load_trace
     trace = load_trace(path)
     check_trace(trace, table)
     return aggregate(trace, table.q)
 
 
 def cmd_report(a) -> int:
-    from compiler.cli import _is_table, _load_any
-    from compiler.memory import load_profile
-    from compiler.report import build, write_report
+    from graphplan.compiler.cli import _is_table, _load_any
+    from graphplan.compiler.memory import load_profile
+    from graphplan.compiler.report import build, write_report
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table) if a.trace else None
@@ -48,8 +48,8 @@ def cmd_report(a) -> int:
 
 
 def _header(a, res, trace_steps: int, above: int, graphs_before: int) -> list[str]:
-    from compiler.table import COMPILER_VERSION
-    from compiler.tuned_plan import HEADER_MARK
+    from graphplan.compiler.table import COMPILER_VERSION
+    from graphplan.compiler.tuned_plan import HEADER_MARK
     b, f = res.before, res.after
     cut = f", {0.0 - _cut(b.padded_tokens, f.padded_tokens):+.1f} %" if b.padded_tokens else ""
     return [f"{HEADER_MARK} (graphplan {COMPILER_VERSION}) from {a.plan}",
@@ -68,12 +68,12 @@ def _cut(before: int, after: int) -> float:
 
 
 def cmd_optimize(a) -> int:
-    from compiler.cli import _load_any, parse_overrides
-    from compiler.memory import estimate, load_profile
-    from compiler.optimize import optimize
-    from compiler.summary import compact_sizes
-    from compiler.table import write_atomic
-    from compiler.tuned_plan import check_tuned, raw_plan, tuned_plan_text
+    from graphplan.compiler.cli import _load_any, parse_overrides
+    from graphplan.compiler.memory import estimate, load_profile
+    from graphplan.compiler.optimize import optimize
+    from graphplan.compiler.summary import compact_sizes
+    from graphplan.compiler.table import write_atomic
+    from graphplan.compiler.tuned_plan import check_tuned, raw_plan, tuned_plan_text
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)

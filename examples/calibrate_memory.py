@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
 
-from runtime import GraphplanError, load_table  # noqa: E402
-from runtime.calibrate import calibrate_memory  # noqa: E402
+from graphplan.runtime import GraphplanError, load_table  # noqa: E402
+from graphplan.runtime.calibrate import calibrate_memory  # noqa: E402
 
 
 def main(argv=None) -> int:

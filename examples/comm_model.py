@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.ubatch import Collective, drive
+from graphplan.runtime.ubatch import Collective, drive
 
 
 def _weights(vocab: int, hidden: int, intermediate: int, layers: int, seed: int):
@@ -84,7 +84,7 @@ def dense_reference(input_ids: torch.Tensor, *, vocab: int = 1024, hidden: int =
 
 
 def static_inputs() -> list:
-    from runtime import StaticInput
+    from graphplan.runtime import StaticInput
     return [StaticInput(name="input_ids", per="token", dtype=torch.int64, pad=0)]
 
 

@@ -43,9 +43,9 @@ def workload(rank: int, ranks: int, seed: int, new_tokens: int) -> tuple[list[li
 
 
 def build(ranks: int, device: str, dbo: bool, seed: int = 0, modes: tuple[str, ...] | None = None):
-    from compiler import compile_plan
-    from runtime import GraphRunner
-    from runtime.dp_runner import DPRunner
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime import GraphRunner
+    from graphplan.runtime.dp_runner import DPRunner
     overrides = {"parallel.data_parallel_size": ranks, "scheduler.max_num_seqs": 32,
                  "scheduler.max_num_batched_tokens": 512}
     if dbo:

@@ -29,7 +29,7 @@ from batching import ContinuousBatcher  # noqa: E402
 from tiny_llama import (TinyLlama, TinyLlamaConfig, make_batch, reference_generate,  # noqa: E402
                         static_inputs)
 
-from runtime import GraphRunner, GraphplanError, load_table  # noqa: E402
+from graphplan.runtime import GraphRunner, GraphplanError, load_table  # noqa: E402
 
 
 def make_prompts(n: int, seed: int, vocab: int, max_len: int = 24) -> list[list[int]]:

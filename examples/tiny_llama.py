@@ -255,7 +255,7 @@ def pad_batch(model: TinyLlama, batch: dict[str, torch.Tensor], num_tokens: int,
 
 def static_inputs(model: TinyLlama) -> list:
     """The runtime's description of forward's inputs: dtypes and safe padding values."""
-    from runtime import StaticInput
+    from graphplan.runtime import StaticInput
     return [StaticInput(name="input_ids", per="token", dtype=torch.int64, pad=0),
             StaticInput(name="positions", per="token", dtype=torch.int64, pad=0),
             StaticInput(name="slot_mapping", per="token", dtype=torch.int64, pad=model.dummy_slot),

@@ -4,12 +4,12 @@ Needs torch and numpy; never imports pyyaml, jsonschema or jinja2 (a server load
 not plans). The table format is ``compiler.table``, the one module both halves share.
 """
 
-from compiler.errors import BatchError, GraphplanError, TableError
-from compiler.table import DispatchTable, Route, RuntimeMode
-from runtime.buffers import StaticInput
-from runtime.metrics import render_prometheus
-from runtime.piecewise import SplitError
-from runtime.runner import CaptureError, GraphRunner, RunnerStateError
+from graphplan.compiler.errors import BatchError, GraphplanError, TableError
+from graphplan.compiler.table import DispatchTable, Route, RuntimeMode
+from graphplan.runtime.buffers import StaticInput
+from graphplan.runtime.metrics import render_prometheus
+from graphplan.runtime.piecewise import SplitError
+from graphplan.runtime.runner import CaptureError, GraphRunner, RunnerStateError
 
 __all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "BatchError",
            "CaptureError", "GraphplanError", "RunnerStateError", "SplitError", "TableError",

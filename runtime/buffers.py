@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiler.errors import BatchError
+from graphplan.compiler.errors import BatchError
 
 PER = ("token", "req", "req+1")
 

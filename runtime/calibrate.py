@@ -14,9 +14,9 @@ import hashlib
 
 import torch
 
-from compiler import memory
-from compiler.table import DispatchTable, RuntimeMode
-from runtime.runner import GraphRunner
+from graphplan.compiler import memory
+from graphplan.compiler.table import DispatchTable, RuntimeMode
+from graphplan.runtime.runner import GraphRunner
 
 
 def model_fingerprint(model) -> str:

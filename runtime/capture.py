@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from compiler.errors import GraphplanError
-from compiler.table import RuntimeMode
-from runtime.buffers import as_tuple
+from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.table import RuntimeMode
+from graphplan.runtime.buffers import as_tuple
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
@@ -101,7 +101,7 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...], only: set[int] | None
                f"{key.num_tokens}), or leave more GPU memory free" if oom else
                "check that the model runs eagerly at this size, with no host syncs or "
                "data-dependent shapes (required inside a CUDA graph)")
-        from runtime.runner import CaptureError
+        from graphplan.runtime.runner import CaptureError
         raise CaptureError(f"capturing graph #{gid} ({key.num_tokens} tokens, "
                            f"{key.num_reqs} requests, lora {key.num_active_loras}, "
                            f"{key.num_ubatches} ubatch(es)) failed: {type(e).__name__}: "
@@ -126,8 +126,8 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...], only: set[int] | None
 
 def _split(runner):
     """The model cut at the plan's splitting ops, ready to capture (runtime/piecewise.py)."""
-    from runtime.piecewise import split_model
-    from runtime.piecewise_graphs import PiecewiseGraphs
+    from graphplan.runtime.piecewise import split_model
+    from graphplan.runtime.piecewise_graphs import PiecewiseGraphs
     table, model = runner.table, runner.model
     split = split_model(model, table.plan["cudagraph"]["splitting_ops"], runner.splitting_ops)
     static = [*runner.buffers.buffers.values()]

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiler.errors import GraphplanError
-from compiler.table import RuntimeMode
+from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.table import RuntimeMode
 
 UNPADDED, PADDED, WANTS_UBATCH, MODE = range(4)  # rows of the all-reduced tensor
 MODE_OF = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}  # Route.mode -> what a rank contributes

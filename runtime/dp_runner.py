@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from compiler.errors import BatchError
-from runtime.buffers import as_tuple, real_rows
-from runtime.dp import DPCoordinator, DPDecision, DPError, contribution
-from runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, sm_carveout, ubatch_slices,
+from graphplan.compiler.errors import BatchError
+from graphplan.runtime.buffers import as_tuple, real_rows
+from graphplan.runtime.dp import DPCoordinator, DPDecision, DPError, contribution
+from graphplan.runtime.ubatch import (UbatchStreams, run_ubatches, slice_inputs, sm_carveout, ubatch_slices,
                             uniform_query_lens)
 
 

@@ -3,7 +3,7 @@ rendered as a dict (``runner.stats()``) or in the Prometheus text format."""
 
 from __future__ import annotations
 
-from compiler import table as T
+from graphplan.compiler import table as T
 
 EAGER_REASONS = {
     T.WHY_NO_GRAPHS: "plan_has_no_graphs",

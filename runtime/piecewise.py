@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from compiler.errors import GraphplanError
+from graphplan.compiler.errors import GraphplanError
 
 _NOT_SPLIT = ("placeholder", "get_attr", "output")
 _FALLBACK = ("or capture FULL graphs only (runner.capture(modes=('FULL',))), or use a plan without "

@@ -23,8 +23,8 @@ import copy
 
 import torch
 
-from runtime.buffers import real_rows
-from runtime.piecewise import Part, SplitError, SplitModel, get_attr
+from graphplan.runtime.buffers import real_rows
+from graphplan.runtime.piecewise import Part, SplitError, SplitModel, get_attr
 
 
 def _output_names(module: torch.fx.GraphModule) -> list[str]:

@@ -14,11 +14,11 @@ from typing import Mapping
 
 import torch
 
-from compiler.errors import GraphplanError, TableError
-from compiler.table import DispatchTable, RuntimeMode
-from runtime.buffers import StaticBuffers, StaticInput
-from runtime.graphs import graph_backend
-from runtime.metrics import RunnerStats
+from graphplan.compiler.errors import GraphplanError, TableError
+from graphplan.compiler.table import DispatchTable, RuntimeMode
+from graphplan.runtime.buffers import StaticBuffers, StaticInput
+from graphplan.runtime.graphs import graph_backend
+from graphplan.runtime.metrics import RunnerStats
 
 
 class RunnerStateError(GraphplanError):
@@ -82,7 +82,7 @@ class GraphRunner:
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
         """
-        from runtime.capture import capture_graphs
+        from graphplan.runtime.capture import capture_graphs
         if self.captured:
             raise RunnerStateError("capture() already ran for this runner; graphs are captured "
                                    "once — build a new GraphRunner to capture another table")

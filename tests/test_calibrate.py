@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs
 
-from compiler import compile_plan, memory
-from compiler.cli import main as plan_main
-from runtime.calibrate import calibrate_memory, calibration_sizes, model_fingerprint
-from runtime import GraphRunner
+from graphplan.compiler import compile_plan, memory
+from graphplan.compiler.cli import main as plan_main
+from graphplan.runtime.calibrate import calibrate_memory, calibration_sizes, model_fingerprint
+from graphplan.runtime import GraphRunner
 
 CFG = TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                       max_model_len=32, num_cache_rows=32)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler import DispatchTable, compile_plan
-from compiler.cli import main
+from graphplan.compiler import DispatchTable, compile_plan
+from graphplan.compiler.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted(p for p in (ROOT / "plans").iterdir() if p.is_file())
@@ -23,7 +23,7 @@ TEMPLATE_SETS = {"sweep.yaml.j2": ["--set", "max_num_seqs=128", "--set", "spec_t
 
 
 def plan_cmd(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compiler.cli", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "graphplan.compiler.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=60)
 
 

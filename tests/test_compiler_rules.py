@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler import BatchError, PlanError, RuntimeMode, compile_plan
-from compiler import table as T
+from graphplan.compiler import BatchError, PlanError, RuntimeMode, compile_plan
+from graphplan.compiler import table as T
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from compiler import compile_plan
-from compiler.errors import BatchError
-from compiler.table import RuntimeMode
-from runtime import GraphRunner, StaticInput
-from runtime.dp import IDLE, DPCoordinator, DPError, DPTimeoutError, agree, contribution
-from runtime.dp_runner import DPRunner, dummy_shape, pad_inputs
+from graphplan.compiler import compile_plan
+from graphplan.compiler.errors import BatchError
+from graphplan.compiler.table import RuntimeMode
+from graphplan.runtime import GraphRunner, StaticInput
+from graphplan.runtime.dp import IDLE, DPCoordinator, DPError, DPTimeoutError, agree, contribution
+from graphplan.runtime.dp_runner import DPRunner, dummy_shape, pad_inputs
 
 # -- the rules, in one process ---------------------------------------------------------------
 

@@ -57,8 +57,8 @@ def _plan(dp=2, timeout=60, **ub):
 
 
 def _agreement_worker(rank, world):
-    from compiler import compile_plan
-    from runtime.dp import DPCoordinator, agree, contribution
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime.dp import DPCoordinator, agree, contribution
     table = compile_plan(_plan(world))
     coord = DPCoordinator.for_table(table)  # backend nccl: the tensor lives on the GPU
     assert coord.backend == "nccl" and coord.device.type == "cuda"
@@ -91,9 +91,9 @@ def _graph_worker(rank, world):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from comm_model import CommMLP, static_inputs
 
-    from compiler import compile_plan
-    from runtime import GraphRunner
-    from runtime.dp_runner import DPRunner
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime import GraphRunner
+    from graphplan.runtime.dp_runner import DPRunner
     model = CommMLP(vocab=1024, hidden=512, intermediate=2048, layers=4, device="cuda",
                     dtype=torch.bfloat16)
     dp = DPRunner(GraphRunner(model, compile_plan(_plan(world)), static_inputs(), progress=False))
@@ -146,8 +146,8 @@ def test_tiny_llama_dbo_graph_replay_matches_eager_in_bf16(tmp_path):
 
 
 def _stall_worker(rank, world):
-    from compiler import compile_plan
-    from runtime.dp import DPCoordinator, DPTimeoutError
+    from graphplan.compiler import compile_plan
+    from graphplan.runtime.dp import DPCoordinator, DPTimeoutError
     coord = DPCoordinator.for_table(compile_plan(_plan(world, timeout=2)))
     coord.sync(8, 8, 0, 2)
     if rank == 1:

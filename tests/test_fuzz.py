@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from compiler import cli
+from graphplan.compiler import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = sorted(p for p in (ROOT / "plans").iterdir() if p.is_file())

@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from compiler import PlanError, compile_plan, load_plan
-from compiler import spec as S
-from compiler.load import MAX_DEPTH, MAX_PLAN_BYTES
+from graphplan.compiler import PlanError, compile_plan, load_plan
+from graphplan.compiler import spec as S
+from graphplan.compiler.load import MAX_DEPTH, MAX_PLAN_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "schemas" / "plan.schema.json").read_text("utf-8"))

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler import compile_plan
-from compiler.cli import main
-from compiler.memory import (DEFAULT_PROFILE, FORMAT, MIB, ProfileError, estimate, fit_profile,
+from graphplan.compiler import compile_plan
+from graphplan.compiler.cli import main
+from graphplan.compiler.memory import (DEFAULT_PROFILE, FORMAT, MIB, ProfileError, estimate, fit_profile,
                              load_profile, save_profile)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_memory_module_imports_only_the_standard_library_numpy_and_compiler_basi
     tree = ast.parse((ROOT / "compiler" / "memory.py").read_text())
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert mods <= set(sys.stdlib_module_names) | {"numpy", "compiler", "__future__"}
+    assert mods <= set(sys.stdlib_module_names) | {"numpy", "graphplan", "__future__"}
     code = ("import sys, compiler.memory; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('yaml', 'jinja2', 'jsonschema', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

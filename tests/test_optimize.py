@@ -12,15 +12,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler import compile_plan
-from compiler.cli import main
-from compiler.load import load_plan
-from compiler.memory import FORMAT, MIB, estimate, save_profile
-from compiler.optimize import OptimizeError, optimize
-from compiler.resolve import resolve
-from compiler.size_dp import solve
-from compiler.spec import CaptureSizesSpec
-from compiler.trace import Trace, TraceError, aggregate, check_trace, load_trace, step_route
+from graphplan.compiler import compile_plan
+from graphplan.compiler.cli import main
+from graphplan.compiler.load import load_plan
+from graphplan.compiler.memory import FORMAT, MIB, estimate, save_profile
+from graphplan.compiler.optimize import OptimizeError, optimize
+from graphplan.compiler.resolve import resolve
+from graphplan.compiler.size_dp import solve
+from graphplan.compiler.spec import CaptureSizesSpec
+from graphplan.compiler.trace import Trace, TraceError, aggregate, check_trace, load_trace, step_route
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS, TRACES = ROOT / "plans", ROOT / "bench" / "traces"

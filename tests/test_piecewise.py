@@ -12,9 +12,9 @@ from tiny_llama import (ATTENTION_OP, TinyLlama, TinyLlamaConfig, make_batch, re
                         static_inputs)
 from torch import nn
 
-from compiler import compile_plan
-from runtime import CaptureError, GraphRunner, SplitError, render_prometheus
-from runtime.piecewise import split_model
+from graphplan.compiler import compile_plan
+from graphplan.runtime import CaptureError, GraphRunner, SplitError, render_prometheus
+from graphplan.runtime.piecewise import split_model
 
 CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96,
                       max_model_len=48, num_cache_rows=8)
@@ -239,7 +239,7 @@ def test_generate_main_continuous_check_passes_with_piecewise_and_full_replays(t
 
 
 def test_bench_tables_are_compiled_from_their_plans(root):
-    from compiler import DispatchTable
+    from graphplan.compiler import DispatchTable
     for name in ("mixed-piecewise", "mixed-full", "full-and-piecewise-51"):
         compiled = compile_plan(str(root / "bench" / "tables" / f"{name}.yaml"))
         stored = DispatchTable.load(root / "bench" / "tables" / f"{name}.json")

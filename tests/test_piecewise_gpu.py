@@ -7,8 +7,8 @@ import torch
 from generate import continuous_generate, make_prompts
 from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
 
-from compiler import compile_plan
-from runtime import GraphRunner
+from graphplan.compiler import compile_plan
+from graphplan.runtime import GraphRunner
 
 pytestmark = pytest.mark.gpu
 

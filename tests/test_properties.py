@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from compiler import PlanError, RuntimeMode, compile_plan
-from compiler.resolve import STRICT_CODES
+from graphplan.compiler import PlanError, RuntimeMode, compile_plan
+from graphplan.compiler.resolve import STRICT_CODES
 
 # weighted towards plans that capture graphs (repeats = weight; hypothesis also favours the
 # first entry); every value still appears
@@ -173,7 +173,7 @@ def test_the_same_plan_compiles_to_the_same_bytes(plan):
     t = compile_or_reject(plan)
     again = compile_plan(copy.deepcopy(plan))
     assert again.dumps() == t.dumps()
-    from compiler import DispatchTable
+    from graphplan.compiler import DispatchTable
     assert DispatchTable.from_json(t.to_json()).dumps() == t.dumps()
 
 

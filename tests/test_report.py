@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from compiler import compile_plan
-from compiler.cli import main
-from compiler.memory import estimate
-from compiler.report_charts import X0, X1, Y0, Y1
-from compiler.summary import coverage
-from compiler.trace import step_route
+from graphplan.compiler import compile_plan
+from graphplan.compiler.cli import main
+from graphplan.compiler.memory import estimate
+from graphplan.compiler.report_charts import X0, X1, Y0, Y1
+from graphplan.compiler.summary import coverage
+from graphplan.compiler.trace import step_route
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"

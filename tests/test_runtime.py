@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
 
-from compiler import compile_plan
-from runtime import (BatchError, CaptureError, GraphRunner, RunnerStateError, StaticInput,
+from graphplan.compiler import compile_plan
+from graphplan.runtime import (BatchError, CaptureError, GraphRunner, RunnerStateError, StaticInput,
                      TableError, render_prometheus)
 
 CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
 
-from compiler import compile_plan
-from runtime import CaptureError, GraphRunner
+from graphplan.compiler import compile_plan
+from graphplan.runtime import CaptureError, GraphRunner
 
 pytestmark = pytest.mark.gpu
 

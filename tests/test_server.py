@@ -67,7 +67,7 @@ def _ref_model(device: str):
 def load_table_from_text(text):
     import yaml
 
-    from compiler import compile_plan
+    from graphplan.compiler import compile_plan
     return compile_plan(yaml.safe_load(text))
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from compiler import DispatchTable, OutputError, TableError, compile_plan
-from compiler import table as T
-from compiler import table_check
+from graphplan.compiler import DispatchTable, OutputError, TableError, compile_plan
+from graphplan.compiler import table as T
+from graphplan.compiler import table_check
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_VARS = {"sweep.yaml.j2": {"max_num_seqs": 128, "spec_tokens": 2}}
@@ -93,7 +93,7 @@ def test_two_compiles_give_the_same_bytes(plan):
 
 
 def test_other_processes_with_other_hash_seeds_give_the_same_bytes():
-    code = ("import hashlib, json, sys; from pathlib import Path; from compiler import compile_plan; "
+    code = ("import hashlib, json, sys; from pathlib import Path; from graphplan.compiler import compile_plan; "
             f"v = {TEMPLATE_VARS!r}; "
             "ps = sorted(p for p in Path('plans').iterdir() if p.is_file()); "
             "print(json.dumps({p.name: hashlib.sha256(compile_plan(p, v.get(p.name)).dumps())"

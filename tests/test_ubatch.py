@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import StaticInput
-from runtime.dp import agree
-from runtime.ubatch import (Collective, UbatchSlice, drive, last_ubatch_empty, run_ubatches,
+from graphplan.runtime import StaticInput
+from graphplan.runtime.dp import agree
+from graphplan.runtime.ubatch import (Collective, UbatchSlice, drive, last_ubatch_empty, run_ubatches,
                             slice_inputs, ubatch_slices)
 
 
@@ -183,7 +183,7 @@ def test_agreement_follows_the_rules_for_any_columns(k, cols):
 
 def test_sm_carveout_is_set_inside_and_restored_after_even_on_error():
     import torch
-    from runtime.ubatch import sm_carveout
+    from graphplan.runtime.ubatch import sm_carveout
     get = torch._C._get_sm_carveout_experimental
     before = get()
     with sm_carveout(16):

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from compiler.errors import GraphplanError
+from graphplan.compiler.errors import GraphplanError
 from examples.server.app import Server
 from examples.server.model import DTYPES, ModelSpec, parse_sets
 

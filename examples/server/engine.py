@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from batching import ContinuousBatcher
 from tiny_llama import make_batch, static_inputs
 
-from compiler.errors import GraphplanError
+from graphplan.compiler.errors import GraphplanError
 from examples.server.metrics import ServerMetrics
 from examples.server.model import ModelSpec, build_model, check_fits, load_table
 from examples.server.protocol import RequestError
-from runtime import GraphRunner
+from graphplan.runtime import GraphRunner
 
 log = logging.getLogger("graphplan.server")
 

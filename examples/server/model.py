@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from tiny_llama import TinyLlama, TinyLlamaConfig
 
-from compiler.errors import GraphplanError, TableError
-from compiler.table import DispatchTable
+from graphplan.compiler.errors import GraphplanError, TableError
+from graphplan.compiler.table import DispatchTable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,13 +57,13 @@ def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
             raise UsageError(f"{path}: overrides (--set) apply to plans, not to a compiled "
                              "table; compile the plan with them instead")
         return DispatchTable.load(path)
-    from compiler import compile_plan  # the YAML stack only when a plan is given
+    from graphplan.compiler import compile_plan  # the YAML stack only when a plan is given
     return compile_plan(path, overrides or None)
 
 
 def parse_sets(pairs: list[str] | None) -> dict:
     """``["cudagraph.mode=NONE", ...]`` -> overrides, exactly as ``plan --set`` reads them."""
-    from compiler.cli import parse_overrides  # the YAML stack only when overrides are given
+    from graphplan.compiler.cli import parse_overrides  # the YAML stack only when overrides are given
     return parse_overrides(pairs or [])
 
 

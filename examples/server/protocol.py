@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from compiler.errors import did_you_mean
+from graphplan.compiler.errors import did_you_mean
 
 GENERATE_FIELDS = ("prompt", "prompts", "max_tokens", "stream")
 RELOAD_FIELDS = ("path", "set")
