@@ -92,8 +92,8 @@ def batch_mix(t, n: int = 20000, seed: int = 0) -> list[tuple]:
     """(num_tokens, num_reqs, max_query_len, num_active_loras, redispatch kwargs or None)."""
     rnd = random.Random(seed)
     q, seqs, top = t.q, t.max_num_seqs, t.max_tokens
-    counts = len(t.resolved["lora_case_of_count"])
-    dp = t.resolved["data_parallel_size"] > 1
+    counts = len(t.settings.lora_case_of_count)
+    dp = t.settings.data_parallel_size > 1
     largest = t.capture_sizes[-1] if t.capture_sizes else top
     out = []
     for _ in range(n):

@@ -1,18 +1,20 @@
 """graphplan's compiler: YAML plan -> validated, explained dispatch table. Never imports torch.
 
-``compile_plan`` pulls in the YAML stack lazily, so ``import compiler.table`` (what the runtime
-uses) stays light.
+``compile_plan`` pulls in the YAML stack lazily, so ``import graphplan.compiler.table`` (what the
+runtime uses) stays light.
 """
 
 from __future__ import annotations
 
 from graphplan.compiler.errors import (BatchError, Diagnostic, GraphplanError, OutputError, PlanError,
                              TableError)
-from graphplan.compiler.table import COMPILER_VERSION as __version__
-from graphplan.compiler.table import BatchDescriptor, DispatchTable, Graph, Route, RuntimeMode
+from graphplan.compiler.records import (BatchDescriptor, CudagraphMode, Graph, RuntimeMode,
+                                        TableSettings, Why)
+from graphplan.compiler.table import DispatchTable, Route
+from graphplan.compiler.table_format import COMPILER_VERSION as __version__
 
 __all__ = ["compile_plan", "load_plan", "DispatchTable", "Route", "BatchDescriptor", "Graph",
-           "RuntimeMode", "Diagnostic", "GraphplanError", "PlanError", "TableError",
+           "RuntimeMode", "CudagraphMode", "TableSettings", "Why", "Diagnostic", "GraphplanError", "PlanError", "TableError",
            "BatchError", "OutputError", "__version__"]
 
 
@@ -29,10 +31,10 @@ def compile_loaded(loaded):
     """(table, located diagnostics) for a LoadedPlan; the CLI prints the diagnostics."""
     from graphplan.compiler.resolve import resolve
     try:
-        table, diags = resolve(loaded.spec, loaded.plan)
+        parts, diags = resolve(loaded.spec, loaded.plan)
     except PlanError as e:
         raise PlanError([loaded.locate(d) for d in e.diagnostics]) from None
-    return table, [loaded.locate(d) for d in diags]
+    return DispatchTable(**parts), [loaded.locate(d) for d in diags]
 
 
 def load_plan(source, overrides: dict | None = None):

@@ -112,7 +112,7 @@ def cmd_explain(a) -> int:
     pad = f"{route.padded_tokens} tokens" + (f", {route.padded_reqs} requests"
                                              if route.padded_reqs is not None else "")
     graph = f"graph #{route.graph_id}" if route.graph_id >= 0 else "eager"
-    print(f"{route.mode} ({graph}), padded to {pad}"
+    print(f"{route.mode.name} ({graph}), padded to {pad}"
           + (", wants to micro-batch" if route.wants_ubatch else ""))
     for i, why in enumerate(route.reasons, 1):
         print(f"  {i}. {why}")

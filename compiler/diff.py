@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphplan.compiler.summary import coverage
+from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 
 
@@ -53,7 +54,7 @@ def _route_label(t: DispatchTable, n: int, uniform: bool) -> str:
         route = t.route(n, r, t.q)
     else:
         route = t.route(n)
-    return f"{route.mode} {route.padded_tokens}" if route.mode != "NONE" else "NONE"
+    return f"{route.mode.name} {route.padded_tokens}" if route.mode is not RuntimeMode.NONE else "NONE"
 
 
 def _changes(a: DispatchTable, b: DispatchTable, kind: str) -> list[RouteChange]:

@@ -56,6 +56,8 @@ class PlanError(GraphplanError):
 class TableError(GraphplanError):
     """A compiled table cannot be used: wrong format version, corrupted, unreadable."""
 
+    exit_code = 2
+
 
 class BatchError(GraphplanError, ValueError):
     """A runtime batch is outside what the table covers (e.g. more tokens than planned)."""

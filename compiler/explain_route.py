@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphplan.compiler import table as T
+from graphplan.compiler.records import RuntimeMode, Why
 
 
 def _batch_sentence(t, n, r, mql, uniform) -> str:
@@ -19,16 +19,18 @@ def _batch_sentence(t, n, r, mql, uniform) -> str:
            f"and num_tokens == q * num_reqs)"
 
 
-def route_reasons(route) -> tuple[str, ...]:
-    t, n, r, mql, loras, uniform, c, pad_to = route._ctx
+def route_reasons(route, ctx) -> tuple[str, ...]:
+    """The reason chain of ``route``; ``ctx`` is its RouteContext (what was asked)."""
+    t, n, r, mql, uniform, pad_to = (ctx.table, ctx.num_tokens, ctx.num_reqs, ctx.max_query_len,
+                                     ctx.uniform, ctx.pad_to)
     out = [_batch_sentence(t, n, r, mql, uniform)]
-    res = t.resolved
-    if res["lora_enabled"]:
-        out.append(f"LoRA: {loras} active adapter(s) -> captured case num_active_loras="
-                   f"{res['lora_cases'][c]}")
-    ub = res["ubatch"]
-    if ub["enabled"]:
-        thr = ub["decode_token_threshold"] if uniform else ub["prefill_token_threshold"]
+    res = t.settings
+    if res.lora_enabled:
+        out.append(f"LoRA: {ctx.num_active_loras} active adapter(s) -> captured case "
+                   f"num_active_loras={res.lora_cases[ctx.lora_case]}")
+    ub = res.ubatch
+    if ub.enabled:
+        thr = ub.decode_token_threshold if uniform else ub.prefill_token_threshold
         kind = "decode" if uniform else "prefill"
         verdict = "wants" if route.wants_ubatch else "does not want"
         out.append(f"ubatch: {n} tokens vs {kind} threshold {thr} -> {verdict} to micro-batch "
@@ -40,43 +42,43 @@ def route_reasons(route) -> tuple[str, ...]:
     if g is not None:
         at = n if pad_to is None else pad_to
         out.append(f"pad: {at} -> {g.num_tokens} tokens (smallest capture size >= {at})")
-    if why == T.WHY_FULL_DECODE:
+    if why == Why.FULL_DECODE:
         out.append(f"FULL decode graph #{route.graph_id}: key ({g.num_tokens} tokens, "
                    f"{g.num_reqs} requests, uniform)")
-    elif why == T.WHY_FULL_UBATCHED:
+    elif why == Why.FULL_UBATCHED:
         out.append(f"FULL ubatched decode graph #{route.graph_id}: {g.num_ubatches} micro-batches "
                    f"over {g.num_tokens} tokens")
-    elif why == T.WHY_FULL_MIXED:
+    elif why == Why.FULL_MIXED:
         extra = " (routines are not separate, so uniform batches use it too)" if uniform else ""
         out.append(f"FULL graph #{route.graph_id}: key ({g.num_tokens} tokens, up to "
                    f"{g.num_reqs} requests){extra}")
-    elif why == T.WHY_PIECEWISE:
-        if uniform and res["decode_mode"] == "FULL" and res["separate_routines"]:
+    elif why == Why.PIECEWISE:
+        if uniform and res.decode_mode is RuntimeMode.FULL and res.separate_routines:
             out.append(f"no FULL decode graph at {g.num_tokens} tokens (decode graphs cover "
                        f"q..q*max_num_seqs = {t.q}..{t.q * t.max_num_seqs} among the capture sizes)")
         out.append(f"PIECEWISE graph #{route.graph_id}: relaxed key ({g.num_tokens} tokens, any "
                    f"request count); attention runs eager with the real {n} tokens")
-    elif why == T.WHY_NO_GRAPHS:
-        out.append(f"eager: the plan captures no graphs (resolved mode {res['mode']}, "
+    elif why == Why.NO_GRAPHS:
+        out.append(f"eager: the plan captures no graphs (resolved mode {res.mode.name}, "
                    f"{len(t.capture_sizes)} capture sizes)")
-    elif why == T.WHY_TOO_BIG:
+    elif why == Why.TOO_BIG:
         out.append(f"eager: {route.padded_tokens} tokens exceed the largest capture size "
                    f"{largest} (raise the preset ceiling or add sizes)")
-    elif why == T.WHY_MIXED_NONE:
-        out.append(f"eager: the mixed routine is NONE in mode {res['mode']} and no FULL decode "
+    elif why == Why.MIXED_NONE:
+        out.append(f"eager: the mixed routine is NONE in mode {res.mode.name} and no FULL decode "
                    "graph fits this batch")
-    elif why == T.WHY_NO_TWIN:
+    elif why == Why.NO_TWIN:
         out.append("eager: this size is captured only ubatched and "
                    "parallel.ubatch.plain_twins is false, so a batch that does not "
                    "micro-batch has no graph")
-    elif why == T.WHY_NO_UBATCH_GRAPH:
+    elif why == Why.NO_UBATCH_GRAPH:
         out.append("eager: no ubatched graph at this size (ubatched FULL graphs exist for "
                    "uniform-decode sizes at or above parallel.ubatch.decode_token_threshold, "
                    "when decode graphs are FULL); the micro-batches run eagerly")
-    elif why == T.WHY_UBATCH_MIXED:
+    elif why == Why.UBATCH_MIXED:
         out.append("eager: ubatched graphs exist only for uniform-decode batches; micro-batches "
                    "of a mixed batch run eagerly")
-    elif why == T.WHY_NOT_ALLOWED:
+    elif why == Why.NOT_ALLOWED:
         out.append("eager: no graph of the allowed mode exists for this batch (DP ranks agreed "
                    "on a weaker mode, or none was captured for this key)")
     return tuple(out)

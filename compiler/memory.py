@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.table import DispatchTable, read_json, write_atomic
+from graphplan.compiler.fileio import read_json, write_atomic
+from graphplan.compiler.table import DispatchTable
 
 FORMAT = "graphplan.memory_profile"
 VERSION = 1

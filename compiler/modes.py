@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from graphplan.compiler.errors import Diagnostic, plan_error
-from graphplan.compiler.spec import AttentionSupport as S
-from graphplan.compiler.spec import CudagraphSpec, Mode
-from graphplan.compiler.table import RuntimeMode
+from graphplan.compiler.records import AttentionSupport as S
+from graphplan.compiler.records import CudagraphMode, RuntimeMode
+from graphplan.compiler.spec import CudagraphSpec
 
 _PATH = "cudagraph.mode"
 
 
-def resolve_mode(cg: CudagraphSpec, q: int) -> tuple[Mode, list[Diagnostic]]:
+def resolve_mode(cg: CudagraphSpec, q: int) -> tuple[CudagraphMode, list[Diagnostic]]:
     """Apply rules 0-4 in order; each downgrade is a diagnostic naming rule, request and result."""
     mode, support, diags = cg.mode, cg.attention_support, []
     attention_splits = "attention" in cg.splitting_ops
 
-    def lower(to: Mode, rule: int, why: str) -> None:
+    def lower(to: CudagraphMode, rule: int, why: str) -> None:
         nonlocal mode
         diags.append(Diagnostic(
             code="mode-downgrade", path=_PATH,
@@ -23,16 +23,16 @@ def resolve_mode(cg: CudagraphSpec, q: int) -> tuple[Mode, list[Diagnostic]]:
             hint=f"write mode: {to.name} to accept it, or use a backend with stronger support"))
         mode = to
 
-    decode_fallback = Mode.PIECEWISE if attention_splits else Mode.NONE
-    if not cg.splitting_ops and mode in (Mode.PIECEWISE, Mode.FULL_AND_PIECEWISE):
-        lower(Mode.NONE if mode is Mode.PIECEWISE else Mode.FULL, 0,
+    decode_fallback = CudagraphMode.PIECEWISE if attention_splits else CudagraphMode.NONE
+    if not cg.splitting_ops and mode in (CudagraphMode.PIECEWISE, CudagraphMode.FULL_AND_PIECEWISE):
+        lower(CudagraphMode.NONE if mode is CudagraphMode.PIECEWISE else CudagraphMode.FULL, 0,
               "splitting_ops is empty, so no piecewise graphs are possible")
     if mode.mixed_mode is RuntimeMode.FULL and support < S.ALWAYS:
         if support is S.NEVER:
             raise plan_error("full-attention-never", _PATH, f"mode {mode.name} needs FULL graphs "
                              "but cudagraph.attention_support is NEVER",
                              "use mode: PIECEWISE (with splitting_ops: [attention]) or NONE")
-        lower(Mode.FULL_AND_PIECEWISE if attention_splits else Mode.FULL_DECODE_ONLY, 1,
+        lower(CudagraphMode.FULL_AND_PIECEWISE if attention_splits else CudagraphMode.FULL_DECODE_ONLY, 1,
               f"attention support {support.name} cannot run mixed batches in a FULL graph")
     if mode.decode_mode is RuntimeMode.FULL and support is S.NEVER:
         lower(decode_fallback, 2, "attention support NEVER allows no FULL graphs")

@@ -33,6 +33,7 @@ import numpy as np
 from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.memory import DEFAULT_PROFILE, check_profile
 from graphplan.compiler.size_dp import min_units, solve
+from graphplan.compiler.records import CudagraphMode, RuntimeMode
 from graphplan.compiler.table import DispatchTable
 from graphplan.compiler.trace import Padding, Workload, padding, step_route
 
@@ -77,12 +78,12 @@ def _with_sizes(plan: dict, sizes, lora: bool = True) -> DispatchTable:
 def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), max_size=None,
              memory_budget=None, profile=None) -> Result:
     """Tuned capture sizes for ``table``'s plan over ``work``; see the module docstring."""
-    r = table.resolved
-    if r["mode"] == "NONE":
-        raise OptimizeError(f"plan {table.plan['name']}: mode NONE captures no graphs, so there "
+    r = table.settings
+    if r.mode is CudagraphMode.NONE:
+        raise OptimizeError(f"plan {table.settings.name}: mode NONE captures no graphs, so there "
                             "are no sizes to optimize (pick a mode with graphs)")
-    q, seqs, limit = r["decode_query_len"], r["max_num_seqs"], r["max_num_batched_tokens"]
-    step = q if r["decode_mode"] == "FULL" and q > 1 else 1
+    q, seqs, limit = r.decode_query_len, r.max_num_seqs, r.max_num_batched_tokens
+    step = q if r.decode_mode is RuntimeMode.FULL and q > 1 else 1
     notes: list[str] = []
     pins = sorted(set(int(p) for p in pins))
     legal = f"multiples of decode_query_len={q} " if step > 1 else ""
@@ -101,17 +102,17 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
         notes.append(f"the largest size is the pinned {pins[-1]} (above {top})")
         top = pins[-1]
     extra: list[int] = []
-    if r["mixed_mode"] == "NONE" and top > q * seqs:  # no graph above the decode range
+    if r.mixed_mode is RuntimeMode.NONE and top > q * seqs:  # no graph above the decode range
         extra = [p for p in pins if p > q * seqs]
-        notes.append(f"mode {r['mode']} has no mixed graphs: sizes stop at q*max_num_seqs="
+        notes.append(f"mode {r.mode.name} has no mixed graphs: sizes stop at q*max_num_seqs="
                      f"{q * seqs}" + (f"; pinned {extra} kept, capturing nothing" if extra else ""))
         top = q * seqs
     pins = [p for p in pins if p <= top]
 
     # -- candidates ---------------------------------------------------------------------------
     observed = work.tokens[work.tokens <= top]
-    ub = r["ubatch"]
-    starts = [step, q, q * seqs + 1] + ([ub["decode_token_threshold"]] if ub["enabled"] else [])
+    ub = r.ubatch
+    starts = [step, q, q * seqs + 1] + ([ub.decode_token_threshold] if ub.enabled else [])
     fixed = set(int(s) for s in _ceil_to(starts, step) if s <= top) | set(pins) | {top}
     grid = step
     cand = np.union1d(_ceil_to(observed, grid), list(fixed))
@@ -129,7 +130,7 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
 
     # -- what each candidate costs and which routines land on it --------------------------------
     probe = _with_sizes(table.plan, cand, lora=False)
-    n_cases = len(r["lora_cases"])
+    n_cases = len(r.lora_cases)
     weight = np.bincount(np.searchsorted(cand, [g.key.num_tokens for g in probe.graphs]),
                          minlength=D).astype(np.int64)
     if weight.min() < 1:  # sizes outside every routine were cut above; this cannot happen
@@ -138,17 +139,16 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
     keep = work.tokens <= top
     n, u, cnt = work.tokens[keep], work.uniform[keep], work.count[keep]
     reqs, mql = work.reqs[keep], work.query_len[keep]
-    thr = np.where(u, ub["decode_token_threshold"], ub["prefill_token_threshold"])
-    klass = u * 2 + (ub["enabled"] & (n >= thr))
+    thr = np.where(u, ub.decode_token_threshold, ub.prefill_token_threshold)
+    klass = u * 2 + (ub.enabled & (n >= thr))
     at = np.searchsorted(cand, n)                              # smallest candidate >= n
-    mode_rank = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}
     best = np.zeros(len(n), dtype=np.int64)   # the strongest mode a step can get (0: always eager)
     m_bad = np.zeros(D, dtype=np.int64)       # largest n <= c_j that would get less than its best
     for k in np.unique(klass):
         g = np.flatnonzero(klass == k)
         rep = g[0]                            # the mode depends on the class and the size only
-        quality = np.array([mode_rank[step_route(probe, int(n[rep]), int(reqs[rep]), int(mql[rep]),
-                                                 pad_to=int(c)).mode] if c >= n[rep] else 0
+        quality = np.array([int(step_route(probe, int(n[rep]), int(reqs[rep]), int(mql[rep]),
+                                                 pad_to=int(c)).mode) if c >= n[rep] else 0
                             for c in cand])
         best[g] = np.maximum.accumulate(quality[::-1])[::-1][at[g]]
         for v in np.unique(quality):
@@ -160,7 +160,7 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
     graphable = best > 0
     if not graphable.any():
         notes.append(f"no step at or below {top} tokens can land on a graph of this plan (mode "
-                     f"{r['mode']}, q={q}): the fewest sizes are kept")
+                     f"{r.mode.name}, q={q}): the fewest sizes are kept")
     full = np.concatenate(([0], cand))
     lo = np.concatenate(([0], np.searchsorted(full, m_bad, side="left")))
     pin_at = np.concatenate(([0], np.searchsorted(full, pins)))  # a link may not skip a pin

@@ -12,7 +12,10 @@ from importlib import resources
 from graphplan.compiler import report_charts as charts
 from graphplan.compiler.memory import MIB, estimate
 from graphplan.compiler.summary import compact_sizes, coverage, padding_profile
-from graphplan.compiler.table import DispatchTable, write_atomic
+from graphplan.compiler.fileio import write_atomic
+from graphplan.compiler.records import RuntimeMode
+from graphplan.compiler.table import DispatchTable
+from graphplan.compiler.table_format import graph_json
 from graphplan.compiler.trace import Padding, Workload, padding
 
 MAX_GRAPH_ROWS = 2000
@@ -38,7 +41,7 @@ def _beyond(table: DispatchTable, routine: str, top: int) -> str:
         if top >= table.max_tokens:
             return ""
         n, route = top + 1, table.route(top + 1)
-    return f"above {top}: " + ("eager" if route.mode == "NONE" else route.mode)
+    return f"above {top}: " + ("eager" if route.mode is RuntimeMode.NONE else route.mode.name)
 
 
 def _diagnostics(table: DispatchTable, located) -> list[dict]:
@@ -51,21 +54,21 @@ def _diagnostics(table: DispatchTable, located) -> list[dict]:
 
 
 def _resolved_rows(table: DispatchTable) -> list[tuple[str, str]]:
-    r = table.resolved
-    mode = r["mode"] if r["mode"] == r["requested_mode"] else \
-        f"{r['mode']} (requested {r['requested_mode']})"
-    rows = [("mode", mode), ("decode routine", r["decode_mode"]), ("mixed routine", r["mixed_mode"]),
-            ("attention support", r["attention_support"]),
-            ("decode_query_len (q)", str(r["decode_query_len"])),
-            ("max_num_seqs", str(r["max_num_seqs"])),
-            ("max_num_batched_tokens", str(r["max_num_batched_tokens"])),
-            ("capture sizes", f"{len(r['capture_sizes'])}: {compact_sizes(r['capture_sizes'])}"),
-            ("LoRA cases", ", ".join(map(str, r["lora_cases"])) if r["lora_enabled"] else "off"),
-            ("data parallel size", str(r["data_parallel_size"]))]
-    ub = r["ubatch"]
-    rows.append(("micro-batching", f"{ub['num_ubatches']} ubatches, decode >= "
-                 f"{ub['decode_token_threshold']}, prefill >= {ub['prefill_token_threshold']}, "
-                 f"plain twins {'on' if ub['plain_twins'] else 'off'}" if ub["enabled"] else "off"))
+    r = table.settings
+    mode = r.mode.name if r.mode is r.requested_mode else \
+        f"{r.mode.name} (requested {r.requested_mode.name})"
+    rows = [("mode", mode), ("decode routine", r.decode_mode.name),
+            ("mixed routine", r.mixed_mode.name), ("attention support", r.attention_support.name),
+            ("decode_query_len (q)", str(r.decode_query_len)),
+            ("max_num_seqs", str(r.max_num_seqs)),
+            ("max_num_batched_tokens", str(r.max_num_batched_tokens)),
+            ("capture sizes", f"{len(r.capture_sizes)}: {compact_sizes(r.capture_sizes)}"),
+            ("LoRA cases", ", ".join(map(str, r.lora_cases)) if r.lora_enabled else "off"),
+            ("data parallel size", str(r.data_parallel_size))]
+    ub = r.ubatch
+    rows.append(("micro-batching", f"{ub.num_ubatches} ubatches, decode >= "
+                 f"{ub.decode_token_threshold}, prefill >= {ub.prefill_token_threshold}, "
+                 f"plain twins {'on' if ub.plain_twins else 'off'}" if ub.enabled else "off"))
     return rows
 
 
@@ -107,7 +110,7 @@ def build(table: DispatchTable, *, source: str, located=None, work: Workload | N
     bars = [(ROUTINE_LABEL[r], n, "full" if r.startswith("full") else "piecewise")
             for r, n in sorted(per_routine.items())]
     mem = estimate(table, profile)
-    graphs = [g.to_json() for g in table.graphs[:MAX_GRAPH_ROWS]]
+    graphs = [graph_json(g) for g in table.graphs[:MAX_GRAPH_ROWS]]
     return {
         "title": f"graphplan report: {table.plan.get('name', 'plan')}",
         "name": table.plan.get("name", "plan"), "source": source,

@@ -7,8 +7,9 @@ import numpy as np
 from graphplan.compiler.errors import Diagnostic, PlanError
 from graphplan.compiler.modes import resolve_mode
 from graphplan.compiler.sizes import resolve_sizes
-from graphplan.compiler.spec import LoraSpec, Mode, PlanSpec
-from graphplan.compiler.table import ROUTINES, BatchDescriptor, DispatchTable, Graph, RuntimeMode
+from graphplan.compiler.records import (ROUTINES, BatchDescriptor, CudagraphMode, Graph, RuntimeMode,
+                                        TableSettings, UbatchSettings)
+from graphplan.compiler.spec import LoraSpec, PlanSpec, plan_from_dict
 
 STRICT_CODES = frozenset({"mode-downgrade", "size-dropped", "size-rounded"})
 """Diagnostics that ``strict: true`` turns into errors: each loses throughput silently."""
@@ -70,7 +71,7 @@ def lora_cases(lora: LoraSpec) -> tuple[list[int], list[int]]:
     return cases, of_count
 
 
-def graph_keys(spec: PlanSpec, mode: Mode, sizes: list[int], cases: list[int]
+def graph_keys(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]
                ) -> list[tuple[str, RuntimeMode, BatchDescriptor]]:
     """Every graph to capture, unordered: (routine, mode, key)."""
     q, seqs = spec.scheduler.decode_query_len, spec.scheduler.max_num_seqs
@@ -107,14 +108,15 @@ def capture_order(keys):
                                        -k[2].num_active_loras, -k[2].num_ubatches, not k[2].uniform))
 
 
-def resolve(spec: PlanSpec, plan: dict) -> tuple[DispatchTable, list[Diagnostic]]:
-    """Resolve a validated plan. ``plan`` is the normalized dict (defaults filled) it came from."""
+def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
+    """Resolve a validated plan. ``plan`` is the normalized dict (defaults filled) it came from.
+    Returns DispatchTable's constructor arguments and the diagnostics."""
     diags = check_rules(spec)
     q = spec.scheduler.decode_query_len
     mode, mode_diags = resolve_mode(spec.cudagraph, q)
     diags += mode_diags
     sizes: list[int] = []
-    if mode is not Mode.NONE:
+    if mode is not CudagraphMode.NONE:
         sizes, size_diags = resolve_sizes(spec.cudagraph.capture_sizes, spec.scheduler,
                                           round_to_q=mode.decode_mode is RuntimeMode.FULL)
         diags += size_diags
@@ -149,31 +151,29 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[DispatchTable, list[Diagnostic]
     routes = {r: np.full((len(cases), len(sizes)), -1, dtype=np.int32) for r in ROUTINES}
     for g in graphs:
         routes[g.routine][case_pos[g.key.num_active_loras], size_pos[g.key.num_tokens]] = g.id
-    resolved = {
-        "mode": mode.name,
-        "requested_mode": spec.cudagraph.mode.name,
-        "decode_mode": mode.decode_mode.name,
-        "mixed_mode": mode.mixed_mode.name,
-        "separate_routines": mode.separate_routine,
-        "attention_support": spec.cudagraph.attention_support.name,
-        "decode_query_len": q,
-        "max_num_seqs": spec.scheduler.max_num_seqs,
-        "max_num_batched_tokens": spec.scheduler.max_num_batched_tokens,
-        "capture_sizes": sizes,
-        "lora_enabled": spec.lora.enabled,
-        "lora_cases": cases,
-        "lora_case_of_count": of_count,
-        "ubatch": {"enabled": ub.enabled, "num_ubatches": ub.num_ubatches,
-                   "decode_token_threshold": ub.decode_token_threshold,
-                   "prefill_token_threshold": ub.prefill_token_threshold,
-                   "plain_twins": ub.plain_twins},
-        "data_parallel_size": spec.parallel.data_parallel_size,
-        "dp_backend": spec.parallel.backend,
-        "sync_timeout_s": spec.parallel.sync_timeout_s,
-    }
-    table = DispatchTable(plan=plan, resolved=resolved, graphs=graphs, routes=routes,
-                          diagnostics=tuple(d.to_json() for d in diags))
-    return table, diags
+    settings = TableSettings(
+        name=spec.name, mode=mode, requested_mode=spec.cudagraph.mode,
+        attention_support=spec.cudagraph.attention_support,
+        splitting_ops=spec.cudagraph.splitting_ops, decode_query_len=q,
+        max_num_seqs=spec.scheduler.max_num_seqs,
+        max_num_batched_tokens=spec.scheduler.max_num_batched_tokens,
+        capture_sizes=tuple(sizes), lora_enabled=spec.lora.enabled, lora_cases=tuple(cases),
+        lora_case_of_count=tuple(of_count),
+        ubatch=UbatchSettings(enabled=ub.enabled, num_ubatches=ub.num_ubatches,
+                              decode_token_threshold=ub.decode_token_threshold,
+                              prefill_token_threshold=ub.prefill_token_threshold,
+                              plain_twins=ub.plain_twins),
+        data_parallel_size=spec.parallel.data_parallel_size, dp_backend=spec.parallel.backend,
+        sync_timeout_s=float(spec.parallel.sync_timeout_s))
+    parts = dict(plan=plan, settings=settings, graphs=graphs, routes=routes,
+                 diagnostics=tuple(d.to_json() for d in diags))
+    return parts, diags
+
+
+def resolve_plan_dict(plan: dict) -> dict:
+    """DispatchTable's constructor arguments for a plan dict with every default filled (as a
+    table embeds it); no schema check, so a malformed dict raises what building it raises."""
+    return resolve(plan_from_dict(plan), plan)[0]
 
 
 def _fields(d: Diagnostic) -> dict:

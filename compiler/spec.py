@@ -6,46 +6,9 @@ loader fills them in before these are built), and a test checks the two agree fi
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from graphplan.compiler.table import RuntimeMode
-
-
-class Mode(enum.Enum):
-    """A plan's cudagraph mode; YAML spellings are the member names. Value = (decode, mixed)."""
-
-    NONE = (RuntimeMode.NONE, RuntimeMode.NONE)
-    PIECEWISE = (RuntimeMode.PIECEWISE, RuntimeMode.PIECEWISE)
-    FULL = (RuntimeMode.FULL, RuntimeMode.FULL)
-    FULL_DECODE_ONLY = (RuntimeMode.FULL, RuntimeMode.NONE)
-    FULL_AND_PIECEWISE = (RuntimeMode.FULL, RuntimeMode.PIECEWISE)
-
-    @property
-    def decode_mode(self) -> RuntimeMode:
-        return self.value[0]
-
-    @property
-    def mixed_mode(self) -> RuntimeMode:
-        return self.value[1]
-
-    @property
-    def separate_routine(self) -> bool:
-        """True when uniform-decode batches have their own (FULL) routine."""
-        return self in (Mode.FULL_DECODE_ONLY, Mode.FULL_AND_PIECEWISE)
-
-    @property
-    def has_full(self) -> bool:
-        return RuntimeMode.FULL in self.value
-
-
-class AttentionSupport(enum.IntEnum):
-    """How much of a batch the attention backend can run inside a FULL graph (weakest first)."""
-
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    UNIFORM_BATCH = 2
-    ALWAYS = 3
+from graphplan.compiler.records import AttentionSupport, CudagraphMode
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +47,7 @@ class CaptureSizesSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CudagraphSpec:
-    mode: Mode
+    mode: CudagraphMode
     attention_support: AttentionSupport
     splitting_ops: tuple[str, ...]
     capture_sizes: CaptureSizesSpec
@@ -146,7 +109,7 @@ def plan_from_dict(d: dict) -> PlanSpec:
         name=d["name"],
         scheduler=SchedulerSpec(**d["scheduler"]),
         cudagraph=CudagraphSpec(
-            mode=Mode[cg["mode"]],
+            mode=CudagraphMode[cg["mode"]],
             attention_support=AttentionSupport[cg["attention_support"]],
             splitting_ops=tuple(cg["splitting_ops"]),
             capture_sizes=_sizes_from_dict(cg["capture_sizes"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphplan.compiler.table import DispatchTable
+from graphplan.compiler.table_format import graph_json
 
 
 def compact_sizes(sizes) -> str:
@@ -80,29 +81,29 @@ def coverage(table: DispatchTable) -> list[Coverage]:
 
 
 def summary_lines(table: DispatchTable) -> list[str]:
-    r = table.resolved
+    r = table.settings
     by_mode: dict[str, int] = {}
     for g in table.graphs:
         by_mode[g.mode.name] = by_mode.get(g.mode.name, 0) + 1
-    mode = r["mode"] if r["mode"] == r["requested_mode"] else \
-        f"{r['mode']} (requested {r['requested_mode']})"
+    mode = r.mode.name if r.mode is r.requested_mode else \
+        f"{r.mode.name} (requested {r.requested_mode.name})"
     lines = [
-        f"plan {table.plan['name']}  fingerprint {table.fingerprint[:19]}",
-        f"mode {mode}; attention {r['attention_support']}; q={r['decode_query_len']}; "
-        f"max_num_seqs={r['max_num_seqs']}; max_num_batched_tokens={r['max_num_batched_tokens']}",
-        f"capture sizes ({len(r['capture_sizes'])}): {compact_sizes(r['capture_sizes'])}",
+        f"plan {table.settings.name}  fingerprint {table.fingerprint[:19]}",
+        f"mode {mode}; attention {r.attention_support.name}; q={r.decode_query_len}; "
+        f"max_num_seqs={r.max_num_seqs}; max_num_batched_tokens={r.max_num_batched_tokens}",
+        f"capture sizes ({len(r.capture_sizes)}): {compact_sizes(r.capture_sizes)}",
         f"graphs: {len(table.graphs)}" + (" (" + ", ".join(f"{v} {k}" for k, v in
                                                           sorted(by_mode.items())) + ")"
                                           if by_mode else ""),
     ]
-    if r["lora_enabled"]:
-        lines.append(f"lora cases (active adapters captured): {r['lora_cases']}")
-    if r["ubatch"]["enabled"]:
-        ub = r["ubatch"]
-        lines.append(f"ubatch: {ub['num_ubatches']} micro-batches, decode >= "
-                     f"{ub['decode_token_threshold']}, prefill >= {ub['prefill_token_threshold']}, "
-                     f"plain twins {'on' if ub['plain_twins'] else 'off'}; DP size "
-                     f"{r['data_parallel_size']}")
+    if r.lora_enabled:
+        lines.append(f"lora cases (active adapters captured): {r.lora_cases}")
+    if r.ubatch.enabled:
+        ub = r.ubatch
+        lines.append(f"ubatch: {ub.num_ubatches} micro-batches, decode >= "
+                     f"{ub.decode_token_threshold}, prefill >= {ub.prefill_token_threshold}, "
+                     f"plain twins {'on' if ub.plain_twins else 'off'}; DP size "
+                     f"{r.data_parallel_size}")
     lines.append("")
     lines.append(f"{'routine':<8} {'mode':<10} {'graph sizes':<34} {'worst padding':>14}")
     covered_top = 0
@@ -111,7 +112,7 @@ def summary_lines(table: DispatchTable) -> list[str]:
         lines.append(f"{c.routine:<8} {c.mode:<10} {_clip(compact_sizes(c.sizes), 34):<34} "
                      f"{worst:>14}")
         covered_top = max(covered_top, c.sizes[-1])
-    top = r["max_num_batched_tokens"]
+    top = r.max_num_batched_tokens
     if covered_top < top:
         lines.append(f"{'eager':<8} {'NONE':<10} {f'{covered_top + 1}..{top} tokens':<34} "
                      f"{'-':>14}")
@@ -123,11 +124,12 @@ def _clip(s: str, n: int) -> str:
 
 
 def summary_json(table: DispatchTable) -> dict:
-    r = table.resolved
+    r = table.settings
     return {
-        "name": table.plan["name"], "fingerprint": table.fingerprint, "mode": r["mode"],
-        "requested_mode": r["requested_mode"], "capture_sizes": r["capture_sizes"],
-        "num_graphs": len(table.graphs), "graphs": [g.to_json() for g in table.graphs],
+        "name": table.settings.name, "fingerprint": table.fingerprint,
+        "content_fingerprint": table.content_fingerprint, "mode": r.mode.name,
+        "requested_mode": r.requested_mode.name, "capture_sizes": list(r.capture_sizes),
+        "num_graphs": len(table.graphs), "graphs": [graph_json(g) for g in table.graphs],
         "coverage": [{"routine": c.routine, "mode": c.mode, "sizes": list(c.sizes),
                       "worst_padding": c.worst_pad, "worst_at": c.worst_at}
                      for c in coverage(table)],

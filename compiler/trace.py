@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from graphplan.compiler.errors import GraphplanError
+from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 
 KEYS = ("num_tokens", "num_reqs", "max_query_len")
@@ -224,7 +225,7 @@ def padding(table: DispatchTable, work: Workload) -> Padding:
         route = step_route(table, n, r, m)
         row = routines["decode" if u else "mixed"]
         row["steps"] += c
-        if route.mode == "NONE":
+        if route.mode is RuntimeMode.NONE:
             row["eager_steps"] += c
             continue
         row["graphed_steps"] += c

@@ -48,7 +48,7 @@ def cmd_report(a) -> int:
 
 
 def _header(a, res, trace_steps: int, above: int, graphs_before: int) -> list[str]:
-    from graphplan.compiler.table import COMPILER_VERSION
+    from graphplan.compiler.table_format import COMPILER_VERSION
     from graphplan.compiler.tuned_plan import HEADER_MARK
     b, f = res.before, res.after
     cut = f", {0.0 - _cut(b.padded_tokens, f.padded_tokens):+.1f} %" if b.padded_tokens else ""
@@ -72,13 +72,13 @@ def cmd_optimize(a) -> int:
     from graphplan.compiler.memory import estimate, load_profile
     from graphplan.compiler.optimize import optimize
     from graphplan.compiler.summary import compact_sizes
-    from graphplan.compiler.table import write_atomic
-    from graphplan.compiler.tuned_plan import check_tuned, raw_plan, tuned_plan_text
+    from graphplan.compiler.fileio import write_atomic
+    from graphplan.compiler.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)
     pins = list(a.pin)
-    if isinstance(table.plan["cudagraph"]["capture_sizes"], list):
+    if lists_sizes(table.plan):
         pins += table.capture_sizes  # an explicit list is the author's choice: keep every size
     budget = a.memory_budget * MIB if a.memory_budget is not None else None
     max_graphs = a.max_graphs if a.max_graphs is not None else len(table.graphs)

@@ -5,17 +5,19 @@ not plans). The table format is ``compiler.table``, the one module both halves s
 """
 
 from graphplan.compiler.errors import BatchError, GraphplanError, TableError
-from graphplan.compiler.table import DispatchTable, Route, RuntimeMode
+from graphplan.compiler.records import RuntimeMode, TableSettings, Why
+from graphplan.compiler.table import DispatchTable, Route
 from graphplan.runtime.buffers import StaticInput
+from graphplan.runtime.capture import CaptureError
 from graphplan.runtime.metrics import render_prometheus
 from graphplan.runtime.piecewise import SplitError
-from graphplan.runtime.runner import CaptureError, GraphRunner, RunnerStateError
+from graphplan.runtime.runner import GraphRunner, RunnerStateError
 
-__all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "BatchError",
+__all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "TableSettings", "Why", "BatchError",
            "CaptureError", "GraphplanError", "RunnerStateError", "SplitError", "TableError",
            "render_prometheus", "load_table"]
 
 
 def load_table(path) -> DispatchTable:
-    """Load a compiled table.json (format version and checksum verified)."""
+    """Load a compiled table.json, verified against itself (graphplan.compiler.table_format)."""
     return DispatchTable.load(path)

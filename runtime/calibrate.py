@@ -15,7 +15,8 @@ import hashlib
 import torch
 
 from graphplan.compiler import memory
-from graphplan.compiler.table import DispatchTable, RuntimeMode
+from graphplan.compiler.records import RuntimeMode
+from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.runner import GraphRunner
 
 
@@ -51,7 +52,7 @@ def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count:
     ids = {next(g.id for g in table.graphs if g.mode is RuntimeMode.FULL
                 and g.key.num_ubatches == 1 and g.key.num_tokens == t) for t in sizes}
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
-    summary = runner.capture(("FULL",), only=ids)
+    summary = runner.capture((RuntimeMode.FULL,), only=ids)
     runner.release()
     samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
     per_graph = max(0.0, sum(b for _, b in samples[1:]) / (len(samples) - 1))

@@ -1,44 +1,91 @@
 """Capture a runner's graphs: warm up, capture largest first into one pool, gc frozen, with a
-progress bar on rank 0 and a closing summary that compares memory with an estimate made from the
+progress bar on rank 0 (log lines without a terminal) and a closing summary that compares memory with an estimate made from the
 two largest graphs (as vLLM does), before the rest are captured."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.table import RuntimeMode
+from graphplan.compiler.records import RuntimeMode
 from graphplan.runtime.buffers import as_tuple
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
 
 
-def _progress(items, runner, desc: str):
-    if runner.rank != 0 or not runner.progress:
+PROGRESS_LINES = 10
+"""Without a terminal, capture logs about this many progress lines instead of a progress bar."""
+
+
+@dataclass
+class Captured:
+    """What one capture produced; the runner keeps it."""
+
+    graphs: list
+    """[len(table.graphs)]: the captured graph per table id, None where not captured."""
+    outputs: tuple | None
+    """Static output buffers at the largest captured size (FULL graphs copy into them)."""
+    single_output: bool
+    """The model returns one tensor (not a tuple)."""
+    piecewise: object | None
+    """runtime.piecewise_graphs.PiecewiseGraphs when PIECEWISE graphs were captured."""
+    summary: dict
+    """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
+
+
+@dataclass(frozen=True)
+class CaptureJob:
+    """What to capture and with what: the runner's model, table and static buffers."""
+
+    model: object
+    table: object
+    buffers: object
+    backend: object
+    warmups: int = 1
+    rank: int = 0
+    progress: bool = True
+    splitting_ops: dict = field(default_factory=dict)
+    ubatch_body: object = None
+    """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
+
+
+def _progress(items: list, job: CaptureJob, desc: str):
+    """A progress bar on a terminal; a log line every ~tenth of the graphs otherwise (logs and CI
+    output are not flooded by redrawn bars)."""
+    if job.rank != 0 or not job.progress:
         return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional: fall back to a plain log line per graph
-        return items
-    return tqdm(items, desc=desc, unit="graph", leave=False)
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+            return tqdm(items, desc=desc, unit="graph", leave=False)
+        except ImportError:  # tqdm is optional
+            pass
+    return _logged(items, desc)
 
 
-def _allocate_outputs(runner, out, max_tokens: int) -> None:
-    outs = as_tuple(out)
-    runner._single_output = not isinstance(out, (tuple, list))
-    runner._outputs = tuple(torch.empty((max_tokens, *o.shape[1:]), dtype=o.dtype, device=o.device)
-                            for o in outs)
+def _logged(items: list, desc: str):
+    every = max(1, -(-len(items) // PROGRESS_LINES))
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % every == 0 or i == len(items):
+            log.info("%s: %d/%d", desc, i, len(items))
 
 
-def _graph_fn(runner, views: dict, tokens: int):
+def _static_outputs(out, max_tokens: int) -> tuple:
+    return tuple(torch.empty((max_tokens, *o.shape[1:]), dtype=o.dtype, device=o.device)
+                 for o in as_tuple(out))
+
+
+def _graph_fn(model, statics: tuple, views: dict, tokens: int):
     """The body a graph records: the model on static views, outputs copied to static buffers (so
     the pool can reuse each graph's activations for the next one)."""
-    model, statics = runner.model, runner._outputs
 
     def fn():
         for dst, src in zip(statics, as_tuple(model(**views))):
@@ -46,100 +93,112 @@ def _graph_fn(runner, views: dict, tokens: int):
     return fn
 
 
-def capture_graphs(runner, modes: tuple[RuntimeMode, ...], only: set[int] | None = None) -> dict:
-    table, backend, buffers = runner.table, runner.backend, runner.buffers
+def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
+                   only: set[int] | None = None) -> Captured:
+    """Warm up and capture the table's graphs of ``modes`` in table order. On any failure, an
+    interrupt included, everything captured so far is released before the error propagates."""
+    table, backend, buffers, model = job.table, job.backend, job.buffers, job.model
     ids = [g.id for g in table.graphs if g.mode in modes  # table order: largest first per mode
-           and (g.key.num_ubatches == 1 or getattr(runner, "ubatch_body", None))
+           and (g.key.num_ubatches == 1 or job.ubatch_body is not None)
            and (only is None or g.id in only)]
     summary = {"graphs": 0, "seconds": 0.0, "bytes": 0, "estimate_bytes": None,
                "estimate_error": None, "per_graph": [], "backend": backend.name}
+    done = Captured(graphs=[None] * len(table.graphs), outputs=None, single_output=True,
+                    piecewise=None, summary=summary)
     if not ids:
-        runner.stats_.captured(summary)
-        return summary
+        return done
     t0 = time.perf_counter()
     if any(table.graphs[g].mode is RuntimeMode.PIECEWISE for g in ids):
-        runner._piecewise = _split(runner)  # SplitError here, before anything is captured
+        done.piecewise = _split(job)  # SplitError here, before anything is captured
     gc.collect()
     gc.freeze()  # capture allocates many Python objects; keep the collector out of the way
     gid = ids[0]
     try:
         with torch.no_grad():
-            for n_done, gid in enumerate(_progress(ids, runner, f"Capturing graphs ({backend.name})")):
+            for n_done, gid in enumerate(_progress(ids, job, f"Capturing graphs ({backend.name})")):
                 key = table.graphs[gid].key
                 tokens = key.num_tokens
                 reqs = key.num_reqs if key.num_reqs is not None else min(tokens, table.max_num_seqs)
                 buffers.reset(tokens, reqs)
                 views = buffers.views(tokens, reqs)
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
-                    runner._graphs[gid], took = runner._piecewise.capture(views, tokens)
+                    done.graphs[gid], took = done.piecewise.capture(views, tokens)
                 else:
-                    for i in range(max(runner.warmups, 1 if runner._outputs is None else 0)):
-                        out = runner.model(**views)
-                        if runner._outputs is None:
-                            _allocate_outputs(runner, out, buffers.max_tokens)
+                    for i in range(max(job.warmups, 1 if done.outputs is None else 0)):
+                        out = model(**views)
+                        if done.outputs is None:
+                            done.outputs = _static_outputs(out, buffers.max_tokens)
+                            done.single_output = not isinstance(out, (tuple, list))
                         del out
                     if key.num_ubatches > 1:  # DBO: streams and events, warmed once first
-                        body = runner.ubatch_body(key, views, tokens)
+                        body = job.ubatch_body(key, views, tokens, done.outputs)
                         body()
                     else:
-                        body = _graph_fn(runner, views, tokens)
+                        body = _graph_fn(model, done.outputs, views, tokens)
                     before = backend.memory_used()
-                    runner._graphs[gid] = backend.capture(body)
+                    done.graphs[gid] = backend.capture(body)
                     took = backend.memory_used() - before
                 summary["per_graph"].append([gid, tokens, took])
                 summary["bytes"] += took
                 if n_done == 1:  # estimate the rest from the two largest graphs
                     first = summary["per_graph"][0][2]
                     summary["estimate_bytes"] = first + took * (len(ids) - 1)
-    except Exception as e:
-        runner.release()
-        if isinstance(e, GraphplanError):  # already says what is wrong and how to fix it
-            raise
-        key = table.graphs[gid].key
-        oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-        fix = ("lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
-               f"{key.num_tokens}), or leave more GPU memory free" if oom else
-               "check that the model runs eagerly at this size, with no host syncs or "
-               "data-dependent shapes (required inside a CUDA graph)")
-        from graphplan.runtime.runner import CaptureError
-        raise CaptureError(f"capturing graph #{gid} ({key.num_tokens} tokens, "
-                           f"{key.num_reqs} requests, lora {key.num_active_loras}, "
-                           f"{key.num_ubatches} ubatch(es)) failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}. Released every graph "
-                           f"captured so far. Fix: {fix}") from e
+    except BaseException as e:
+        done.graphs = [None] * len(table.graphs)
+        done.piecewise = done.outputs = None
+        backend.release()
+        if not isinstance(e, Exception) or isinstance(e, GraphplanError):
+            raise  # an interrupt, or an error that already says what is wrong and how to fix it
+        raise _capture_error(e, gid, table.graphs[gid].key) from e
     finally:
         gc.unfreeze()
     backend.synchronize()
     summary["graphs"] = len(ids)
     summary["seconds"] = time.perf_counter() - t0
-    if runner._piecewise is not None:
-        pw = runner._piecewise
+    if done.piecewise is not None:
+        pw = done.piecewise
         summary["piecewise"] = {"pieces": len(pw.split.pieces), "split_ops": len(pw.split.split_ops),
                                 "piece_graphs": pw.num_graphs(), "static_bytes": pw.crossing_bytes()}
     if summary["estimate_bytes"] and summary["bytes"]:
         summary["estimate_error"] = summary["estimate_bytes"] / summary["bytes"] - 1
-    runner.stats_.captured(summary)
-    if runner.rank == 0:
+    if job.rank == 0:
         log.info(capture_line(summary))
-    return summary
+    return done
 
 
-def _split(runner):
+class CaptureError(GraphplanError):
+    """Capturing a graph failed; everything captured so far was released."""
+
+
+def _capture_error(e: Exception, gid: int, key) -> CaptureError:
+    oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+    fix = ("lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
+           f"{key.num_tokens}), or leave more GPU memory free" if oom else
+           "check that the model runs eagerly at this size, with no host syncs or "
+           "data-dependent shapes (required inside a CUDA graph)")
+    return CaptureError(f"capturing graph #{gid} ({key.num_tokens} tokens, "
+                        f"{key.num_reqs} requests, lora {key.num_active_loras}, "
+                        f"{key.num_ubatches} ubatch(es)) failed: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}. Released every graph "
+                        f"captured so far. Fix: {fix}")
+
+
+def _split(job: CaptureJob):
     """The model cut at the plan's splitting ops, ready to capture (runtime/piecewise.py)."""
     from graphplan.runtime.piecewise import split_model
     from graphplan.runtime.piecewise_graphs import PiecewiseGraphs
-    table, model = runner.table, runner.model
-    split = split_model(model, table.plan["cudagraph"]["splitting_ops"], runner.splitting_ops)
-    static = [*runner.buffers.buffers.values()]
+    table, model = job.table, job.model
+    split = split_model(model, table.settings.splitting_ops, job.splitting_ops)
+    static = [*job.buffers.buffers.values()]
     if isinstance(model, torch.nn.Module):
         static += [*model.parameters(), *model.buffers()]
     static += [*split.module.parameters(), *split.module.buffers()]
     for m in split.module.modules():  # constants the tracer baked in (e.g. a view of the cache)
         static += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
     max_tokens = max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
-    return PiecewiseGraphs(split, backend=runner.backend, buffers=runner.buffers,
+    return PiecewiseGraphs(split, backend=job.backend, buffers=job.buffers,
                            max_tokens=max_tokens, max_reqs=table.max_num_seqs, static=static,
-                           warmups=runner.warmups)
+                           warmups=job.warmups)
 
 
 def capture_line(s: dict) -> str:

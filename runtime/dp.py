@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.table import RuntimeMode
+from graphplan.compiler.records import RuntimeMode
 
 UNPADDED, PADDED, WANTS_UBATCH, MODE = range(4)  # rows of the all-reduced tensor
-MODE_OF = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}  # Route.mode -> what a rank contributes
 IDLE = (0, 0, 0, int(RuntimeMode.FULL))
 _MODES = tuple(RuntimeMode)  # int -> RuntimeMode without the enum's call overhead
 P2P_MAX_RANKS = 8  # Gloo DP groups up to this size exchange columns point-to-point
@@ -79,7 +78,7 @@ def contribution(num_tokens: int, route=None) -> tuple[int, int, int, int]:
     """This rank's column: (unpadded, padded, wants_ubatch, mode); IDLE without work."""
     if route is None or num_tokens == 0:
         return IDLE
-    return (num_tokens, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
+    return (num_tokens, route.padded_tokens, int(route.wants_ubatch), int(route.mode))
 
 
 def agree(matrix, num_ubatches: int) -> DPDecision:
@@ -185,10 +184,9 @@ class DPCoordinator:
     def for_table(cls, table, group=None, *, backend: str | None = None, device=None
                   ) -> "DPCoordinator":
         """A coordinator with the plan's backend, timeout and ubatch count."""
-        r = table.resolved
-        return cls(group, backend=backend or r.get("dp_backend", "auto"),
-                   timeout_s=r.get("sync_timeout_s", 300.0),
-                   num_ubatches=r["ubatch"]["num_ubatches"], device=device)
+        s = table.settings
+        return cls(group, backend=backend or s.dp_backend, timeout_s=s.sync_timeout_s,
+                   num_ubatches=s.ubatch.num_ubatches, device=device)
 
     # -- collectives ----------------------------------------------------------------------------
     def _all_reduce(self, buf: torch.Tensor, host: torch.Tensor, what: str, *,

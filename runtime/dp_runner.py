@@ -76,15 +76,15 @@ class DPRunner:
         self.comm_sms = comm_sms  # SMs matmuls leave to communication while ubatches overlap
         self.coord = coordinator or DPCoordinator.for_table(self.table)
         if check_fingerprint:
-            self.coord.check_fingerprint(self.table.fingerprint)
-        want = self.table.resolved.get("data_parallel_size", 1)
+            self.coord.check_fingerprint(self.table.content_fingerprint)
+        want = self.table.settings.data_parallel_size
         if self.coord.size not in (1, want):
             raise DPError(f"the plan has parallel.data_parallel_size={want}, but the DP group has "
                           f"{self.coord.size} ranks: compile the plan for {self.coord.size} ranks "
                           f"(--set parallel.data_parallel_size={self.coord.size})")
-        ub = self.table.resolved["ubatch"]
-        self.k = ub["num_ubatches"]
-        self.streams = UbatchStreams(runner.device, self.k) if ub["enabled"] else None
+        ub = self.table.settings.ubatch
+        self.k = ub.num_ubatches
+        self.streams = UbatchStreams(runner.device, self.k) if ub.enabled else None
         self.specs = runner.buffers.specs
         self._offsets = next((s.name for s in self.specs if s.per == "req+1"), None)
         self._dummies: dict = {}
@@ -169,7 +169,7 @@ class DPRunner:
 
     def _execute(self, route, d: DPDecision, inputs, n, num_reqs, max_query_len, query_lens):
         runner, gid = self.runner, route.graph_id
-        captured = gid >= 0 and runner._graphs[gid] is not None
+        captured = runner.has_graph(gid)
         if d.ubatch:
             self.counts["ubatched_steps"] += 1
             if captured:
@@ -178,7 +178,7 @@ class DPRunner:
         if captured or route.padded_tokens <= n:
             return runner.execute(route, inputs, n, num_reqs)
         # no graph, but peers run the agreed size: run it too, eagerly
-        runner.stats_.eager(route, gid)
+        runner.record_eager(route)
         padded = pad_inputs(self.specs, inputs, route.padded_tokens, num_reqs or 0)
         with torch.no_grad():
             out = runner.model(**padded)
@@ -186,7 +186,7 @@ class DPRunner:
 
     def _eager_ubatched(self, route, inputs, n, num_reqs, max_query_len, query_lens):
         runner, table = self.runner, self.table
-        runner.stats_.eager(route, route.graph_id)
+        runner.record_eager(route)
         reqs = num_reqs or 0
         if query_lens is None:
             if reqs and max_query_len == table.q and n == table.q * reqs:
@@ -220,7 +220,7 @@ class DPRunner:
         return batch
 
     # -- capture hook ---------------------------------------------------------------------------
-    def _ubatch_body(self, key, views: dict, tokens: int):
+    def _ubatch_body(self, key, views: dict, tokens: int, outputs: tuple):
         """The function a ubatched graph records: the ubatch schedule over the static views of a
         uniform-decode batch of ``key.num_tokens`` tokens, outputs copied into the static rows."""
         if self.streams is None:
@@ -235,7 +235,7 @@ class DPRunner:
                 outs = run_ubatches(model, [slice_inputs(specs, views, sl) for sl in slices],
                                     streams)
             for sl, out in zip(slices, outs):
-                for dst, src in zip(runner._outputs, as_tuple(out)):
+                for dst, src in zip(outputs, as_tuple(out)):
                     dst[sl.token_start:sl.padded_token_stop].copy_(src)
         return fn
 

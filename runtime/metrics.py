@@ -3,23 +3,12 @@ rendered as a dict (``runner.stats()``) or in the Prometheus text format."""
 
 from __future__ import annotations
 
-from graphplan.compiler import table as T
-
-EAGER_REASONS = {
-    T.WHY_NO_GRAPHS: "plan_has_no_graphs",
-    T.WHY_TOO_BIG: "above_largest_capture_size",
-    T.WHY_MIXED_NONE: "mixed_routine_none",
-    T.WHY_NOT_ALLOWED: "mode_not_allowed",
-    T.WHY_NO_TWIN: "no_plain_twin",
-    T.WHY_UBATCH_MIXED: "ubatched_mixed_batch",
-    T.WHY_NO_UBATCH_GRAPH: "no_ubatched_graph",
-}
 
 
 class RunnerStats:
     """Counters kept as flat lists indexed by graph id, so a step costs two list increments."""
 
-    def __init__(self, table: T.DispatchTable, backend: str):
+    def __init__(self, table, backend: str):
         self.table, self.backend = table, backend
         n = len(table.graphs)
         self.replays = [0] * n
@@ -35,7 +24,7 @@ class RunnerStats:
         if gid >= 0:  # the table has a graph for it, but this runner did not capture it
             reason = f"{self.table.graphs[gid].mode.name.lower()}_not_captured"
         else:
-            reason = EAGER_REASONS.get(route.why, "other")
+            reason = route.why.label
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
 
     def captured(self, summary: dict) -> None:
@@ -50,7 +39,7 @@ class RunnerStats:
         by_mode: dict[str, int] = {}
         for g in graphs:
             by_mode[g.mode.name] = by_mode.get(g.mode.name, 0) + self.replays[g.id]
-        return {"fingerprint": self.table.fingerprint, "plan": self.table.plan["name"],
+        return {"fingerprint": self.table.fingerprint, "plan": self.table.settings.name,
                 "backend": self.backend, "replays": sum(self.replays), "replays_by_mode": by_mode,
                 "padding_tokens": sum(self.padding), "eager_steps": dict(self.eager_steps),
                 "graphs": per_graph, "capture": dict(self.capture)}

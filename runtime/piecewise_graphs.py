@@ -180,7 +180,7 @@ class _OpCall:
 
 
 class PiecewiseGraph:
-    """The graphs of one PIECEWISE key (what ``runner._graphs[gid]`` holds for it)."""
+    """The graphs of one PIECEWISE key (what a runner holds per PIECEWISE graph id)."""
 
     __slots__ = ("owner", "tokens")
 

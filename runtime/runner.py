@@ -15,18 +15,18 @@ from typing import Mapping
 import torch
 
 from graphplan.compiler.errors import GraphplanError, TableError
-from graphplan.compiler.table import DispatchTable, RuntimeMode
+from graphplan.compiler.records import RuntimeMode
+from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.buffers import StaticBuffers, StaticInput
+from graphplan.runtime.capture import CaptureError, CaptureJob, capture_graphs
 from graphplan.runtime.graphs import graph_backend
 from graphplan.runtime.metrics import RunnerStats
+
+__all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
 
 
 class RunnerStateError(GraphplanError):
     """The runner was used out of order (e.g. capture() twice)."""
-
-
-class CaptureError(GraphplanError):
-    """Capturing a graph failed; everything captured so far was released."""
 
 
 class GraphRunner:
@@ -47,10 +47,10 @@ class GraphRunner:
                  splitting_ops: Mapping[str, object] | None = None):
         if not isinstance(table, DispatchTable):
             table = DispatchTable.load(Path(table))
-        if expected_fingerprint is not None and table.fingerprint != expected_fingerprint:
-            raise TableError(f"table fingerprint {table.fingerprint[:19]} does not match the "
-                             f"runner's {expected_fingerprint[:19]}: compile the plan this server "
-                             "was built for, or build the runner for the new table")
+        if expected_fingerprint is not None and table.content_fingerprint != expected_fingerprint:
+            raise TableError(f"table content fingerprint {table.content_fingerprint[:19]} does not "
+                             f"match the runner's {expected_fingerprint[:19]}: compile the plan "
+                             "this server was built for, or build the runner for the new table")
         if device is None:
             device = _model_device(model)
         self.model, self.table = model, table
@@ -65,15 +65,15 @@ class GraphRunner:
         self._graphs: list = [None] * len(table.graphs)
         self._outputs: tuple[torch.Tensor, ...] | None = None
         self._single_output = True
-        # (key, views, tokens) -> the body a ubatched (num_ubatches > 1) graph records; set by
-        # runtime.dp_runner.DPRunner. Without it ubatched graphs are not captured.
+        # (key, views, tokens, outputs) -> the body a ubatched (num_ubatches > 1) graph records;
+        # set by runtime.dp_runner.DPRunner. Without it ubatched graphs are not captured.
         self.ubatch_body = None
         self._piecewise = None  # runtime.piecewise_graphs.PiecewiseGraphs once PIECEWISE is captured
         self.captured = False
-        self.stats_ = RunnerStats(table, self.backend.name)
+        self._stats = RunnerStats(table, self.backend.name)
 
     # -- capture ----------------------------------------------------------------------------
-    def capture(self, modes: tuple[str, ...] = ("FULL", "PIECEWISE"),
+    def capture(self, modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
                 only: set[int] | None = None) -> dict:
         """Warm up and capture the table's graphs of the given modes (by default every graph the
         table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
@@ -82,13 +82,20 @@ class GraphRunner:
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
         """
-        from graphplan.runtime.capture import capture_graphs
         if self.captured:
             raise RunnerStateError("capture() already ran for this runner; graphs are captured "
                                    "once — build a new GraphRunner to capture another table")
-        summary = capture_graphs(self, tuple(RuntimeMode[m] for m in modes), only)
+        job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
+                         backend=self.backend, warmups=self.warmups, rank=self.rank,
+                         progress=self.progress, splitting_ops=self.splitting_ops,
+                         ubatch_body=self.ubatch_body)
+        done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
+                                         for m in modes), only)
+        self._graphs, self._outputs = done.graphs, done.outputs
+        self._single_output, self._piecewise = done.single_output, done.piecewise
+        self._stats.captured(done.summary)
         self.captured = True
-        return summary
+        return done.summary
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, inputs: dict[str, torch.Tensor], num_reqs: int | None = None,
@@ -106,25 +113,33 @@ class GraphRunner:
         gid = route.graph_id
         graph = self._graphs[gid] if gid >= 0 else None
         if graph is None:
-            self.stats_.eager(route, gid)
+            self._stats.eager(route, gid)
             with torch.no_grad():
                 return self.model(**inputs)
         reqs = num_reqs or 0
-        if route.mode == "PIECEWISE":  # piece graphs around eager split ops
+        if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)
-            self.stats_.replayed(gid, route.padded_tokens - n)
+            self._stats.replayed(gid, route.padded_tokens - n)
             return out
         self.buffers.load(inputs, n, reqs, route.padded_tokens,
                           route.padded_reqs if route.padded_reqs is not None else reqs)
         graph.replay()
-        self.stats_.replayed(gid, route.padded_tokens - n)
+        self._stats.replayed(gid, route.padded_tokens - n)
         if self._single_output:
             return self._outputs[0][:n]
         return tuple(o[:n] for o in self._outputs)
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.stats_.as_dict()
+        return self._stats.as_dict()
+
+    def record_eager(self, route) -> None:
+        """Count an eager step that a caller ran itself (DP runs padded or ubatched eager steps)."""
+        self._stats.eager(route, route.graph_id)
+
+    def has_graph(self, graph_id: int) -> bool:
+        """Whether the table's graph ``graph_id`` was captured (False for -1)."""
+        return graph_id >= 0 and self._graphs[graph_id] is not None
 
     def captured_graph_ids(self) -> list[int]:
         return [i for i, g in enumerate(self._graphs) if g is not None]

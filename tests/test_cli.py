@@ -68,11 +68,11 @@ def test_an_invalid_plan_as_a_subprocess_exits_2_with_a_located_error(bad_plan, 
     assert "Traceback" not in p.stderr and not out.exists()
 
 
-def test_a_corrupted_table_as_a_subprocess_exits_1(h100_table, tmp_path):
+def test_a_corrupted_table_as_a_subprocess_exits_2(h100_table, tmp_path):
     broken = tmp_path / "t.json"
     broken.write_bytes(h100_table.read_bytes().replace(b'"num_tokens":512', b'"num_tokens":511', 1))
     p = plan_cmd("explain", str(broken), "--tokens", "8")
-    assert p.returncode == 1 and "corrupted table: checksum mismatch" in p.stderr
+    assert p.returncode == 2 and "corrupted table: checksum mismatch" in p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -144,7 +144,7 @@ def test_compile_json_is_stable_for_scripts(capsys, tmp_path):
     assert code == 0 and out == json.dumps(data, sort_keys=True) + "\n"
     assert (data["name"], data["mode"], data["num_graphs"], data["output"]) == \
         ("llama3-8b-h100", "FULL_AND_PIECEWISE", 86, str(out_path))
-    assert data["capture_sizes"] == compile_plan(H100).resolved["capture_sizes"]
+    assert data["capture_sizes"] == list(compile_plan(H100).settings.capture_sizes)
     assert [(c["routine"], c["mode"], c["worst_padding"], c["worst_at"])
             for c in data["coverage"]] == [("decode", "FULL", 7, 9), ("mixed", "PIECEWISE", 15, 257)]
     _, again, _ = run(capsys, "compile", H100, "--format", "json", "-o", str(out_path))
@@ -246,13 +246,13 @@ def test_explain_an_impossible_batch_exits_1(capsys, args, match):
     assert (code, out) == (1, "") and match in err
 
 
-def test_explain_a_bad_table_exits_1(capsys, tmp_path):
+def test_explain_a_bad_table_exits_2(capsys, tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text('{"format": "graphplan.table", "format_version": 99}')
     code, out, err = run(capsys, "explain", str(bad), "--tokens", "8")
-    assert (code, out) == (1, "")
-    assert err == (f"{bad}: table format version 99, this graphplan reads version 1: recompile "
-                   "the plan with this graphplan's `plan compile`\n")
+    assert (code, out) == (2, "")
+    assert err == (f"{bad}: table format version 99, this graphplan reads version 2: recompile "
+                   "the plan with this graphplan's `plan compile PLAN -o table.json`\n")
 
 
 # -- diff -----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from graphplan.compiler import BatchError, PlanError, RuntimeMode, compile_plan
-from graphplan.compiler import table as T
+from graphplan.compiler.records import Why
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +61,8 @@ VLLM_DEFAULT_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 10
 
 def test_full_mixed_mode_downgrades_to_full_and_piecewise_when_attention_is_uniform_only():
     t = compile_(cudagraph={"mode": "FULL", "attention_support": "UNIFORM_BATCH"})
-    assert t.resolved["mode"] == "FULL_AND_PIECEWISE"
-    assert t.resolved["requested_mode"] == "FULL"
+    assert t.settings.mode.name == "FULL_AND_PIECEWISE"
+    assert t.settings.requested_mode.name == "FULL"
     assert codes(t) == ["mode-downgrade"]
     assert "FULL -> FULL_AND_PIECEWISE (rule 1)" in t.diagnostics[0]["message"]
     assert t.diagnostics[0]["path"] == "cudagraph.mode"
@@ -71,7 +71,7 @@ def test_full_mixed_mode_downgrades_to_full_and_piecewise_when_attention_is_unif
 def test_full_mixed_mode_downgrades_to_full_decode_only_when_attention_does_not_split():
     t = compile_(cudagraph={"mode": "FULL", "attention_support": "UNIFORM_BATCH",
                             "splitting_ops": ["all_reduce"]})
-    assert t.resolved["mode"] == "FULL_DECODE_ONLY"
+    assert t.settings.mode.name == "FULL_DECODE_ONLY"
     assert "FULL -> FULL_DECODE_ONLY (rule 1)" in t.diagnostics[0]["message"]
 
 
@@ -87,7 +87,7 @@ def test_full_mode_with_attention_never_is_an_error():
 ])
 def test_full_decode_with_attention_never_downgrades_by_rule_2(mode, splitting, resolved):
     t = compile_(cudagraph={"mode": mode, "attention_support": "NEVER", "splitting_ops": splitting})
-    assert t.resolved["mode"] == resolved
+    assert t.settings.mode.name == resolved
     assert downgrades(t) == [f"{mode} -> {resolved} (rule 2)"]
     assert all(g.mode is RuntimeMode.PIECEWISE for g in t.graphs)
 
@@ -95,38 +95,38 @@ def test_full_decode_with_attention_never_downgrades_by_rule_2(mode, splitting, 
 def test_spec_decode_with_single_token_attention_downgrades_full_decode_by_rule_3():
     t = compile_(scheduler={"decode_query_len": 2},
                  cudagraph={"attention_support": "UNIFORM_SINGLE_TOKEN_DECODE"})
-    assert t.resolved["mode"] == "PIECEWISE"
+    assert t.settings.mode.name == "PIECEWISE"
     assert "FULL_AND_PIECEWISE -> PIECEWISE (rule 3)" in t.diagnostics[0]["message"]
     assert "decode_query_len=2" in t.diagnostics[0]["message"]
 
 
 def test_single_token_attention_keeps_full_decode_when_q_is_1():
     t = compile_(cudagraph={"attention_support": "UNIFORM_SINGLE_TOKEN_DECODE"})
-    assert t.resolved["mode"] == "FULL_AND_PIECEWISE"
+    assert t.settings.mode.name == "FULL_AND_PIECEWISE"
     assert codes(t) == []
 
 
 def test_downgrades_chain_rule_1_then_rule_3():
     t = compile_(scheduler={"decode_query_len": 2},
                  cudagraph={"mode": "FULL", "attention_support": "UNIFORM_SINGLE_TOKEN_DECODE"})
-    assert t.resolved["mode"] == "PIECEWISE"
+    assert t.settings.mode.name == "PIECEWISE"
     assert downgrades(t) == [
         "FULL -> FULL_AND_PIECEWISE (rule 1)", "FULL_AND_PIECEWISE -> PIECEWISE (rule 3)"]
 
 
 def test_no_splitting_ops_turns_piecewise_into_none_by_rule_0():
     t = compile_(cudagraph={"mode": "PIECEWISE", "splitting_ops": []})
-    assert t.resolved["mode"] == "NONE"
+    assert t.settings.mode.name == "NONE"
     assert t.graphs == ()
-    assert t.resolved["capture_sizes"] == []
+    assert list(t.settings.capture_sizes) == []
     assert "PIECEWISE -> NONE (rule 0)" in t.diagnostics[0]["message"]
 
 
 def test_no_splitting_ops_turns_full_and_piecewise_into_full_then_rule_1_lowers_it():
     t = compile_(cudagraph={"splitting_ops": []})
-    assert t.resolved["mode"] == "FULL"
+    assert t.settings.mode.name == "FULL"
     t = compile_(cudagraph={"splitting_ops": [], "attention_support": "UNIFORM_BATCH"})
-    assert t.resolved["mode"] == "FULL_DECODE_ONLY"
+    assert t.settings.mode.name == "FULL_DECODE_ONLY"
     assert downgrades(t) == [
         "FULL_AND_PIECEWISE -> FULL (rule 0)", "FULL -> FULL_DECODE_ONLY (rule 1)"]
 
@@ -140,7 +140,7 @@ def test_no_splitting_ops_turns_full_and_piecewise_into_full_then_rule_1_lowers_
 ])
 def test_each_mode_names_its_decode_and_mixed_routines(mode, decode, mixed, separate):
     t = compile_(cudagraph={"mode": mode})
-    assert (t.resolved["decode_mode"], t.resolved["mixed_mode"], t.resolved["separate_routines"]) \
+    assert (t.settings.decode_mode.name, t.settings.mixed_mode.name, t.settings.separate_routines) \
         == (decode, mixed, separate)
     assert downgrades(t) == []
 
@@ -149,52 +149,52 @@ def test_each_mode_names_its_decode_and_mixed_routines(mode, decode, mixed, sepa
 
 def test_vllm_preset_default_llama_gives_51_sizes():
     t = compile_plan(ROOT / "plans" / "llama3-8b-h100.yaml")
-    assert t.resolved["capture_sizes"] == VLLM_DEFAULT_SIZES
+    assert list(t.settings.capture_sizes) == VLLM_DEFAULT_SIZES
     assert len(VLLM_DEFAULT_SIZES) == 51
 
 
 def test_vllm_preset_caps_at_twice_max_num_seqs_and_adds_max_num_seqs():
-    assert compile_(scheduler={"max_num_seqs": 16}).resolved["capture_sizes"] == \
+    assert list(compile_(scheduler={"max_num_seqs": 16}).settings.capture_sizes) == \
         [1, 2, 4, 8, 16, 24, 32]
-    assert compile_(scheduler={"max_num_seqs": 20}).resolved["capture_sizes"] == \
+    assert list(compile_(scheduler={"max_num_seqs": 20}).settings.capture_sizes) == \
         [1, 2, 4, 8, 16, 20, 24, 32, 40]
 
 
 def test_vllm_preset_caps_at_max_num_batched_tokens_and_adds_it():
     t = compile_(scheduler={"max_num_seqs": 16, "max_num_batched_tokens": 20})
-    assert t.resolved["capture_sizes"] == [1, 2, 4, 8, 16, 20]
+    assert list(t.settings.capture_sizes) == [1, 2, 4, 8, 16, 20]
 
 
 def test_vllm_preset_ceiling_1024_extends_the_16_step_grid():
     t = compile_(scheduler={"max_num_seqs": 512},
                  cudagraph={"capture_sizes": {"preset": "vllm", "ceiling": 1024}})
-    assert t.resolved["capture_sizes"] == VLLM_DEFAULT_SIZES + list(range(528, 1025, 16))
+    assert list(t.settings.capture_sizes) == VLLM_DEFAULT_SIZES + list(range(528, 1025, 16))
 
 
 def test_vllm_preset_with_spec_decode_adds_request_multiples_of_q():
     # top = min(2 * q * seqs, 512) = 32; grid [1 2 4 8 16 24 32] + n*q for n in [1 2 4 8] -> 1 rounds to 2
     t = compile_(scheduler={"max_num_seqs": 8, "decode_query_len": 2},
                  cudagraph={"attention_support": "UNIFORM_BATCH"})
-    assert t.resolved["capture_sizes"] == [2, 4, 8, 16, 24, 32]
+    assert list(t.settings.capture_sizes) == [2, 4, 8, 16, 24, 32]
     assert codes(t) == ["size-rounded"]
     # without FULL decode nothing is rounded, and n*q adds 2 (already present) and no new size
     t = compile_(scheduler={"max_num_seqs": 8, "decode_query_len": 2},
                  cudagraph={"mode": "PIECEWISE"})
-    assert t.resolved["capture_sizes"] == [1, 2, 4, 8, 16, 24, 32]
+    assert list(t.settings.capture_sizes) == [1, 2, 4, 8, 16, 24, 32]
 
 
 def test_vllm_preset_with_q3_adds_every_request_count_times_q():
     t = compile_(scheduler={"max_num_seqs": 8, "decode_query_len": 3},
                  cudagraph={"mode": "PIECEWISE"})
     # grid up to 48 plus 3, 6, 12, 24 (n in 1 2 4 8)
-    assert t.resolved["capture_sizes"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48]
+    assert list(t.settings.capture_sizes) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48]
 
 
 def test_spec_decode_rounds_sizes_up_to_multiples_of_q():
     t = compile_(scheduler={"decode_query_len": 3},
                  cudagraph={"attention_support": "UNIFORM_BATCH",
                             "capture_sizes": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]})
-    assert t.resolved["capture_sizes"] == [3, 6, 9]
+    assert list(t.settings.capture_sizes) == [3, 6, 9]
     moved = [d for d in t.diagnostics if d["code"] == "size-rounded"]
     assert [d["path"] for d in moved] == [f"cudagraph.capture_sizes[{i}]" for i in (0, 1, 3, 4, 6, 7)]
     assert "size 1 moved to 3" in moved[0]["message"]
@@ -207,13 +207,13 @@ def test_spec_decode_rounding_of_a_preset_is_one_diagnostic_per_code():
     t = compile_plan(ROOT / "plans" / "sweep.yaml.j2", {"max_num_seqs": 128, "spec_tokens": 2})
     assert codes(t) == ["size-rounded", "size-dropped"]
     assert t.diagnostics[0]["message"].startswith("preset vllm: 35 sizes moved to multiples of")
-    assert all(s % 3 == 0 for s in t.resolved["capture_sizes"])
+    assert all(s % 3 == 0 for s in t.settings.capture_sizes)
 
 
 def test_spec_decode_with_no_surviving_size_falls_back_to_q():
     t = compile_(scheduler={"decode_query_len": 4},
                  cudagraph={"attention_support": "UNIFORM_BATCH", "capture_sizes": [5]})
-    assert t.resolved["capture_sizes"] == [4]
+    assert list(t.settings.capture_sizes) == [4]
 
 
 def test_spec_decode_with_every_size_below_q_is_an_error():
@@ -225,14 +225,14 @@ def test_spec_decode_with_every_size_below_q_is_an_error():
 def test_sizes_above_max_num_batched_tokens_are_dropped_with_a_diagnostic_each():
     t = compile_(scheduler={"max_num_seqs": 128, "max_num_batched_tokens": 256},
                  cudagraph={"capture_sizes": [300, 1, 8, 257]})
-    assert t.resolved["capture_sizes"] == [1, 8]
+    assert list(t.settings.capture_sizes) == [1, 8]
     dropped = [d for d in t.diagnostics if d["code"] == "size-dropped"]
     assert [d["path"] for d in dropped] == ["cudagraph.capture_sizes[0]", "cudagraph.capture_sizes[3]"]
 
 
 def test_explicit_lists_are_deduplicated_and_sorted():
     t = compile_(cudagraph={"capture_sizes": [8, 4, 8, 1]})
-    assert t.resolved["capture_sizes"] == [1, 4, 8]
+    assert list(t.settings.capture_sizes) == [1, 4, 8]
     assert codes(t) == ["size-duplicate"]
     assert t.diagnostics[0]["path"] == "cudagraph.capture_sizes[2]"
 
@@ -241,7 +241,7 @@ def test_ranges_and_include_combine():
     t = compile_(cudagraph={"capture_sizes": {"ranges": [{"from": 8, "to": 20, "step": 8},
                                                          {"from": 32, "to": 64, "step": 16}],
                                               "include": [1, 2, 4]}})
-    assert t.resolved["capture_sizes"] == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert list(t.settings.capture_sizes) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
 def test_a_range_that_runs_backwards_is_an_error():
@@ -256,13 +256,13 @@ def test_ranges_generating_more_than_4096_sizes_are_an_error():
 
 def test_sglang_preset_matches_its_batch_size_list():
     t = compile_plan(ROOT / "plans" / "piecewise-only.yaml")  # max_num_seqs 160
-    assert t.resolved["capture_sizes"] == [1, 2, 4, 8, 12] + list(range(16, 161, 8))
+    assert list(t.settings.capture_sizes) == [1, 2, 4, 8, 12] + list(range(16, 161, 8))
 
 
 def test_sglang_preset_with_max_size_continues_in_16_then_32_steps():
     t = compile_(scheduler={"max_num_seqs": 1024},
                  cudagraph={"capture_sizes": {"preset": "sglang", "max_size": 600}})
-    assert t.resolved["capture_sizes"] == ([1, 2, 4, 8, 12] + list(range(16, 257, 8))
+    assert list(t.settings.capture_sizes) == ([1, 2, 4, 8, 12] + list(range(16, 257, 8))
                                            + list(range(272, 512, 16)) + [512, 544, 576, 600])
 
 
@@ -271,42 +271,42 @@ def test_sglang_preset_with_spec_decode_uses_its_dense_list_times_q():
                  cudagraph={"attention_support": "UNIFORM_BATCH",
                             "capture_sizes": {"preset": "sglang"}})
     requests = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4))
-    assert t.resolved["capture_sizes"] == [2 * b for b in requests]
+    assert list(t.settings.capture_sizes) == [2 * b for b in requests]
     assert codes(t) == []
 
 
 def test_trtllm_preset_default_is_1_to_32_then_64_and_128():
     t = compile_(cudagraph={"capture_sizes": {"preset": "trtllm"}})
-    assert t.resolved["capture_sizes"] == list(range(1, 33)) + [64, 128]
+    assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64, 128]
 
 
 def test_trtllm_preset_adds_powers_of_two_below_max_and_max():
     t = compile_(scheduler={"max_num_seqs": 1024},
                  cudagraph={"capture_sizes": {"preset": "trtllm", "max_size": 1000}})
-    assert t.resolved["capture_sizes"] == list(range(1, 33)) + [64, 128, 256, 512, 1000]
+    assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64, 128, 256, 512, 1000]
 
 
 def test_trtllm_preset_is_capped_by_max_num_batched_tokens():
     t = compile_(scheduler={"max_num_seqs": 100, "max_num_batched_tokens": 100},
                  cudagraph={"capture_sizes": {"preset": "trtllm"}})
-    assert t.resolved["capture_sizes"] == list(range(1, 33)) + [64, 100]
+    assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64, 100]
 
 
 def test_trtllm_padded_preset_steps_by_64_after_128():
     t = compile_plan(ROOT / "plans" / "large-65k-lora8-dp8.yaml")
-    assert t.resolved["capture_sizes"] == [1, 2, 4] + list(range(8, 129, 8)) + list(range(192, 1025, 64))
+    assert list(t.settings.capture_sizes) == [1, 2, 4] + list(range(8, 129, 8)) + list(range(192, 1025, 64))
 
 
 def test_trtllm_preset_with_spec_decode_multiplies_requests_by_q():
     t = compile_(scheduler={"max_num_seqs": 64, "decode_query_len": 2},
                  cudagraph={"attention_support": "UNIFORM_BATCH",
                             "capture_sizes": {"preset": "trtllm"}})
-    assert t.resolved["capture_sizes"] == [2 * b for b in list(range(1, 33)) + [64]]
+    assert list(t.settings.capture_sizes) == [2 * b for b in list(range(1, 33)) + [64]]
 
 
 def test_mode_none_captures_nothing():
     t = compile_plan(ROOT / "plans" / "eager.yaml")
-    assert (t.graphs, t.resolved["capture_sizes"], codes(t)) == ((), [], [])
+    assert (t.graphs, t.settings.capture_sizes, codes(t)) == ((), (), [])
 
 
 # -- 4. keys ---------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def test_capture_order_puts_ubatched_before_plain_twin_of_the_same_size():
 
 def test_route_matrices_point_at_graphs_of_their_routine_case_and_size():
     t = compile_plan(ROOT / "plans" / "llama3-8b-lora8.yaml")
-    sizes, cases = t.resolved["capture_sizes"], t.resolved["lora_cases"]
+    sizes, cases = t.settings.capture_sizes, t.settings.lora_cases
     for routine, matrix in t.routes.items():
         for c, row in enumerate(matrix.tolist()):
             for i, gid in enumerate(row):
@@ -370,7 +370,7 @@ def test_route_matrices_point_at_graphs_of_their_routine_case_and_size():
 
 def test_lora_cases_for_max_loras_8_are_0_1_2_4_8_9():
     t = compile_plan(ROOT / "plans" / "llama3-8b-lora8.yaml")
-    assert t.resolved["lora_cases"] == [0, 1, 2, 4, 8, 9]
+    assert list(t.settings.lora_cases) == [0, 1, 2, 4, 8, 9]
     assert [t.lora_case(n) for n in range(10)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 9]
     per_case = len(t.graphs) // 6
     assert len(t.graphs) == 6 * per_case == 6 * (35 + 19)  # 35 piecewise + 19 decode sizes
@@ -380,12 +380,12 @@ def test_lora_cases_for_max_loras_8_are_0_1_2_4_8_9():
                                              (4, [0, 1, 2, 4, 5]), (7, [0, 1, 2, 4, 8])])
 def test_lora_cases_are_zero_powers_of_two_and_max_loras_plus_one(max_loras, cases):
     t = compile_(lora={"enabled": True, "max_loras": max_loras})
-    assert t.resolved["lora_cases"] == cases
+    assert list(t.settings.lora_cases) == cases
 
 
 def test_lora_without_separate_base_runs_base_batches_on_the_smallest_lora_graph():
     t = compile_(lora={"enabled": True, "max_loras": 8, "separate_base": False})
-    assert t.resolved["lora_cases"] == [1, 2, 4, 8, 9]
+    assert list(t.settings.lora_cases) == [1, 2, 4, 8, 9]
     assert t.lora_case(0) == 1
     assert all(g.key.has_lora for g in t.graphs)
     assert t.graphs[t.route(8, 8, 1, 0).graph_id].key.num_active_loras == 1
@@ -393,11 +393,11 @@ def test_lora_without_separate_base_runs_base_batches_on_the_smallest_lora_graph
 
 def test_lora_without_count_specialization_has_one_lora_case():
     t = compile_(lora={"enabled": True, "max_loras": 8, "specialize_count": False})
-    assert t.resolved["lora_cases"] == [0, 9]
+    assert list(t.settings.lora_cases) == [0, 9]
     assert [t.lora_case(n) for n in range(10)] == [0] + [9] * 9
     t = compile_(lora={"enabled": True, "max_loras": 8, "specialize_count": False,
                        "separate_base": False})
-    assert t.resolved["lora_cases"] == [9]
+    assert list(t.settings.lora_cases) == [9]
 
 
 def test_active_adapter_count_rounds_up_to_the_next_captured_case():
@@ -409,7 +409,7 @@ def test_active_adapter_count_rounds_up_to_the_next_captured_case():
 
 def test_lora_off_has_one_case_and_rejects_active_adapters():
     t = compile_()
-    assert t.resolved["lora_cases"] == [0] and t.resolved["lora_case_of_count"] == [0]
+    assert t.settings.lora_cases == (0,) and t.settings.lora_case_of_count == (0,)
     with pytest.raises(BatchError, match=r"num_active_loras=1 is outside 0..0"):
         t.route(8, 8, 1, 1)
 
@@ -426,9 +426,9 @@ def test_ubatched_decode_keys_start_at_the_decode_threshold_and_keep_plain_twins
     assert keys(t, "full_decode") == [(s, s, 0, 1) for s in (1, 2, 4, 8, 16, 32)]
     plain, ub = t.route(16, 16, 1), t.route(16, 16, 1, ubatched=True)
     assert (plain.mode, plain.why, plain.wants_ubatch, plain.graph.num_ubatches) == \
-        ("FULL", T.WHY_FULL_DECODE, True, 1)
+        (RuntimeMode.FULL, Why.FULL_DECODE, True, 1)
     assert (ub.mode, ub.why, ub.graph.num_ubatches, ub.padded_tokens, ub.padded_reqs) == \
-        ("FULL", T.WHY_FULL_UBATCHED, 2, 16, 16)
+        (RuntimeMode.FULL, Why.FULL_UBATCHED, 2, 16, 16)
 
 
 def test_without_plain_twins_an_aborted_ubatch_falls_back_to_piecewise_or_eager():
@@ -436,28 +436,28 @@ def test_without_plain_twins_an_aborted_ubatch_falls_back_to_piecewise_or_eager(
     t = compile_(scheduler={"max_num_seqs": 32}, cudagraph=UB_SIZES, parallel=ub)
     assert keys(t, "full_decode") == [(1, 1, 0, 1), (2, 2, 0, 1), (4, 4, 0, 1)]
     r = t.route(16, 16, 1)
-    assert (r.mode, r.why) == ("PIECEWISE", T.WHY_PIECEWISE)
+    assert (r.mode, r.why) == (RuntimeMode.PIECEWISE, Why.PIECEWISE)
     t = compile_(scheduler={"max_num_seqs": 32},
                  cudagraph={**UB_SIZES, "mode": "FULL_DECODE_ONLY"}, parallel=ub)
     r = t.route(16, 16, 1)
-    assert (r.mode, r.why, r.graph_id) == ("NONE", T.WHY_NO_TWIN, -1)
+    assert (r.mode, r.why, r.graph_id) == (RuntimeMode.NONE, Why.NO_TWIN, -1)
     assert any("plain_twins is false" in s for s in r.reasons)
-    assert t.route(16, 16, 1, ubatched=True).why == T.WHY_FULL_UBATCHED
+    assert t.route(16, 16, 1, ubatched=True).why == Why.FULL_UBATCHED
 
 
 def test_ubatched_routes_exist_only_for_uniform_decode():
     t = compile_(scheduler={"max_num_seqs": 32}, cudagraph=UB_SIZES, parallel=UB)
     r = t.route(16, 4, 13, ubatched=True)
-    assert (r.mode, r.why, r.padded_tokens) == ("NONE", T.WHY_UBATCH_MIXED, 16)
+    assert (r.mode, r.why, r.padded_tokens) == (RuntimeMode.NONE, Why.UBATCH_MIXED, 16)
 
 
 def test_uniform_batch_below_the_ubatch_threshold_has_no_ubatched_graph_and_says_so():
     t = compile_(scheduler={"max_num_seqs": 32}, cudagraph=UB_SIZES, parallel=UB)
     r = t.route(4, 4, 1, ubatched=True)  # a decode size, but below decode_token_threshold=8
-    assert (r.mode, r.why) == ("NONE", T.WHY_NO_UBATCH_GRAPH)
+    assert (r.mode, r.why) == (RuntimeMode.NONE, Why.NO_UBATCH_GRAPH)
     assert any("no ubatched graph at this size" in s for s in r.reasons)
-    assert t.route(4, 4, 1, allow="PIECEWISE", ubatched=True).why == T.WHY_NO_UBATCH_GRAPH
-    assert t.route(16, 4, 13, allow="PIECEWISE", ubatched=True).why == T.WHY_UBATCH_MIXED
+    assert t.route(4, 4, 1, allow="PIECEWISE", ubatched=True).why == Why.NO_UBATCH_GRAPH
+    assert t.route(16, 4, 13, allow="PIECEWISE", ubatched=True).why == Why.UBATCH_MIXED
 
 
 def test_explain_shows_the_dp_agreed_padding():
@@ -514,7 +514,7 @@ def test_strict_turns_each_downgrade_dropped_or_moved_size_into_an_error(section
 def test_strict_plan_without_downgrades_compiles():
     t = compile_plan(ROOT / "plans" / "llama3-8b-eagle3.yaml")
     assert t.plan["cudagraph"]["strict"] is True
-    assert t.resolved["capture_sizes"] == [3, 6, 12] + list(range(24, 385, 24))
+    assert list(t.settings.capture_sizes) == [3, 6, 12] + list(range(24, 385, 24))
     assert codes(t) == []
 
 
@@ -537,7 +537,7 @@ def test_ubatch_thresholds_below_num_ubatches_are_errors(field):
 def test_ubatch_thresholds_equal_to_num_ubatches_are_allowed():
     t = compile_(parallel={"data_parallel_size": 2, "ubatch": {
         "enabled": True, "decode_token_threshold": 2, "prefill_token_threshold": 2}})
-    assert t.resolved["ubatch"]["decode_token_threshold"] == 2
+    assert t.settings.ubatch.decode_token_threshold == 2
 
 
 def test_disabled_ubatch_is_not_checked():
@@ -586,35 +586,35 @@ def h100():
 
 def test_uniform_decode_pads_to_a_full_decode_graph(h100):
     r = h100.route(9, 9, 1)
-    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == ("FULL", 16, 16, T.WHY_FULL_DECODE)
+    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == (RuntimeMode.FULL, 16, 16, Why.FULL_DECODE)
     assert r.graph == h100.graphs[r.graph_id].key and r.graph.uniform
 
 
 def test_uniform_needs_both_request_count_and_query_length(h100):
     for args in [(9,), (9, 9), (9, 9, None)]:
         r = h100.route(*args)
-        assert (r.mode, r.padded_tokens, r.why) == ("PIECEWISE", 16, T.WHY_PIECEWISE)
-    assert h100.route(9, 3, 3).mode == "PIECEWISE"  # q = 1: 3 tokens per request is mixed
+        assert (r.mode, r.padded_tokens, r.why) == (RuntimeMode.PIECEWISE, 16, Why.PIECEWISE)
+    assert h100.route(9, 3, 3).mode is RuntimeMode.PIECEWISE  # q = 1: 3 tokens per request is mixed
 
 
 def test_mixed_batches_pad_tokens_but_keep_their_request_count(h100):
     r = h100.route(300, 7, 200)
     assert (r.mode, r.padded_tokens, r.padded_reqs, r.graph.num_reqs) == \
-        ("PIECEWISE", 304, 7, None)
+        (RuntimeMode.PIECEWISE, 304, 7, None)
 
 
 def test_uniform_batches_padding_past_q_times_max_num_seqs_use_the_mixed_routine():
     t = compile_(scheduler={"max_num_seqs": 10}, cudagraph={"capture_sizes": [4, 16]})
     assert keys(t, "full_decode") == [(4, 4, 0, 1)]
     r = t.route(9, 9, 1)
-    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == ("PIECEWISE", 16, 9, T.WHY_PIECEWISE)
+    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == (RuntimeMode.PIECEWISE, 16, 9, Why.PIECEWISE)
     assert any("decode graphs cover q..q*max_num_seqs = 1..10" in s for s in r.reasons)
 
 
 def test_batches_above_the_largest_size_run_eager_unpadded(h100):
     r = h100.route(513, 10, 500)
     assert (r.mode, r.graph_id, r.graph, r.padded_tokens, r.padded_reqs, r.why) == \
-        ("NONE", -1, None, 513, 10, T.WHY_TOO_BIG)
+        (RuntimeMode.NONE, -1, None, 513, 10, Why.TOO_BIG)
     assert "exceed the largest capture size 512" in r.reasons[-1]
 
 
@@ -622,32 +622,32 @@ def test_full_mode_routes_uniform_batches_to_the_mixed_graph():
     t = compile_(scheduler={"max_num_seqs": 8}, cudagraph={"mode": "FULL",
                                                            "capture_sizes": [1, 4, 16]})
     r = t.route(3, 3, 1)
-    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == ("FULL", 4, 4, T.WHY_FULL_MIXED)
+    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == (RuntimeMode.FULL, 4, 4, Why.FULL_MIXED)
     r = t.route(10, 2, 9)
-    assert (r.mode, r.padded_tokens, r.padded_reqs) == ("FULL", 16, 8)
+    assert (r.mode, r.padded_tokens, r.padded_reqs) == (RuntimeMode.FULL, 16, 8)
 
 
 def test_full_decode_only_runs_mixed_batches_eager():
     t = compile_(cudagraph={"mode": "FULL_DECODE_ONLY"})
     r = t.route(24, 2, 20)
-    assert (r.mode, r.why, r.padded_tokens) == ("NONE", T.WHY_MIXED_NONE, 24)
-    assert t.route(24, 24, 1).mode == "FULL"
+    assert (r.mode, r.why, r.padded_tokens) == (RuntimeMode.NONE, Why.MIXED_NONE, 24)
+    assert t.route(24, 24, 1).mode is RuntimeMode.FULL
 
 
 def test_eager_plan_routes_everything_eager_with_a_reason():
     t = compile_plan(ROOT / "plans" / "eager.yaml")
     for n in (1, 512, 8192):
         r = t.route(n)
-        assert (r.mode, r.why, r.padded_tokens) == ("NONE", T.WHY_NO_GRAPHS, n)
+        assert (r.mode, r.why, r.padded_tokens) == (RuntimeMode.NONE, Why.NO_GRAPHS, n)
         assert "captures no graphs" in r.reasons[-1]
 
 
 def test_spec_decode_uniform_routes_pad_to_multiples_of_q():
     t = compile_plan(ROOT / "plans" / "llama3-8b-eagle3.yaml")
     r = t.route(9, 3, 3)
-    assert (r.mode, r.padded_tokens, r.padded_reqs) == ("FULL", 12, 4)
+    assert (r.mode, r.padded_tokens, r.padded_reqs) == (RuntimeMode.FULL, 12, 4)
     r = t.route(27, 9, 3)
-    assert (r.mode, r.padded_tokens, r.padded_reqs) == ("FULL", 48, 16)
+    assert (r.mode, r.padded_tokens, r.padded_reqs) == (RuntimeMode.FULL, 48, 16)
 
 
 def test_reasons_start_with_the_batch_and_end_with_the_decision(h100):
@@ -663,37 +663,37 @@ def test_reasons_start_with_the_batch_and_end_with_the_decision(h100):
 @pytest.mark.parametrize("allow", [RuntimeMode.PIECEWISE, "PIECEWISE", 1])
 def test_redispatch_restricted_to_piecewise_skips_full_graphs(h100, allow):
     r = h100.route(9, 9, 1, allow=allow)
-    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == ("PIECEWISE", 16, 9, T.WHY_PIECEWISE)
+    assert (r.mode, r.padded_tokens, r.padded_reqs, r.why) == (RuntimeMode.PIECEWISE, 16, 9, Why.PIECEWISE)
 
 
 @pytest.mark.parametrize("allow", [RuntimeMode.FULL, "FULL", 2])
 def test_redispatch_restricted_to_full_runs_mixed_batches_eager(h100, allow):
-    assert h100.route(9, 9, 1, allow=allow).mode == "FULL"
+    assert h100.route(9, 9, 1, allow=allow).mode is RuntimeMode.FULL
     r = h100.route(9, 2, 8, allow=allow)
-    assert (r.mode, r.why, r.padded_tokens) == ("NONE", T.WHY_NOT_ALLOWED, 9)
+    assert (r.mode, r.why, r.padded_tokens) == (RuntimeMode.NONE, Why.NOT_ALLOWED, 9)
 
 
 def test_redispatch_restricted_to_none_is_eager(h100):
     r = h100.route(9, 9, 1, allow=RuntimeMode.NONE)
-    assert (r.mode, r.graph_id, r.padded_tokens, r.why) == ("NONE", -1, 9, T.WHY_NOT_ALLOWED)
+    assert (r.mode, r.graph_id, r.padded_tokens, r.why) == (RuntimeMode.NONE, -1, 9, Why.NOT_ALLOWED)
 
 
 def test_redispatch_pads_to_the_agreed_token_count(h100):
     r = h100.route(5, 5, 1, allow="FULL", pad_to=20)
-    assert (r.mode, r.padded_tokens, r.padded_reqs) == ("FULL", 24, 24)
+    assert (r.mode, r.padded_tokens, r.padded_reqs) == (RuntimeMode.FULL, 24, 24)
     r = h100.route(5, 5, 1, allow="NONE", pad_to=20)
-    assert (r.mode, r.padded_tokens, r.padded_reqs) == ("NONE", 20, 5)
+    assert (r.mode, r.padded_tokens, r.padded_reqs) == (RuntimeMode.NONE, 20, 5)
     r = h100.route(5, 5, 1, pad_to=600)
-    assert (r.mode, r.padded_tokens, r.why) == ("NONE", 600, T.WHY_TOO_BIG)
+    assert (r.mode, r.padded_tokens, r.why) == (RuntimeMode.NONE, 600, Why.TOO_BIG)
 
 
 def test_redispatch_ubatched_finds_the_ubatched_graph_at_the_agreed_size():
     t = compile_plan(ROOT / "plans" / "deepseek-v3-dp8-dbo.yaml")
     r = t.route(40, 20, 2, allow="FULL", pad_to=60, ubatched=True)
     assert (r.mode, r.padded_tokens, r.padded_reqs, r.why, r.graph.num_ubatches) == \
-        ("FULL", 64, 32, T.WHY_FULL_UBATCHED, 2)
+        (RuntimeMode.FULL, 64, 32, Why.FULL_UBATCHED, 2)
     r = t.route(40, 20, 2, allow="PIECEWISE", pad_to=60, ubatched=True)
-    assert (r.mode, r.why) == ("NONE", T.WHY_NOT_ALLOWED)
+    assert (r.mode, r.why) == (RuntimeMode.NONE, Why.NOT_ALLOWED)
 
 
 @pytest.mark.parametrize("kwargs,match", [

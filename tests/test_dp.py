@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from graphplan.compiler import compile_plan
 from graphplan.compiler.errors import BatchError
-from graphplan.compiler.table import RuntimeMode
+from graphplan.compiler.records import RuntimeMode
 from graphplan.runtime import GraphRunner, StaticInput
 from graphplan.runtime.dp import IDLE, DPCoordinator, DPError, DPTimeoutError, agree, contribution
 from graphplan.runtime.dp_runner import DPRunner, dummy_shape, pad_inputs
@@ -339,8 +339,8 @@ def _mismatch_worker(rank, world):
     try:
         DPRunner(GraphRunner(model, table, static_inputs(model), progress=False))
     except DPError as e:
-        return {"error": str(e), "seconds": time.monotonic() - t0, "fingerprint": table.fingerprint}
-    return {"error": None, "fingerprint": table.fingerprint}
+        return {"error": str(e), "seconds": time.monotonic() - t0, "fingerprint": table.content_fingerprint}
+    return {"error": None, "fingerprint": table.content_fingerprint}
 
 
 def test_fingerprint_mismatch_fails_fast_on_every_rank_naming_both(two_ranks):

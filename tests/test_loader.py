@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from graphplan.compiler import PlanError, compile_plan, load_plan
+from graphplan.compiler import records
 from graphplan.compiler import spec as S
 from graphplan.compiler.load import MAX_DEPTH, MAX_PLAN_BYTES
 
@@ -189,7 +190,7 @@ def test_exactly_4096_sizes_are_allowed(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("version: 1\nname: x\nscheduler: {max_num_batched_tokens: 8192}\n"
                     f"cudagraph: {{mode: PIECEWISE, capture_sizes: {list(range(1, 4097))}}}\n")
-    assert len(compile_plan(path).resolved["capture_sizes"]) == 4096
+    assert len(compile_plan(path).settings.capture_sizes) == 4096
 
 
 def test_a_bad_plan_name_is_an_error(tmp_path):
@@ -233,7 +234,7 @@ def test_plain_aliases_still_work(tmp_path):
     assert [c for c, *_ in found] == ["unknown-key"]
     path.write_text("version: 1\nname: x\ncudagraph: {capture_sizes: &sz [1, 2, 4]}\n"
                     "parallel: {}\n")
-    assert compile_plan(path).resolved["capture_sizes"] == [1, 2, 4]
+    assert list(compile_plan(path).settings.capture_sizes) == [1, 2, 4]
 
 
 # -- templates and overrides ----------------------------------------------------------------------
@@ -277,8 +278,8 @@ def test_overrides_set_dotted_keys_of_a_plain_plan():
     t = compile_plan(path, {"scheduler.max_num_seqs": 16, "cudagraph.mode": "PIECEWISE",
                             "lora.enabled": True})
     assert t.plan["scheduler"]["max_num_seqs"] == 16
-    assert t.resolved["mode"] == "PIECEWISE" and t.resolved["lora_enabled"] is True
-    assert t.resolved["capture_sizes"] == [1, 2, 4, 8, 16, 24, 32]
+    assert t.settings.mode.name == "PIECEWISE" and t.settings.lora_enabled is True
+    assert list(t.settings.capture_sizes) == [1, 2, 4, 8, 16, 24, 32]
     assert compile_plan(path).plan["scheduler"]["max_num_seqs"] == 256  # file untouched
 
 
@@ -338,8 +339,8 @@ def test_capture_size_forms_map_to_capture_sizes_spec_fields():
 
 def test_enums_in_the_schema_are_the_enum_members():
     cg = _props("cudagraph")
-    assert cg["mode"]["enum"] == [m.name for m in S.Mode]
-    assert cg["attention_support"]["enum"] == [a.name for a in S.AttentionSupport]
+    assert cg["mode"]["enum"] == [m.name for m in records.CudagraphMode]
+    assert cg["attention_support"]["enum"] == [a.name for a in records.AttentionSupport]
 
 
 def _every_property(node, where="$"):
@@ -381,7 +382,7 @@ def test_a_minimal_plan_gets_every_default_from_the_schema():
     assert (s.scheduler.max_num_seqs, s.scheduler.max_num_batched_tokens,
             s.scheduler.decode_query_len) == (256, 8192, 1)
     assert (s.cudagraph.mode, s.cudagraph.attention_support, s.cudagraph.splitting_ops,
-            s.cudagraph.strict) == (S.Mode.FULL_AND_PIECEWISE, S.AttentionSupport.UNIFORM_BATCH,
+            s.cudagraph.strict) == (records.CudagraphMode.FULL_AND_PIECEWISE, records.AttentionSupport.UNIFORM_BATCH,
                                     ("attention",), False)
     assert s.cudagraph.capture_sizes == S.CaptureSizesSpec(kind="preset", preset="vllm",
                                                            ceiling=512, max_size=0)

@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphplan.compiler import compile_plan
+from graphplan.compiler import DispatchTable, RuntimeMode, compile_plan
 from graphplan.compiler.cli import main
 from graphplan.compiler.load import load_plan
 from graphplan.compiler.memory import FORMAT, MIB, estimate, save_profile
@@ -25,7 +25,6 @@ from graphplan.compiler.trace import Trace, TraceError, aggregate, check_trace, 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS, TRACES = ROOT / "plans", ROOT / "bench" / "traces"
 H100 = PLANS / "llama3-8b-h100.yaml"
-RANK = {"NONE": 0, "PIECEWISE": 1, "FULL": 2}
 
 
 # -- the DP core against brute force ------------------------------------------------------------
@@ -101,7 +100,7 @@ CONFIGS = {
 def table_with(loaded, sizes):
     cg = replace(loaded.spec.cudagraph, strict=False,
                  capture_sizes=CaptureSizesSpec(kind="list", sizes=tuple(sizes)))
-    return resolve(replace(loaded.spec, cudagraph=cg), loaded.plan)[0]
+    return DispatchTable(**resolve(replace(loaded.spec, cudagraph=cg), loaded.plan)[0])
 
 
 def brute_force(plan, steps, max_graphs, pins, top):
@@ -110,11 +109,11 @@ def brute_force(plan, steps, max_graphs, pins, top):
     loaded = load_plan(plan)
     ref = table_with(loaded, [top])
     q = ref.q
-    step = q if ref.resolved["decode_mode"] == "FULL" and q > 1 else 1
+    step = q if ref.settings.decode_mode.name == "FULL" and q > 1 else 1
     legal = list(range(step, top + 1, step))
     every = table_with(loaded, legal)
     kept = [s for s in steps if s[0] <= top]
-    need = [max(RANK[step_route(every, n, r, m, pad_to=s).mode] for s in legal if s >= n)
+    need = [max(int(step_route(every, n, r, m, pad_to=s).mode) for s in legal if s >= n)
             for n, r, m in kept]
     free = [s for s in legal if s != top and s not in pins]
     best = None
@@ -126,7 +125,7 @@ def brute_force(plan, steps, max_graphs, pins, top):
         cost = 0
         for (n, r, m), want in zip(kept, need):
             route = step_route(t, n, r, m)
-            if RANK[route.mode] < want:
+            if int(route.mode) < want:
                 break
             cost += route.padded_tokens - n if route.mode != "NONE" else 0
         else:
@@ -149,10 +148,10 @@ def cases(draw):
             n = draw(st.integers(1, limit))
             r = draw(st.integers(1, min(n, seqs)))
             steps.append((n, r, draw(st.integers(-(-n // r), n - r + 1))))
-    step = q if table.resolved["decode_mode"] == "FULL" and q > 1 else 1
+    step = q if table.settings.decode_mode.name == "FULL" and q > 1 else 1
     top = draw(st.sampled_from([s for s in range(step, limit + 1, step) if s // step <= 10]))
     pins = draw(st.sets(st.sampled_from(range(step, top + 1, step)), max_size=2))
-    cases_ = len(table.resolved["lora_cases"])  # every size costs graphs per LoRA case
+    cases_ = len(table.settings.lora_cases)  # every size costs graphs per LoRA case
     budget = draw(st.integers(1, 10)) * cases_ + draw(st.integers(0, cases_ - 1))
     return name, plan, table, steps, top, sorted(pins), budget
 
@@ -164,7 +163,7 @@ def test_optimizer_equals_brute_force_over_every_legal_size_set(case):
     n, r, m = (np.array(x, dtype=np.int64) for x in zip(*steps))
     work = aggregate(Trace(source="t", num_tokens=n, num_reqs=r, max_query_len=m,
                            line=np.arange(1, len(n) + 1)), table.q)
-    if table.resolved["mixed_mode"] == "NONE":  # the optimizer stops at q * max_num_seqs
+    if table.settings.mixed_mode.name == "NONE":  # the optimizer stops at q * max_num_seqs
         top = min(top, table.q * table.max_num_seqs)
         pins = [p for p in pins if p <= top]
     expected = brute_force(plan, steps, max_graphs, pins, top)
@@ -205,7 +204,7 @@ def test_decode_steps_that_had_full_graphs_keep_full_graphs():
     # rather than 10 padding to 250 (240 tokens); 257 (1 graph) would push decode to PIECEWISE
     res = optimize(table, work, 5)
     assert (res.sizes, res.padded_tokens, res.graphs) == ((10, 250, 512), 212, 5)
-    assert res.table.route(250, 250, 1).mode == "FULL"
+    assert res.table.route(250, 250, 1).mode is RuntimeMode.FULL
     assert optimize(table, work, 6).sizes == (10, 250, 300, 512)
     assert optimize(table, work, 4).sizes == (250, 300, 512)
 

@@ -186,7 +186,7 @@ def test_a_model_that_cannot_be_split_gives_an_error_naming_the_problem(model, m
                          progress=False)
     with pytest.raises(SplitError, match=match):
         runner.capture()
-    assert runner.captured_graph_ids() == [] and not runner.captured and runner._piecewise is None
+    assert runner.captured_graph_ids() == [] and not runner.captured
 
 
 FAIL_AT = {"tokens": None}
@@ -217,7 +217,7 @@ def test_failed_piecewise_capture_names_the_graph_releases_everything_and_runner
             runner.capture()
     finally:
         FAIL_AT["tokens"] = None
-    assert runner.captured_graph_ids() == [] and not runner.captured and runner._piecewise is None
+    assert runner.captured_graph_ids() == [] and not runner.captured
     reqs = mixed_steps()[0]
     out = runner.step(make_batch(model, reqs), num_reqs=2, max_query_len=5)  # eager, still works
     assert out.shape == (7, CFG.vocab_size)

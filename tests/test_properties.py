@@ -91,14 +91,14 @@ def check_route(t, r, n: int, c: int, uniform: bool) -> None:
     sizes = t.capture_sizes
     i = bisect.bisect_left(sizes, n)
     assert r.reasons and r.reasons[0].startswith("batch: ")
-    if r.mode == "NONE":
+    if r.mode is RuntimeMode.NONE:
         assert (r.graph_id, r.graph, r.padded_tokens) == (-1, None, n)
         if i < len(sizes):  # a graph existed at the padded size: it must not have applied
             routines = ["piecewise", "full_mixed"] + (["full_decode"] if uniform else [])
             assert all(t.routes[name][c][i] < 0 for name in routines), (n, r.reasons)
         return
     g = t.graphs[r.graph_id]
-    assert r.graph == g.key and g.mode.name == r.mode
+    assert r.graph == g.key and g.mode is r.mode
     assert g.key.num_tokens >= n
     assert r.padded_tokens == g.key.num_tokens == sizes[i]  # minimal: the smallest size >= n
     assert t.routes[g.routine][c][i] == r.graph_id
@@ -113,21 +113,21 @@ def check_route(t, r, n: int, c: int, uniform: bool) -> None:
 @given(plans(), st.data())
 def test_every_batch_routes_to_a_big_enough_graph_or_eager_with_a_reason(plan, data):
     t = compile_or_reject(plan)
-    counts = len(t.resolved["lora_case_of_count"])
+    counts = len(t.settings.lora_case_of_count)
     loras = data.draw(st.integers(0, counts - 1), label="num_active_loras")
-    c = t.resolved["lora_case_of_count"][loras]
+    c = t.settings.lora_case_of_count[loras]
     q = t.q
     for n in range(1, t.max_tokens + 1):  # mixed batches
         r = t.route(n, None, None, loras)
         check_route(t, r, n, c, uniform=False)
-        assert r.padded_reqs is None or r.mode == "FULL"
+        assert r.padded_reqs is None or r.mode is RuntimeMode.FULL
     for reqs in range(1, min(t.max_num_seqs, t.max_tokens // q) + 1):  # uniform decode
         n = q * reqs
         r = t.route(n, reqs, q, loras)
         check_route(t, r, n, c, uniform=True)
-        if r.mode == "FULL" and q > 1:
+        if r.mode is RuntimeMode.FULL and q > 1:
             assert r.padded_tokens % q == 0
-        if r.mode == "FULL" and t.graphs[r.graph_id].routine == "full_decode":
+        if r.mode is RuntimeMode.FULL and t.graphs[r.graph_id].routine == "full_decode":
             assert r.graph.uniform and r.padded_reqs == r.padded_tokens // q >= reqs
 
 
@@ -136,7 +136,7 @@ def test_every_batch_routes_to_a_big_enough_graph_or_eager_with_a_reason(plan, d
 def test_full_decode_graphs_are_multiples_of_q_within_q_to_q_times_max_num_seqs(plan):
     t = compile_or_reject(plan)
     q, seqs = t.q, t.max_num_seqs
-    if t.resolved["decode_mode"] == "FULL" and q > 1:
+    if t.settings.decode_mode.name == "FULL" and q > 1:
         assert all(s % q == 0 for s in t.capture_sizes)
     for g in t.graphs:
         if g.routine in ("full_decode", "full_decode_ubatched"):
@@ -148,7 +148,7 @@ def test_full_decode_graphs_are_multiples_of_q_within_q_to_q_times_max_num_seqs(
 @given(plans())
 def test_every_graph_in_the_route_matrices_is_reachable(plan):
     t = compile_or_reject(plan)
-    cases, q = t.resolved["lora_cases"], t.q
+    cases, q = t.settings.lora_cases, t.q
     seen = []
     for name, matrix in t.routes.items():
         for c, row in enumerate(matrix.tolist()):
@@ -181,8 +181,8 @@ def test_the_same_plan_compiles_to_the_same_bytes(plan):
 @given(plans())
 def test_active_adapters_round_up_to_the_smallest_captured_case(plan):
     t = compile_or_reject(plan)
-    cases = t.resolved["lora_cases"]
-    for k in range(len(t.resolved["lora_case_of_count"])):
+    cases = t.settings.lora_cases
+    for k in range(len(t.settings.lora_case_of_count)):
         case = t.lora_case(k)
         assert case == min(c for c in cases if c >= k)
         r = t.route(t.max_tokens if not t.capture_sizes else t.capture_sizes[0], None, None, k)
@@ -203,7 +203,7 @@ def test_strict_only_turns_strict_diagnostics_into_errors(plan):
         assert {d.code for d in e.value.diagnostics} == expected
     else:
         s = compile_plan(strict)
-        assert (s.resolved, s.graphs, s.diagnostics) == (t.resolved, t.graphs, t.diagnostics)
+        assert (s.settings, s.graphs, s.diagnostics) == (t.settings, t.graphs, t.diagnostics)
 
 
 @SETTINGS
@@ -215,9 +215,9 @@ def test_redispatch_never_exceeds_the_allowed_mode_and_pads_to_the_agreed_size(p
     allow = data.draw(st.sampled_from(list(RuntimeMode)), label="allow")
     ubatched = data.draw(st.booleans(), label="ubatched")
     r = t.route(n, None, None, 0, allow=allow, pad_to=agreed, ubatched=ubatched)
-    if r.mode == "NONE":
+    if r.mode is RuntimeMode.NONE:
         assert r.padded_tokens == agreed
     else:
-        assert r.mode == allow.name and r.padded_tokens >= agreed
+        assert r.mode is allow and r.padded_tokens >= agreed
         assert r.padded_tokens == t.capture_sizes[bisect.bisect_left(t.capture_sizes, agreed)]
         assert not ubatched  # mixed batches have no ubatched graphs

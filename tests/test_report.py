@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from graphplan.compiler import compile_plan
+from graphplan.compiler import RuntimeMode, compile_plan
 from graphplan.compiler.cli import main
 from graphplan.compiler.memory import estimate
 from graphplan.compiler.report_charts import X0, X1, Y0, Y1
@@ -129,7 +129,7 @@ def test_trace_section_shows_the_padding_the_router_gives_each_step(tmp_path):
     for line in lines:
         n, r, m = (int(v) for v in re.findall(r"\d+", line))
         route = table.route(n, r, m)
-        if route.mode == "NONE":
+        if route.mode is RuntimeMode.NONE:
             eager += 1
         else:
             graphed, padded = graphed + 1, padded + route.padded_tokens - n

@@ -16,8 +16,7 @@ import jsonschema
 import pytest
 
 from graphplan.compiler import DispatchTable, OutputError, TableError, compile_plan
-from graphplan.compiler import table as T
-from graphplan.compiler import table_check
+from graphplan.compiler import records, table_format
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_VARS = {"sweep.yaml.j2": {"max_num_seqs": 128, "spec_tokens": 2}}
@@ -38,11 +37,23 @@ def h100() -> DispatchTable:
 def resealed(data: dict) -> dict:
     """A table dict with fingerprint and checksum recomputed, as a forger would."""
     data = copy.deepcopy(data)
-    data["fingerprint"] = T.compute_fingerprint(data.get("plan"), data.get("resolved"),
-                                                data.get("compiler_version"))
-    body = {k: v for k, v in data.items() if k != "checksum"}
-    data["checksum"] = "sha256:" + hashlib.sha256(T.canonical_json(body)).hexdigest()
+    try:
+        version = data.get("compiler_version")
+        data["fingerprint"] = table_format.plan_fingerprint(data.get("plan"), data.get("settings"),
+                                                            version)
+        data["content_fingerprint"] = table_format.content_fingerprint(
+            data.get("settings"), data.get("graphs"), data.get("routes"), version)
+    except (TypeError, ValueError, AttributeError):
+        pass  # damage that cannot be hashed; the loader must still refuse it cleanly
+    data["checksum"] = checksum(data)
     return data
+
+
+def checksum(data: dict) -> str:
+    """The checksum of everything but the checksum, as the compiler writes it."""
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return "sha256:" + hashlib.sha256(json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()
 
 
 def all_routes(t: DispatchTable) -> list[tuple]:
@@ -77,7 +88,7 @@ def test_a_table_pickles_and_copies_with_its_own_routes(h100):
     for other in (pickle.loads(pickle.dumps(h100)), copy.copy(h100), copy.deepcopy(h100)):
         assert other.dumps() == h100.dumps()
         assert all_routes(other) == all_routes(h100)
-        assert other.route(9, 9, 1)._ctx[0] is other  # routes refer to their own table
+        assert other.route(9, 9, 1).context[0] is other  # routes refer to their own table
 
 
 def test_table_bytes_are_canonical_json_with_one_trailing_newline(h100):
@@ -129,8 +140,8 @@ def write(path: Path, data) -> Path:
 
 def test_a_table_of_another_format_version_names_both_versions(h100, tmp_path):
     data = json.loads(h100.dumps())
-    data["format_version"] = 2
-    with pytest.raises(TableError, match=r"table format version 2, this graphplan reads version 1"
+    data["format_version"] = 1
+    with pytest.raises(TableError, match=r"table format version 1, this graphplan reads version 2"
                                          r".*recompile"):
         DispatchTable.load(write(tmp_path / "t.json", resealed(data)))
     del data["format_version"]
@@ -159,19 +170,20 @@ def test_a_flipped_fingerprint_is_caught(h100, tmp_path):
     with pytest.raises(TableError, match=r"checksum mismatch"):
         DispatchTable.load(write(tmp_path / "t.json", data))
     # even with the checksum recomputed, the fingerprint no longer matches the plan
-    body = {k: v for k, v in data.items() if k != "checksum"}
-    data["checksum"] = "sha256:" + hashlib.sha256(T.canonical_json(body)).hexdigest()
+    data["checksum"] = checksum(data)
     with pytest.raises(TableError, match=r"corrupted table: fingerprint mismatch"):
         DispatchTable.load(write(tmp_path / "t.json", data))
 
 
-def test_an_edited_resolved_plan_is_caught_even_with_a_fresh_checksum(h100, tmp_path):
+def test_edited_settings_are_caught_even_with_a_fresh_checksum(h100, tmp_path):
     data = json.loads(h100.dumps())
-    data["resolved"]["max_num_seqs"] = 8
-    body = {k: v for k, v in data.items() if k != "checksum"}
-    data["checksum"] = "sha256:" + hashlib.sha256(T.canonical_json(body)).hexdigest()
+    data["settings"]["max_num_seqs"] = 8
+    data["checksum"] = checksum(data)
     with pytest.raises(TableError, match=r"fingerprint mismatch"):
         DispatchTable.load(write(tmp_path / "t.json", data))
+    with pytest.raises(TableError, match=r"settings.max_num_seqs differs from a fresh compile of "
+                                         r"the embedded plan.*recompile"):
+        DispatchTable.load(write(tmp_path / "t.json", resealed(data)))
 
 
 @pytest.mark.parametrize("cut", [0, 1, 100, -2])
@@ -204,16 +216,19 @@ def test_missing_paths_and_directories_are_table_errors(tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda d: d["resolved"].pop("ubatch"), r"resolved: missing 'ubatch'"),
-    (lambda d: d["resolved"]["ubatch"].pop("enabled"), r"resolved.ubatch: missing 'enabled'"),
-    (lambda d: d["resolved"].update(mixed_mode="FAST"), r"mixed_mode must be one of"),
-    (lambda d: d["resolved"].update(decode_query_len=0), r"decode_query_len must be >= 1"),
-    (lambda d: d["resolved"].update(lora_case_of_count=[-1]), r"lora_case_of_count must index"),
-    (lambda d: d["resolved"].update(capture_sizes=[8, 4]), r"capture_sizes must be sorted"),
+    (lambda d: d["settings"].pop("ubatch"), r"settings: missing 'ubatch'"),
+    (lambda d: d["settings"]["ubatch"].pop("enabled"), r"settings.ubatch: missing 'enabled'"),
+    (lambda d: d["settings"].update(mode="FAST"), r"settings.mode: 'FAST' is not one of NONE"),
+    (lambda d: d["settings"].update(decode_query_len=0), r"decode_query_len: 0 is outside 1\.\.64"),
+    (lambda d: d["settings"].update(lora_case_of_count=[-1]), r"lora_case_of_count: expected "
+                                                               r"integers in 0\.\.0"),
+    (lambda d: d["settings"].update(capture_sizes=[8, 4]), r"capture_sizes: expected sorted"),
+    (lambda d: d["settings"].update(sync_timeout_s=-1.0), r"sync_timeout_s: -1.0 is not a number"),
+    (lambda d: d["settings"].update(max_num_batched_tokens=2 ** 40), r"outside 1\.\.1048576"),
     (lambda d: d["graphs"][0].pop("num_reqs"), r"graphs\[0\]: missing 'num_reqs'"),
-    (lambda d: d["graphs"][0].update(id=5), r"graphs\[0\]: bad id"),
+    (lambda d: d["graphs"][0].update(id=5), r"graphs\[0\].id: 5"),
     (lambda d: d["graphs"][0].update(num_tokens=True), r"graphs\[0\].num_tokens: expected int"),
-    (lambda d: d["routes"].pop("piecewise"), r"routes must have exactly"),
+    (lambda d: d["routes"].pop("piecewise"), r"routes: expected exactly"),
     (lambda d: d["routes"]["piecewise"][0].append(0), r"routes.piecewise: expected a \[1 lora"),
     (lambda d: d["routes"]["full_decode"][0].__setitem__(0, 10 ** 6), r"graph ids in -1\.\.85"),
 ])
@@ -294,11 +309,11 @@ def test_every_shipped_plan_emits_a_table_that_validates_against_the_schema(plan
 def test_the_schema_rejects_what_the_loader_rejects(h100):
     validator = jsonschema.Draft202012Validator(TABLE_SCHEMA)
     data = json.loads(h100.dumps())
-    for edit in [lambda d: d.update(format_version=2), lambda d: d.update(extra=1),
+    for edit in [lambda d: d.update(format_version=1), lambda d: d.update(extra=1),
                  lambda d: d["graphs"][0].update(mode="NONE"),
-                 lambda d: d["resolved"].pop("ubatch"),
+                 lambda d: d["settings"].pop("ubatch"),
                  lambda d: d["routes"].pop("full_mixed"),
-                 lambda d: d["resolved"].update(lora_case_of_count=[-1])]:
+                 lambda d: d["settings"].update(lora_case_of_count=[-1])]:
         bad = copy.deepcopy(data)
         edit(bad)
         assert not validator.is_valid(bad)
@@ -306,20 +321,21 @@ def test_the_schema_rejects_what_the_loader_rejects(h100):
             DispatchTable.from_json(resealed(bad))
 
 
-def test_the_schema_names_exactly_the_fields_table_py_writes_and_table_check_reads(h100):
+def test_the_schema_names_exactly_the_fields_table_format_writes_and_reads(h100):
     data = json.loads(h100.dumps())
     props = TABLE_SCHEMA["properties"]
-    assert set(props) == set(data) == set(table_check._TOP)
-    assert set(props["resolved"]["properties"]) == set(data["resolved"])
-    assert set(table_check._RESOLVED) == set(data["resolved"])
-    assert set(props["resolved"]["properties"]["ubatch"]["properties"]) == \
-        set(data["resolved"]["ubatch"]) == set(table_check._UBATCH)
+    assert set(props) == set(data) == set(table_format._TOP)
+    assert set(props["settings"]["properties"]) == set(data["settings"]) == \
+        set(table_format._SETTINGS) == set(records.TableSettings.__slots__)
+    assert set(props["settings"]["properties"]["ubatch"]["properties"]) == \
+        set(data["settings"]["ubatch"]) == set(table_format._UBATCH) == \
+        set(records.UbatchSettings.__slots__)
     graph = props["graphs"]["items"]["properties"]
-    assert set(graph) == set(data["graphs"][0]) == set(table_check._GRAPH)
-    assert set(graph) - {"id", "mode", "routine"} == set(T.BatchDescriptor.__slots__)
-    assert set(props["routes"]["properties"]) == set(T.ROUTINES) == set(data["routes"])
-    assert props["format"]["const"] == T.FORMAT
-    assert props["format_version"]["const"] == T.FORMAT_VERSION
+    assert set(graph) == set(data["graphs"][0]) == set(table_format._GRAPH)
+    assert set(graph) - {"id", "mode", "routine"} == set(records.BatchDescriptor.__slots__)
+    assert set(props["routes"]["properties"]) == set(records.ROUTINES) == set(data["routes"])
+    assert props["format"]["const"] == table_format.FORMAT
+    assert props["format_version"]["const"] == table_format.FORMAT_VERSION
     diag = props["diagnostics"]["items"]["properties"]
     assert set(diag) == {"code", "severity", "path", "message", "hint"}
 

@@ -38,7 +38,7 @@ class Handler(BaseHTTPRequestHandler):
         app, path = self.server.app, urlsplit(self.path).path
         if path == "/healthz":
             e = app.engine
-            body = {"status": e.state, "plan": e.table.plan["name"],
+            body = {"status": e.state, "plan": e.table.settings.name,
                     "fingerprint": e.table.fingerprint}
             if e.error is not None:
                 body["error"] = f"{type(e.error).__name__}: {e.error}"

@@ -124,10 +124,10 @@ class Engine:
             except GraphplanError as e:
                 self.metrics.reload("rejected")
                 raise RequestError(422, f"plan rejected, still serving {old[:19]}: {e}") from None
-            if table.fingerprint == old:
+            if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
                 self.metrics.reload("unchanged")
                 self.source, self.overrides = src, ov
-                return {"fingerprint": old, "previous": old, "plan": table.plan["name"],
+                return {"fingerprint": old, "previous": old, "plan": table.settings.name,
                         "unchanged": True}
             swap = _Swap(table, src, ov)
             with self._cond:
@@ -186,7 +186,7 @@ class Engine:
             if self.state == "starting":
                 self.state = "ready"
         self._ready.set()
-        log.info("ready: plan %r (fingerprint %s), %d KV-cache rows", self.table.plan["name"],
+        log.info("ready: plan %r (fingerprint %s), %d KV-cache rows", self.table.settings.name,
                  self.table.fingerprint[:19], cfg.num_cache_rows)
         try:
             self._loop()
@@ -195,7 +195,7 @@ class Engine:
 
     def _capture(self, table) -> GraphRunner:
         log.info("capturing %d graphs of plan %r (fingerprint %s) on %s", len(table.graphs),
-                 table.plan["name"], table.fingerprint[:19], self.device)
+                 table.settings.name, table.fingerprint[:19], self.device)
         runner = GraphRunner(self.model, table, static_inputs(self.model), device=self.device,
                              progress=self.progress)
         runner.capture()
@@ -234,7 +234,7 @@ class Engine:
         try:
             swap.runner = self._capture(swap.table)
         except Exception as e:  # noqa: BLE001 - the old runner keeps serving
-            log.error("reload failed, keeping plan %r: %s: %s", self.table.plan["name"],
+            log.error("reload failed, keeping plan %r: %s: %s", self.table.settings.name,
                       type(e).__name__, e)
             swap.error = e
             swap.done.set()
@@ -256,12 +256,12 @@ class Engine:
         old.release()
         cap = swap.runner.stats()["capture"]
         swap.result = {"fingerprint": swap.table.fingerprint, "previous": prev,
-                       "plan": swap.table.plan["name"], "unchanged": False,
+                       "plan": swap.table.settings.name, "unchanged": False,
                        "capture": {"graphs": cap.get("graphs", 0),
                                    "seconds": round(cap.get("seconds", 0.0), 4)}}
         swap.runner = None
         log.info("switched to plan %r (fingerprint %s) with %d requests running",
-                 swap.table.plan["name"], swap.table.fingerprint[:19], self.num_running())
+                 swap.table.settings.name, swap.table.fingerprint[:19], self.num_running())
         swap.done.set()
 
     def _step(self, batch) -> None:

@@ -71,7 +71,7 @@ def check_fits(table: DispatchTable, model: TinyLlama) -> None:
     """A new table must fit the model built at start-up (its KV cache is kept across swaps)."""
     rows = model.cfg.num_cache_rows
     if table.max_num_seqs > rows:
-        raise TableError(f"plan {table.plan['name']!r} has scheduler.max_num_seqs="
+        raise TableError(f"plan {table.settings.name!r} has scheduler.max_num_seqs="
                          f"{table.max_num_seqs}, but this server's KV cache has {rows} rows "
                          f"(sized to the start-up plan): lower max_num_seqs to <= {rows}, or "
                          "restart the server with the new plan")

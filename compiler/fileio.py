@@ -1,0 +1,82 @@
+"""File I/O shared by the compiler and the runtime: bounded JSON reading, canonical JSON, and
+atomic writes (a temp file in the same folder, then rename: never a partial file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from graphplan.compiler.errors import OutputError
+
+MAX_JSON_BYTES = 64 << 20
+"""Largest table or profile read (64 MiB; the 64K-token, LoRA-8, DP-8 plan's table is ~1 MiB)."""
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: str,
+              limit: int = MAX_JSON_BYTES):
+    """Parse a JSON file; every failure is ``error`` naming the file, the problem and ``hint``.
+    Only regular files are read, their size checked before reading; NaN/Infinity, integers of
+    more than 4300 digits and nesting deeper than the interpreter allows are refused."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{p}: is a directory, not a {what} (give the .json file)")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{p}: is not a regular file (a device, FIFO or socket); give a {what} file")
+    if st.st_size > limit:
+        raise error(f"{p}: {st.st_size} bytes is more than a {what} may have ({limit}); {hint}")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if len(raw) > limit:
+        raise error(f"{p}: more than {limit} bytes; {hint}")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{p}: not a graphplan {what}: not JSON ({e}); {hint}") from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{p}: not a graphplan {what}: {str(e).splitlines()[0] if str(e) else 'nested too deeply'}"
+                    f"; {hint}") from None
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    p = Path(path)
+    if p.is_dir():
+        raise OutputError(f"{p}: is a directory; give a file name such as {p / 'table.json'}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    except OSError as e:
+        raise OutputError(f"{p}: cannot write here ({e.strerror or e}); choose a writable "
+                          "directory with -o") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a written file gets the usual mode
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise OutputError(f"{p}: cannot write ({e.strerror or e})") from None
+        raise
