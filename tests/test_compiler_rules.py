@@ -1,4 +1,4 @@
-"""The compiler's rules (SEMANTICS.md sections 1-7), one test per rule, with exact expectations."""
+"""The compiler's rules (docs/semantics.md §1-§9), one test per rule, with exact expectations."""
 
 from __future__ import annotations
 

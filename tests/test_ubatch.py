@@ -1,4 +1,4 @@
-"""Ubatch slicing (SEMANTICS section 7) as rules and properties, and the ubatch schedule on the CPU."""
+"""Ubatch slicing (docs/semantics.md §8) as rules and properties, and the ubatch schedule on the CPU."""
 
 import pytest
 import torch
