@@ -1,6 +1,6 @@
 """Graph-memory model: how many bytes the shared CUDA-graph pool will hold, before any GPU work.
 
-The model. Every graph is captured into one memory pool, largest first (SEMANTICS.md section 4).
+The model. Every graph is captured into one memory pool, largest first (docs/semantics.md §5.5).
 A graph's intermediate tensors are freed back to the pool when its capture ends, and the next
 (smaller) graph reuses those blocks, so activations cost what the *largest* graph needs, once.
 What is not reused is a per-graph fixed cost: the instantiated graph itself (kernel parameters,

@@ -1,4 +1,4 @@
-"""Mode resolution against the attention backend's graph support (SEMANTICS.md section 2)."""
+"""Mode resolution against the attention backend's graph support (docs/semantics.md §2)."""
 
 from __future__ import annotations
 

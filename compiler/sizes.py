@@ -1,4 +1,4 @@
-"""Capture sizes (SEMANTICS.md section 3): presets, explicit lists, ranges, spec-decode rounding.
+"""Capture sizes (docs/semantics.md §3, §4): presets, explicit lists, ranges, spec-decode rounding.
 
 Pure functions over ints. Sizes count tokens; the sglang and trtllm presets count requests in their
 own systems, so their lists are multiplied by q here.

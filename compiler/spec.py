@@ -1,4 +1,4 @@
-"""What a plan says, as frozen dataclasses built once by the loader (SEMANTICS.md sections 1-7).
+"""What a plan says, as frozen dataclasses built once by the loader (docs/semantics.md §1-§8).
 
 Field names are the plan's YAML keys; defaults live in ``schemas/plan.schema.json`` only (the
 loader fills them in before these are built), and a test checks the two agree field for field.

@@ -1,4 +1,4 @@
-"""Data-parallel agreement (SEMANTICS section 6) on torch.distributed.
+"""Data-parallel agreement (docs/semantics.md §7) on torch.distributed.
 
 Every step each DP rank writes four int32 values into its own column of a ``[4, dp_size]`` tensor
 (unpadded tokens, padded tokens, wants-ubatch, dispatched runtime mode), one exchange makes every
@@ -8,7 +8,7 @@ decision on every rank. The exchange can be started early (``start``) and collec
 (``finish``), so it runs while the previous step's GPU work does. ``agree`` and ``contribution``
 are pure; ``DPCoordinator`` owns the tensor, the process group and the timeout.
 
-graphplan's choices where SEMANTICS leaves room (each a documented rule, tested):
+graphplan's choices where vLLM leaves room (docs/semantics.md §7.1, §7.3, §7.5; each tested):
 - a rank with no work contributes ``IDLE``: 0 tokens, no ubatch wish, mode FULL (neutral for the
   min), so an idle rank never lowers the others' mode but does call off micro-batching (its last
   ubatch would be empty), as vLLM's one-token dummy run does;
@@ -117,7 +117,7 @@ class DPCoordinator:
     subgroup of the same ranks when the group has none; ``nccl`` all-reduces on the GPU.
     ``exchange`` (Gloo): ``p2p`` sends each rank's column to every peer (the lowest latency,
     the default up to P2P_MAX_RANKS ranks), ``all_gather`` gathers the columns (the default past
-    it), ``all_reduce`` sums the zero-padded matrix (SEMANTICS section 6 to the letter); all three
+    it), ``all_reduce`` sums the zero-padded matrix (docs/semantics.md §7.2 to the letter); all three
     give the same matrix. Construction is collective when it makes a subgroup (every rank must
     construct it).
     """

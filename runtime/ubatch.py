@@ -1,4 +1,4 @@
-"""Micro-batching (DBO, SEMANTICS section 7): ubatch slices as pure functions, and a scheduler that
+"""Micro-batching (DBO, docs/semantics.md §8): ubatch slices as pure functions, and a scheduler that
 runs the ubatches on their own compute streams with one communication stream, so one ubatch's
 collectives overlap another's compute.
 

@@ -1,4 +1,4 @@
-"""The compiler's rules (SEMANTICS.md sections 1-7), one test per rule, with exact expectations."""
+"""The compiler's rules (docs/semantics.md §1-§9), one test per rule, with exact expectations."""
 
 from __future__ import annotations
 
@@ -569,7 +569,7 @@ def test_every_cross_field_error_is_reported_at_once_with_its_line(tmp_path):
     p.write_text("version: 1\nname: bad\nscheduler:\n  max_num_seqs: 300\n"
                  "  max_num_batched_tokens: 200\nparallel:\n  ubatch:\n    enabled: true\n"
                  "    decode_token_threshold: 1\n")
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlanError, match=r"error\[tokens-below-seqs\]: .*200 is below") as e:
         compile_plan(p)
     found = [(d.code, d.line, d.col) for d in e.value.diagnostics]
     assert found == [("tokens-below-seqs", 5, 27), ("ubatch-needs-dp", 8, 14),
@@ -727,6 +727,6 @@ def test_impossible_batches_are_batch_errors(h100, args, match):
 
 
 def test_batch_error_is_a_value_error_with_exit_code_1(h100):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_tokens=0 is outside 1\.\."):
         h100.route(0)
     assert BatchError.exit_code == 1 and PlanError.exit_code == 2

@@ -1,4 +1,4 @@
-"""DP agreement (SEMANTICS section 6) and micro-batching on real torch.distributed Gloo groups.
+"""DP agreement (docs/semantics.md §7) and micro-batching on real torch.distributed Gloo groups.
 
 Ranks are spawned processes on 127.0.0.1 (a free port per test); each writes what it saw to a JSON
 file that the test then compares across ranks and against the pure functions.

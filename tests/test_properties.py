@@ -198,7 +198,7 @@ def test_strict_only_turns_strict_diagnostics_into_errors(plan):
     strict["cudagraph"]["strict"] = True
     expected = {d["code"] for d in t.diagnostics} & STRICT_CODES
     if expected:
-        with pytest.raises(PlanError) as e:
+        with pytest.raises(PlanError, match=r"; or set strict: false\)") as e:
             compile_plan(strict)
         assert {d.code for d in e.value.diagnostics} == expected
     else:
