@@ -11,11 +11,11 @@ import enum
 from dataclasses import dataclass
 
 ROUTINES = ("full_decode", "full_decode_ubatched", "full_mixed", "piecewise")
-"""The route matrices a table holds, one per kind of graph (docs/semantics.md §4)."""
+"""The route matrices a table holds, one per kind of graph (docs/semantics.md §5)."""
 
 
 class RuntimeMode(enum.IntEnum):
-    """What one step runs; the values are what DP ranks exchange (min wins, docs/semantics.md §6)."""
+    """What one step runs; the values are what DP ranks exchange (min wins, docs/semantics.md §7)."""
 
     NONE = 0
     PIECEWISE = 1
@@ -128,7 +128,7 @@ class Why(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UbatchSettings:
-    """Micro-batching (DBO) as resolved (docs/semantics.md §7)."""
+    """Micro-batching (DBO) as resolved (docs/semantics.md §8)."""
 
     enabled: bool
     """Whether DP ranks may split a step into micro-batches."""
@@ -167,7 +167,7 @@ class TableSettings:
     lora_enabled: bool
     """Whether batches may carry LoRA adapters."""
     lora_cases: tuple[int, ...]
-    """Captured active-adapter counts (docs/semantics.md §5)."""
+    """Captured active-adapter counts (docs/semantics.md §6)."""
     lora_case_of_count: tuple[int, ...]
     """For each active-adapter count 0..max_loras+1, the index of the case it rounds up to."""
     ubatch: UbatchSettings

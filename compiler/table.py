@@ -98,7 +98,7 @@ class DispatchTable:
         """sha256 of plan + settings + compiler version."""
         self.content_fingerprint: str = doc["content_fingerprint"]
         """sha256 of settings + graphs + routes + compiler version: what runners and DP ranks
-        compare (docs/semantics.md §6)."""
+        compare (docs/semantics.md §7.6)."""
         self._prepare()
 
     # -- lookups ----------------------------------------------------------------------------
