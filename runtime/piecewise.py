@@ -81,9 +81,9 @@ class SplitModel:
 def qualified_op_name(target) -> str | None:
     """``ns::op`` for a torch op (an overload or its packet), None for anything else."""
     if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
+        return target.name().partition(".")[0]  # "ns::op.overload" -> "ns::op"
+    if isinstance(target, torch._ops.OpOverloadPacket) and target.overloads():
+        return getattr(target, target.overloads()[0]).name().partition(".")[0]
     return None
 
 
