@@ -418,3 +418,32 @@ def test_save_replaces_an_existing_table_whole(h100, tmp_path):
     h100.save(path)
     assert path.read_bytes() == h100.dumps()
     assert _leftovers(tmp_path) == []
+
+
+# -- routes stay what they were -------------------------------------------------------------------
+
+def route_digest(t: DispatchTable) -> str:
+    """sha256 over every route on a grid of (tokens, requests, query length) x allowed mode x
+    ubatched: mode, graph key, padded tokens and requests, wants_ubatch."""
+    h = hashlib.sha256()
+    for n in range(1, t.max_tokens + 1, max(1, t.max_tokens // 700)):
+        decode = (n // t.q, t.q) if n % t.q == 0 and n // t.q <= t.max_num_seqs else (1, n)
+        for r, q in ((1, n), (None, None), decode):
+            for allow in (None, "NONE", "PIECEWISE", "FULL"):
+                for ub in (False, True):
+                    rt = t.route(n, r, q, 0, allow=allow, ubatched=ub)
+                    g = rt.graph
+                    key = None if g is None else (g.num_tokens, g.num_reqs, g.uniform,
+                                                  g.num_active_loras, g.num_ubatches)
+                    h.update(repr((rt.mode.name, key, rt.padded_tokens, rt.padded_reqs,
+                                   rt.wants_ubatch)).encode())
+    return h.hexdigest()
+
+
+def test_every_shipped_plan_routes_exactly_as_recorded():
+    """tests/data/route_digests.json was recorded with graphplan 0.1.0 (before the typed table):
+    a refactor must not move a single route. Change it only with a rule change, saying why."""
+    recorded = json.loads((ROOT / "tests" / "data" / "route_digests.json").read_text())
+    now = {p.name: {"graphs": len(t.graphs), "routes_sha256": route_digest(t)}
+           for p in PLANS for t in [compile_shipped(p)]}
+    assert now == recorded
