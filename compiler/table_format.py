@@ -27,6 +27,8 @@ from graphplan.compiler.fileio import canonical_json
 from graphplan.compiler.records import (ROUTINES, AttentionSupport, BatchDescriptor, CudagraphMode,
                                         Graph, RuntimeMode, TableSettings, UbatchSettings)
 from graphplan.compiler.resolve import resolve_plan_dict
+from graphplan.compiler.schema import load_schema
+from graphplan.compiler.schema_lite import first_error
 
 FORMAT = "graphplan.table"
 FORMAT_VERSION = 2
@@ -249,7 +251,13 @@ def decode(data, source: str = "<table>") -> dict:
 
 
 def verify_against_plan(parts: dict, source: str) -> None:
-    """Resolve the embedded plan again; settings, graphs and routes must be what it gives."""
+    """Resolve the embedded plan again; settings, graphs and routes must be what it gives. The
+    plan is checked against plan.schema.json first (strictly: no 64.0 for 64), so nothing
+    unbounded is resolved."""
+    problem = first_error(parts["plan"], load_schema())
+    if problem:
+        raise TableError(f"{source}: plan.{problem[0]}: {problem[1]} (the embedded plan is not a "
+                         f"valid plan); {_RECOMPILE}")
     try:
         fresh = resolve_plan_dict(parts["plan"])
     except GraphplanError as e:
