@@ -198,6 +198,9 @@ def _graph_from_json(g, i: int, source: str) -> Graph:
         raise TableError(f"{source}: {where}.routine: {g['routine']!r} is not one of "
                          f"{', '.join(ROUTINES)}; {_RECOMPILE}")
     mode = _enum(RuntimeMode, g["mode"], f"{where}.mode", source)
+    if mode is RuntimeMode.NONE:
+        raise TableError(f"{source}: {where}.mode: 'NONE' is not one of PIECEWISE, FULL (a graph "
+                         f"is never eager); {_RECOMPILE}")
     return Graph(id=i, mode=mode, routine=g["routine"],
                  key=BatchDescriptor(**{k: g[k] for k in BatchDescriptor.__slots__}))
 
