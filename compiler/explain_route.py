@@ -19,6 +19,15 @@ def _batch_sentence(t, n, r, mql, uniform) -> str:
            f"and num_tokens == q * num_reqs)"
 
 
+def _mixed_hint(res) -> str:
+    """A change that would give mixed batches graphs."""
+    if res.splitting_ops:
+        return ("mode FULL_AND_PIECEWISE would replay PIECEWISE graphs for them "
+                "(attention runs eager between pieces)")
+    return ("give them graphs with mode FULL_AND_PIECEWISE and cudagraph.splitting_ops: "
+            "[attention], or mode FULL if attention_support is ALWAYS")
+
+
 def route_reasons(route, ctx) -> tuple[str, ...]:
     """The reason chain of ``route``; ``ctx`` is its RouteContext (what was asked)."""
     t, n, r, mql, uniform, pad_to = (ctx.table, ctx.num_tokens, ctx.num_reqs, ctx.max_query_len,
@@ -61,12 +70,16 @@ def route_reasons(route, ctx) -> tuple[str, ...]:
     elif why == Why.NO_GRAPHS:
         out.append(f"eager: the plan captures no graphs (resolved mode {res.mode.name}, "
                    f"{len(t.capture_sizes)} capture sizes)")
+    elif why == Why.TOO_BIG and not uniform and res.mixed_mode is RuntimeMode.NONE:
+        out.append(f"eager: mixed batches always run eager in mode {res.mode.name} (its mixed "
+                   f"routine is NONE), whatever the capture sizes; {_mixed_hint(res)}")
     elif why == Why.TOO_BIG:
         out.append(f"eager: {route.padded_tokens} tokens exceed the largest capture size "
-                   f"{largest} (raise the preset ceiling or add sizes)")
+                   f"{largest} (add sizes up to {route.padded_tokens}, e.g. a higher preset "
+                   "ceiling; sizes stop at scheduler.max_num_batched_tokens)")
     elif why == Why.MIXED_NONE:
         out.append(f"eager: the mixed routine is NONE in mode {res.mode.name} and no FULL decode "
-                   "graph fits this batch")
+                   f"graph fits this batch; {_mixed_hint(res)}")
     elif why == Why.NO_TWIN:
         out.append("eager: this size is captured only ubatched and "
                    "parallel.ubatch.plain_twins is false, so a batch that does not "

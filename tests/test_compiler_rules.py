@@ -730,3 +730,18 @@ def test_batch_error_is_a_value_error_with_exit_code_1(h100):
     with pytest.raises(ValueError, match=r"num_tokens=0 is outside 1\.\."):
         h100.route(0)
     assert BatchError.exit_code == 1 and PlanError.exit_code == 2
+
+
+def test_explain_hints_name_a_change_that_would_give_the_batch_a_graph():
+    """A mixed batch in FULL_DECODE_ONLY runs eager at any size: raising the ceiling would not
+    help, so the hint names the mode change instead; a uniform batch above the largest size is
+    told to add sizes."""
+    t = compile_plan({"version": 1, "name": "fdo", "scheduler": {"max_num_seqs": 256,
+                      "max_num_batched_tokens": 8192},
+                      "cudagraph": {"mode": "FULL_DECODE_ONLY", "attention_support": "UNIFORM_BATCH"}})
+    for n, r, q in ((600, 3, 300), (300, 3, 200)):
+        last = t.route(n, r, q).reasons[-1]
+        assert "ceiling" not in last and "FULL_AND_PIECEWISE" in last, last
+    small = compile_plan({"version": 1, "name": "s", "cudagraph": {"mode": "FULL",
+                          "attention_support": "ALWAYS", "capture_sizes": [1, 2, 4]}})
+    assert "add sizes up to 8" in small.route(8, 8, 1).reasons[-1]

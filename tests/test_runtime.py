@@ -215,3 +215,33 @@ def test_runner_device_defaults_to_where_the_weights_are_even_without_parameters
     model = TinyLlama(CFG, seed=0)
     runner = GraphRunner(BuffersOnly(), compile_plan(plan()), static_inputs(model), progress=False)
     assert runner.device.type == "meta"
+
+
+def test_capture_logs_a_line_every_tenth_of_the_graphs_when_stderr_is_no_terminal(caplog):
+    """In logs and CI (no terminal) a progress bar would be redrawn into the log: capture writes
+    about ten progress lines instead, the last one at n/n."""
+    model = TinyLlama(CFG, seed=0)
+    sizes = list(range(1, 41))
+    r = GraphRunner(model, compile_plan(plan(sizes=sizes)), static_inputs(model), progress=True)
+    with caplog.at_level("INFO", logger="graphplan.runtime"):
+        r.capture()
+    lines = [m for m in caplog.messages if m.startswith("Capturing graphs")]
+    assert len(lines) == 10 and lines[0].endswith(": 4/40") and lines[-1].endswith(": 40/40")
+
+
+def test_an_interrupt_during_capture_releases_everything_and_leaves_the_runner_usable():
+    model = TinyLlama(CFG, seed=0)
+    calls = {"n": 0}
+
+    def interrupting(**kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return model(**kw)
+
+    r = GraphRunner(interrupting, compile_plan(plan()), static_inputs(model), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        r.capture()
+    assert r.captured_graph_ids() == [] and not r.captured
+    r.capture()  # nothing half-captured is left to trip over
+    assert len(r.captured_graph_ids()) == 5
