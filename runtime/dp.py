@@ -29,6 +29,7 @@ import torch
 
 from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.records import RuntimeMode
+from graphplan.runtime.ubatch import last_ubatch_empty
 
 UNPADDED, PADDED, WANTS_UBATCH, MODE = range(4)  # rows of the all-reduced tensor
 IDLE = (0, 0, 0, int(RuntimeMode.FULL))
@@ -87,7 +88,7 @@ def agree(matrix, num_ubatches: int) -> DPDecision:
     mode = _MODES[min(modes)]
     max_padded = max(padded)
     ubatch = min(wants) == 1  # every rank wants it
-    aborted = ubatch and (max_padded // num_ubatches) * (num_ubatches - 1) >= min(unpadded)
+    aborted = ubatch and last_ubatch_empty(max_padded, min(unpadded), num_ubatches)
     ubatch = ubatch and not aborted
     pad_to = max_padded if (mode or ubatch) and max_padded > 0 else None
     return DPDecision(mode, ubatch, pad_to, tuple(unpadded), tuple(padded), aborted)
