@@ -332,3 +332,18 @@ def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int)
             raise input_error(path, "bad-json", f"{where}: not JSON ({e.msg})", "", line,
                               col) from None
     return value
+
+
+def split_routines(sizes, q: int, seqs: int, mode: str) -> tuple[list[int], list[int], str]:
+    """A plan's one size list -> (decode batch sizes in requests, piecewise token counts, a
+    problem) for engines that keep separate decode (requests) and prefill (tokens) lists."""
+    decode = [s for s in sizes if q <= s <= q * seqs] if mode.startswith("FULL_") else []
+    problem = ""
+    if any(s % q for s in decode):
+        problem = f"decode graphs at sizes that are not multiples of q={q}"
+    pieces = list(sizes) if mode == "FULL_AND_PIECEWISE" else []
+    top = decode[-1] if decode else 0
+    if pieces and top < q * seqs and pieces[-1] > top:
+        problem = (f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
+                   " tokens (above the largest decode size; the engine runs them without a graph)")
+    return [s // q for s in decode], pieces, problem
