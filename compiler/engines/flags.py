@@ -59,8 +59,9 @@ class Setting:
 def tokens_of(argv) -> list[str]:
     """Shell words of a command line (a list is taken as already split); leading words that are
     not flags (``vllm serve MODEL``, ``python -m ...``, ``VAR=value``) are skipped."""
-    words = list(argv) if not isinstance(argv, str) else shlex.split(argv, comments=True)
-    words = [w for w in words if w != "\\"]
+    if isinstance(argv, str):  # a pasted command: join shell line continuations first
+        argv = shlex.split(argv.replace("\\\n", " "), comments=True)
+    words = [w for w in argv if w.strip() and w != "\\"]
     i = 0
     while i < len(words) and not words[i].startswith("-"):
         i += 1

@@ -64,9 +64,6 @@ REMOVED = {
     "0.11": {"--specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora (added by "
              "PR #32005, 2026-01); use --engine-version 0.15",
              "--no-specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora"},
-    "0.15": {"--cuda-graph-sizes": "--cuda-graph-sizes is gone after vLLM 0.11 (PR #26016 moved "
-             "it to --max-cudagraph-capture-size / -cc.cudagraph_capture_sizes); use "
-             "--engine-version 0.11 or the new spelling"},
 }
 
 
@@ -225,8 +222,9 @@ def to_draft(settings: dict, version: str) -> F.Draft:
     if ops is None:
         d.assume("cudagraph.splitting_ops", ["attention"], "vLLM splits at its attention ops")
     else:
-        names = (["attention"] if any(o in R.ATTENTION_OPS for o in ops) else []) + \
-            [o for o in ops if o not in R.ATTENTION_OPS]
+        attn = set(R.ATTENTION_OPS) | {o.replace("::", ".") for o in R.ATTENTION_OPS}
+        names = (["attention"] if any(o in attn for o in ops) else []) + \
+            [o for o in ops if o not in attn]
         d.put("cudagraph.splitting_ops", names, f"compilation_config.splitting_ops ({cc_src})")
     d.put("cudagraph.strict", False, "vLLM has no strict mode (it logs downgrades)")
     _lora(d, settings, cc)
@@ -245,6 +243,11 @@ def _mode(d: F.Draft, settings: dict, cc: dict, src: str) -> None:
                                 "vLLM CUDAGraphMode", "NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or "
                                 "FULL_AND_PIECEWISE")
         d.put("cudagraph.mode", mode, f"compilation_config.cudagraph_mode ({src})")
+    elif cc.get("full_cuda_graph") or cc.get("use_cudagraph") is not None:  # vLLM <= 0.10
+        mode = "FULL" if cc.get("full_cuda_graph") else (
+            "PIECEWISE" if cc.get("use_cudagraph") else "NONE")
+        d.put("cudagraph.mode", mode, f"compilation_config use_cudagraph/full_cuda_graph ({src}; "
+              "vLLM <= 0.10 spelling)")
     elif settings.get("optimization_level"):
         lvl = settings["optimization_level"]
         d.put("cudagraph.mode", ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE",

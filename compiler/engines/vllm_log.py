@@ -54,11 +54,16 @@ def read_log(text: str, file: str = "<log>") -> tuple[dict, str | None, list]:
                 if key in args:
                     settings[key] = F.Setting(_value(key, args[key]), f"{file}:{lineno} "
                                               f"non-default args {key}")
-        elif ENGINE_CONFIG in line and "compilation_config=" in line:
+        elif "compilation_config=" in line:
             m = _VERSION.search(line)
             version = version or (m.group(1) if m else None)
-            start = line.index(ENGINE_CONFIG) + len(ENGINE_CONFIG)
-            cfg = _parse(line, start, file, lineno, line, "engine config", kwargs=True)
+            if ENGINE_CONFIG in line:
+                start = line.index(ENGINE_CONFIG) + len(ENGINE_CONFIG)
+                cfg = _parse(line, start, file, lineno, line, "engine config", kwargs=True)
+            else:  # the line's head is missing (a quoted excerpt): read its last setting only
+                start = line.rindex("compilation_config=") + len("compilation_config=")
+                cfg = {"compilation_config": _parse(line, start, file, lineno, line,
+                                                    "compilation_config")}
             seen.append(ENGINE_CONFIG)
             for key in ("data_parallel_size", "enforce_eager", "speculative_config",
                         "compilation_config"):
