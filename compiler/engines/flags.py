@@ -228,7 +228,7 @@ class Draft:
                     lines.append("  " * depth + f"{part}:")
                     open_sections = parts[:depth + 1]
             key = "  " * (len(parts) - 1) + f"{parts[-1]}: {_scalar(self.values[path])}"
-            lines.append(f"{key:<44} # {self.why[path]}")
+            lines.append(f"{key:<43}  # {self.why[path]}")
         return "\n".join(lines) + "\n"
 
 
