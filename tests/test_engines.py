@@ -287,7 +287,8 @@ def _tmp_log(text: str) -> str:
 
 BAD = [
     (["import", "--engine", "vllm", "--", "--max-num-seq", "8"],
-     r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*did you mean '--max-num-seqs'"),
+     r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*"
+     r"did you mean '--max-num-seqs'"),
     (["import", "--engine", "vllm", "--log", str(DATA / "vllm-29955-truncated.log")],
      r"vllm-29955-truncated.log:3:\d+: error\[malformed-log-line\]: compilation_config: expected"),
     (["import", "--engine", "vllm", "--", "--max-num-seqs", "0"],

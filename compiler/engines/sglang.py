@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from graphplan.compiler.engines import flags as F
+from graphplan.compiler.engines.draft import Draft
 from graphplan.compiler.engines.flags import Flag
 
 ENGINE = "sglang"
@@ -81,7 +82,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
         out["disable_cuda_graph"] = True
         if mode != "NONE" and sizes:
             diags.append(F.lost(ENGINE, version, "cudagraph.capture_sizes", "graphs without "
-                                "decode graphs", f"add a size between {q} and {q * s.max_num_seqs}"))
+                                "decode graphs",
+                                f"add a size between {q} and {q * s.max_num_seqs}"))
     else:
         out.update(cuda_graph_bs=bs, cuda_graph_max_bs=bs[-1])
         if pieces:
@@ -131,8 +133,8 @@ def read_config(path: str, version: str, allow_unknown: bool):
                               allow_unknown, lambda n: n.replace("_", "-"))
 
 
-def to_draft(settings: dict, version: str) -> F.Draft:
-    d, get = F.Draft(), settings.get
+def to_draft(settings: dict, version: str) -> Draft:
+    d, get = Draft(), settings.get
     d.put("name", "sglang-import", "plan name (change with --set name=...)")
     if get("max_running_requests"):
         d.put("scheduler.max_num_seqs", get("max_running_requests").value,
@@ -197,7 +199,7 @@ def to_draft(settings: dict, version: str) -> F.Draft:
     return d
 
 
-def finish_sizes(d: F.Draft, version: str) -> None:
+def finish_sizes(d: Draft, version: str) -> None:
     if "cudagraph.capture_sizes" in d.values:
         return
     from graphplan.compiler.sizes import sglang_sizes

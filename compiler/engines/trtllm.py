@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from graphplan.compiler.engines import flags as F
+from graphplan.compiler.engines.draft import Draft
 from graphplan.compiler.engines.flags import Flag
 
 ENGINE = "trtllm"
@@ -152,8 +153,8 @@ def _check_graph_config(cfg, path: str, at) -> None:
             F.to_int(value, "cuda_graph_config.max_batch_size", 0, 65536, path, col, line)
 
 
-def to_draft(settings: dict, version: str) -> F.Draft:
-    d, get = F.Draft(), settings.get
+def to_draft(settings: dict, version: str) -> Draft:
+    d, get = Draft(), settings.get
     d.put("name", "trtllm-import", "plan name (change with --set name=...)")
     for key, path, default in (("max_batch_size", "scheduler.max_num_seqs", 2048),
                                ("max_num_tokens", "scheduler.max_num_batched_tokens", 8192)):
@@ -211,12 +212,13 @@ def default_batch_sizes(max_bs: int, padding: bool, version: str) -> list[int]:
         while bs[-1] + 64 <= max_bs:
             bs.append(bs[-1] + 64)
     else:
-        bs = list(range(1, 32)) + [32, 64, 128] + [2 ** i for i in range(8, (max_bs - 1).bit_length())]
+        bs = list(range(1, 32)) + [32, 64, 128]
+        bs += [2 ** i for i in range(8, (max_bs - 1).bit_length())]
     bs = sorted(b for b in set(bs) if b <= max_bs)
     return bs + ([max_bs] if not bs or bs[-1] != max_bs else [])
 
 
-def finish_sizes(d: F.Draft, version: str) -> None:
+def finish_sizes(d: Draft, version: str) -> None:
     if "cudagraph.capture_sizes" in d.values or d.values["cudagraph.mode"] == "NONE":
         d.assume("cudagraph.capture_sizes", [], "CUDA graphs off")
         return
