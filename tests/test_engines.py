@@ -355,3 +355,9 @@ def test_cli_engines_compares_the_plans_padding_under_each_default_list(capsys):
                           "trtllm preset, padded"]
     assert rows["plan"]["sizes"] == GRID_TO_512 == rows["vllm 0.11 default"]["sizes"]
     assert rows["trtllm preset"]["decode"]["worst_pad"] == 63  # 65..127 pad to 128
+
+
+def test_the_engines_package_ships_in_the_wheel():
+    import tomllib
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "graphplan.compiler.engines" in packages
