@@ -361,3 +361,10 @@ def test_the_engines_package_ships_in_the_wheel():
     import tomllib
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert "graphplan.compiler.engines" in packages
+
+
+def test_cli_engines_with_a_trace_prices_each_list(capsys):
+    assert main(["engines", str(ROOT / "plans" / "llama3-8b-h100.yaml"), "--trace",
+                 str(ROOT / "bench" / "traces" / "chat.jsonl")]) == 0
+    text = capsys.readouterr().out
+    assert "trace padded" in text and "trtllm preset, padded" in text

@@ -145,7 +145,7 @@ def finish_sizes(d: Draft, version: str) -> None:
               f"max_num_batched_tokens dropped as vLLM does" if dropped else ""))
     else:
         top = R.default_max_size(seqs, tokens, q, top_in)
-        why = (f"max_cudagraph_capture_size {top_in} ({where})" if top_in is not None else
-               f"min(2 * q * max_num_seqs, 512)") + f", capped at max_num_batched_tokens = {top}"
+        why = (f"min(max_cudagraph_capture_size {top_in} ({where}), max_num_batched_tokens)"
+               if top_in is not None else "min(2 * q * max_num_seqs, 512, max_num_batched_tokens)")
         d.put("cudagraph.capture_sizes", R.default_sizes(top), f"vLLM {version} default list "
-              f"[1, 2, 4] + 8..248/8 + 256../16 up to {why}")
+              f"[1, 2, 4] + 8../8 + 256../16 up to {top} = {why}")
