@@ -52,11 +52,11 @@ def plans(draw, engine: str) -> dict:
     return plan
 
 
-def signature(table) -> list:
+def signature(table, plan: dict) -> list:
     """Every graph, and the route of every mixed and uniform-decode batch for every LoRA count."""
     out = [tuple((g.mode, g.key) for g in table.graphs)]
-    loras = table.plan["lora"]["max_loras"] + 2 if table.plan["lora"]["enabled"] else 1
-    for n_lora in range(loras):
+    lora = plan.get("lora", {})
+    for n_lora in range(lora.get("max_loras", 4) + 2 if lora.get("enabled") else 1):
         for n in range(1, table.max_tokens + 1):
             r = table.route(n, num_active_loras=n_lora)
             out.append((r.mode, r.graph_id >= 0 and r.graph, r.padded_tokens, r.padded_reqs))
@@ -99,7 +99,7 @@ def test_import_of_export_routes_every_batch_like_the_plan(engine, fmt, tmp_path
     def check(plan):
         loaded, table = compiled(plan)
         back = reimport(loaded, table, engine, fmt, tmp_path_factory.mktemp("rt"))
-        assert signature(compile_plan(back.plan)) == signature(table)
+        assert signature(compile_plan(back.plan), plan) == signature(table, plan)
 
     check()
 
