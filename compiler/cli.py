@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from graphplan.compiler.tuning_cli import add_tuning_commands
     add_tuning_commands(sub, common)
+    from graphplan.compiler.engine_cli import add_engine_commands; add_engine_commands(sub, common)  # noqa: E702,E501
     return p
 
 
