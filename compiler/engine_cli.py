@@ -29,7 +29,7 @@ def _loaded(path: str, sets):
 
 def _emit(text: str, output: str | None) -> None:
     if output:
-        from graphplan.compiler.table import write_atomic
+        from graphplan.compiler.fileio import write_atomic
         write_atomic(output, text.encode("utf-8"))
     else:
         sys.stdout.write(text)

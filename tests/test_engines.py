@@ -34,10 +34,10 @@ def imported(engine, **source):
 
 
 def settings_of(table) -> tuple:
-    """The one place these tests read ``table.resolved`` (it becomes typed ``table.settings``)."""
-    r = table.resolved
-    return (r["mode"], r["capture_sizes"], r["lora_cases"], r["max_num_seqs"],
-            r["max_num_batched_tokens"], r["decode_query_len"], r["data_parallel_size"])
+    """What a table resolved to, as plain values (mode name, lists)."""
+    r = table.settings
+    return (r.mode.name, list(r.capture_sizes), list(r.lora_cases), r.max_num_seqs,
+            r.max_num_batched_tokens, r.decode_query_len, r.data_parallel_size)
 
 
 # -- vLLM's rules (vllm/config/vllm.py _set_cudagraph_sizes, compilation.py) ---------------------

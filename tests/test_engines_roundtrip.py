@@ -105,9 +105,9 @@ def test_import_of_export_routes_every_batch_like_the_plan(engine, fmt, tmp_path
 
 
 def _resolved(table) -> tuple:
-    """The one place these tests read ``table.resolved`` (it becomes typed ``table.settings``)."""
-    r = table.resolved
-    return r["mode"], tuple(r["capture_sizes"]), tuple(r["lora_cases"])
+    """What a table resolved to, as plain values."""
+    r = table.settings
+    return r.mode.name, tuple(r.capture_sizes), tuple(r.lora_cases)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
