@@ -39,11 +39,16 @@ class GraphRunner:
     PIECEWISE graphs need a model that torch.fx can split at the plan's ``splitting_ops``
     (``runtime/piecewise.py`` says what that takes); ``splitting_ops`` binds a plan op name to the
     op explicitly (``{"attention": torch.ops.my_ns.attention.default}``) instead of the name rule.
+
+    Capture runs ``warmups`` eager passes before the first FULL graph (``warmup_each``: before
+    every graph, for models that initialise lazily per shape), then captures back to back; memory
+    is read around the first two graphs (the estimate) and the whole capture only.
     """
 
     def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
-                 warmups: int = 1, rank: int | None = None, progress: bool = True,
+                 warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
+                 progress: bool = True,
                  splitting_ops: Mapping[str, object] | None = None):
         if not isinstance(table, DispatchTable):
             table = DispatchTable.load(Path(table))
@@ -56,7 +61,7 @@ class GraphRunner:
         self.model, self.table = model, table
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
-        self.warmups, self.progress = warmups, progress
+        self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
         self.splitting_ops = dict(splitting_ops or {})
         self.rank = rank if rank is not None else _default_rank()
         graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
@@ -74,10 +79,11 @@ class GraphRunner:
 
     # -- capture ----------------------------------------------------------------------------
     def capture(self, modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
-                only: set[int] | None = None) -> dict:
+                only: set[int] | None = None, *, measure_each: bool = False) -> dict:
         """Warm up and capture the table's graphs of the given modes (by default every graph the
         table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
-        ``only`` restricts capture to those graph ids (memory calibration captures one at a time).
+        ``only`` restricts capture to those graph ids; ``measure_each`` measures every graph's
+        memory (calibration), at the price of a device synchronisation per graph.
 
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
@@ -88,7 +94,8 @@ class GraphRunner:
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
-                         ubatch_body=self.ubatch_body)
+                         ubatch_body=self.ubatch_body, warmup_each=self.warmup_each,
+                         measure_each=measure_each)
         done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
                                          for m in modes), only)
         self._graphs, self._outputs = done.graphs, done.outputs
