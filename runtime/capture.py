@@ -118,7 +118,7 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
         done.piecewise = _split(job)  # SplitError here, before anything is captured
     gc.collect()
     gc.freeze()  # capture allocates many Python objects; keep the collector out of the way
-    gid, start = ids[0], backend.memory_used()
+    gid, start, head = ids[0], backend.memory_used(), 0
     try:
         with torch.no_grad():
             for n_done, gid in enumerate(_progress(ids, job, f"Capturing graphs ({backend.name})")):
@@ -147,8 +147,10 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
                     done.graphs[gid] = backend.capture(body)
                     took = backend.memory_used() - before if measure else None
                 summary["per_graph"].append([gid, tokens, took])
-                if n_done == 1 and took is not None:  # estimate the rest from the two largest
-                    summary["estimate_bytes"] = summary["per_graph"][0][2] + took * (len(ids) - 1)
+                if n_done == 0:  # the static outputs and the largest graph
+                    head = backend.memory_used() - start
+                elif n_done == 1 and took is not None:  # estimate the rest from the two largest
+                    summary["estimate_bytes"] = head + took * (len(ids) - 1)
     except BaseException as e:
         done.graphs = [None] * len(table.graphs)
         done.piecewise = done.outputs = None
