@@ -27,8 +27,10 @@ def compile_plan(source, overrides: dict | None = None) -> DispatchTable:
 
 def compile_loaded(loaded):
     """(table, located diagnostics) for a LoadedPlan; the CLI prints the diagnostics."""
+    from graphplan.compiler.limits import check_graph_limits
     from graphplan.compiler.resolve import resolve
     try:
+        check_graph_limits(loaded.spec, loaded.plan)  # before any graph is built
         table, diags = resolve(loaded.spec, loaded.plan)
     except PlanError as e:
         raise PlanError([loaded.locate(d) for d in e.diagnostics]) from None

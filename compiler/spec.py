@@ -119,6 +119,12 @@ class ParallelSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LimitsSpec:
+    max_graphs: int
+    """Most graphs the plan may compile to; more is an error (compiler/limits.py)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlanSpec:
     version: int
     name: str
@@ -126,6 +132,7 @@ class PlanSpec:
     cudagraph: CudagraphSpec
     lora: LoraSpec
     parallel: ParallelSpec
+    limits: LimitsSpec
 
 
 def _sizes_from_dict(d) -> CaptureSizesSpec:
@@ -156,4 +163,5 @@ def plan_from_dict(d: dict) -> PlanSpec:
         parallel=ParallelSpec(
             data_parallel_size=par["data_parallel_size"], backend=par["backend"],
             sync_timeout_s=par["sync_timeout_s"], ubatch=UbatchSpec(**par["ubatch"])),
+        limits=LimitsSpec(**d["limits"]),
     )
