@@ -239,13 +239,18 @@ def render(text: str, variables: dict, file: str) -> str:
                 raise _error(file, "template-unused-variable", message, hint=hint)
             template = env.template_class.from_code(env, env.compile(tree), env.make_globals(None))
             out, size, budget = [], 0, _budget.get()
-            for chunk in template.generate(**variables):
+            gen = template.generate(**variables)
+            for chunk in gen:
                 size += len(chunk)
-                if size > MAX_PLAN_BYTES:
-                    raise TemplateLimit(f"the rendered plan is over {MAX_PLAN_BYTES} bytes "
-                                        "(the plan size limit)")
-                if time.monotonic() > budget.deadline:
-                    raise TemplateLimit(f"rendering took more than {MAX_RENDER_SECONDS:g} s")
+                why = (f"the rendered plan is over {MAX_PLAN_BYTES} bytes (the plan size limit)"
+                       if size > MAX_PLAN_BYTES else
+                       f"rendering took more than {MAX_RENDER_SECONDS:g} s"
+                       if time.monotonic() > budget.deadline else "")
+                if why:
+                    line = _generator_line(template, gen)
+                    gen.close()
+                    raise _error(file, "template-limit", f"template refused: {why}", line,
+                                 "templates render small plans: use fewer, smaller values")
                 out.append(chunk)
             return "".join(out)
         except jinja2.TemplateSyntaxError as e:
@@ -280,6 +285,17 @@ def render(text: str, variables: dict, file: str) -> str:
 def _names(env, text: str) -> set[str]:
     from jinja2 import meta
     return meta.find_undeclared_variables(env.parse(text))
+
+
+def _generator_line(template, gen) -> int:
+    """The template line a suspended render is at (innermost template generator)."""
+    line = 0
+    while gen is not None:
+        frame = getattr(gen, "gi_frame", None)
+        if frame is not None and frame.f_code.co_filename == "<template>":
+            line = template.get_corresponding_lineno(frame.f_lineno)
+        gen = getattr(gen, "gi_yieldfrom", None)
+    return line
 
 
 def _template_line(tb) -> int:
