@@ -91,9 +91,9 @@ def capture_graphs(runner, modes: tuple[RuntimeMode, ...], only: set[int] | None
                 if n_done == 1:  # estimate the rest from the two largest graphs
                     first = summary["per_graph"][0][2]
                     summary["estimate_bytes"] = first + took * (len(ids) - 1)
-    except Exception as e:
+    except BaseException as e:  # an interrupt too: release everything taken, then re-raise
         runner.release()
-        if isinstance(e, GraphplanError):  # already says what is wrong and how to fix it
+        if isinstance(e, GraphplanError) or not isinstance(e, Exception):
             raise
         key = table.graphs[gid].key
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
