@@ -45,15 +45,29 @@ def _kind(mode: int) -> str:
 
 
 def read_regular_file(path: Path, limit: int = MAX_PLAN_BYTES, what: str = "plan",
-                      hint: str = "give a plan file, e.g. plans/llama3-8b-h100.yaml") -> bytes:
+                      hint: str = "give a plan file, e.g. plans/llama3-8b-h100.yaml",
+                      error: type[Exception] | None = None) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes: FIFOs, devices and sockets are
     refused before they are opened for reading, the size is checked before reading, and at most
-    ``limit + 1`` bytes are ever read. Failures are PlanErrors naming the file."""
+    ``limit + 1`` bytes are ever read. Failures are PlanErrors naming the file (or ``error``
+    with the same words, for other kinds of input)."""
+    if error is None:
+        return _read_regular(Path(path), limit, what, hint)
+    try:
+        return _read_regular(Path(path), limit, what, hint)
+    except PlanError as e:
+        d = e.diagnostics[0]
+        raise error(f"{d.file}: cannot read {what}: {d.message}"
+                    + (f" ({d.hint})" if d.hint else "")) from None
+
+
+def _read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
     f = str(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        fail(f, "not-found", "no such file", "check the path; shipped plans are in plans/")
+        fail(f, "not-found", "no such file",
+             "check the path; shipped plans are in plans/" if what == "plan" else hint)
     except OSError as e:
         fail(f, "unreadable", f"cannot read: {e.strerror or e}")
     if stat.S_ISDIR(st.st_mode):

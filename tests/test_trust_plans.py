@@ -334,3 +334,16 @@ def test_output_to_a_new_or_regular_file_still_writes_atomically(capsys, plan_co
     assert run(capsys, "compile", "in.yaml", "-o", "t.json")[0] == 0
     assert run(capsys, "compile", "in.yaml", "-o", "t.json")[0] == 0  # a regular file: replaced
     assert not [p for p in os.listdir(".") if p.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_trace_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_path, capsys):
+    fifo = tmp_path / "trace.jsonl"
+    os.mkfifo(fifo)
+    plan = str(ROOT / "plans" / "tiny-llama.yaml")
+    for trace in (str(fifo), "/dev/zero"):
+        t0 = time.monotonic()
+        code, _, err = run(capsys, "report", plan, "--trace", trace, "-o", str(tmp_path / "r.html"))
+        assert time.monotonic() - t0 < 5
+        assert code == 1 and "cannot read trace" in err and "regular files" in err
+    assert not (tmp_path / "r.html").exists()
