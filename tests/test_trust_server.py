@@ -286,3 +286,31 @@ def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_us
     runner.model = model
     runner.capture()  # and it can capture again
     assert len(runner.captured_graph_ids()) == 4
+
+
+def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serving(
+        server, plans, tmp_path, monkeypatch):
+    import random
+
+    from test_fuzz import _hostile, mutate_text
+    from test_server import _reference
+    monkeypatch.setattr(T, "MAX_RENDER_SECONDS", 0.2)
+    monkeypatch.chdir(tmp_path)
+    base = plan_text()
+    seen = {200: 0, 422: 0}
+    for seed in range(30):
+        rnd = random.Random(f"reload:{seed}")
+        name = f"fuzz{seed}.yaml" + (".j2" if seed % 3 == 0 else "")
+        data = _hostile(base, name.endswith(".j2"), rnd).encode() if seed % 2 else \
+            mutate_text(base, rnd)
+        (plans / name).write_bytes(data)
+        status, body, _ = call(server, "POST", "/admin/reload", {"path": name}, ADMIN)
+        assert status in (200, 422) and body["status" if status != 200 else "plan"], (seed, body)
+        seen[status] += 1
+        assert not (tmp_path / "PWNED").exists()
+        (plans / name).unlink()
+    assert seen[422] > 0, seen
+    assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
+    status, body, _ = call(server, "POST", "/generate", {"prompt": [3, 1, 4], "max_tokens": 5})
+    assert status == 200 and body["tokens"] == _reference((3, 1, 4), 5)
+    assert server.engine.metrics.step_errors == 0
