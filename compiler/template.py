@@ -1,4 +1,5 @@
-"""Plans as Jinja2 templates (``*.yaml.j2``): render with ``--set key=value``; undefined is an error.
+"""Plans as Jinja2 templates (``*.yaml.j2``): render with ``--set key=value``; undefined is an
+error, and so is a ``--set`` variable the template does not use.
 
 Templates are data, never code: they render in Jinja2's immutable sandbox with no loader (no
 include, import or extends), no ``cycler``/``joiner``/``namespace``/``lipsum``, no method calls
@@ -36,6 +37,7 @@ FILTERS = ("abs", "capitalize", "count", "d", "default", "dictsort", "first", "f
            "title", "tojson", "trim", "unique", "upper")
 """The filters a template may use (the rest can build unbounded output or read the system)."""
 METHODS = {dict: ("items", "keys", "values", "get")}
+_REMOVED = ("cycler", "joiner", "namespace", "lipsum")
 
 
 class TemplateLimit(Exception):
@@ -261,9 +263,10 @@ def render(text: str, variables: dict, file: str) -> str:
         except jinja2.UndefinedError as e:
             msg = str(e.message or e)
             name = msg.split("'")[1] if "'" in msg else "?"
+            hint = (f"{name} is not available in plan templates (README: Security)"
+                    if name in _REMOVED else f"pass it with --set {name}=VALUE")
             raise _error(file, "template-undefined", f"template variable {e.message}",
-                         _template_line(e.__traceback__), f"pass it with --set {name}=VALUE") \
-                from None
+                         _template_line(e.__traceback__), hint) from None
         except TemplateLimit as e:
             raise _error(file, "template-limit", f"template refused: {e}",
                          _template_line(e.__traceback__),

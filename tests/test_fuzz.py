@@ -156,11 +156,13 @@ def test_mutated_plans_exit_0_or_2_without_traceback_or_stray_output(plan, tmp_p
     assert seen[2] > 0, seen
 
 
-# -- hostile mutations: what an attacker would write, not only what a typo makes --------------------
+# -- hostile mutations: what an attacker would write, not only what a typo makes ---------------
 
-_HOSTILE_VALUES = ["64.0", "1.0", "2.0", ".nan", ".inf", "-.inf", "9" * 5000, "1e400", "0x" + "f" * 400,
-                   "[" * 40 + "]" * 40, "&a [*a]", "!!python/object/apply:os.system ['touch PWNED']",
-                   "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}", "'" + "x" * 10000 + "'"]
+_HOSTILE_VALUES = ["64.0", "1.0", "2.0", ".nan", ".inf", "-.inf", "9" * 5000, "1e400",
+                   "0x" + "f" * 400, "[" * 40 + "]" * 40, "&a [*a]",
+                   "!!python/object/apply:os.system ['touch PWNED']",
+                   "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+                   "'" + "x" * 10000 + "'"]
 _HOSTILE_LINES = [
     "x: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\ny: &a1 [*a0, *a0, *a0, *a0, *a0, *a0, *a0, *a0]\n"
     "z: &a2 [*a1, *a1, *a1, *a1, *a1, *a1, *a1, *a1]\nw: [*a2, *a2, *a2, *a2, *a2, *a2, *a2]",

@@ -37,7 +37,7 @@ def template(tmp_path, body: str, name="plan.yaml.j2") -> Path:
     return p
 
 
-# -- templates ----------------------------------------------------------------------------------
+# -- templates ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("expr", [
     "cycler.__init__.__globals__.os.system('touch PWNED')",
@@ -121,7 +121,7 @@ def test_a_reload_thread_is_not_wedged_by_a_slow_template(tmp_path, monkeypatch)
     assert time.monotonic() - t0 < 3
 
 
-# -- --set on templates and tables (issue 17) -------------------------------------------------------
+# -- --set on templates and tables (issue 17) -----------------------------------------------------
 
 def test_a_dotted_set_on_a_template_is_an_error_naming_the_key(capsys):
     code, _, err = run(capsys, "validate", str(SWEEP), *SWEEP_SETS,
@@ -144,7 +144,7 @@ def test_set_on_a_compiled_table_is_an_error(capsys, tmp_path):
         assert code == 1 and out == "" and "--set applies to plans, not to a compiled table" in err
 
 
-# -- numbers ---------------------------------------------------------------------------------------
+# -- numbers --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,path,fix", [
     ("scheduler: {max_num_seqs: 64.0}", "scheduler.max_num_seqs", "write 64"),
@@ -186,7 +186,7 @@ def test_a_5000_digit_integer_is_a_located_error_not_a_traceback(tmp_path, capsy
     assert code == 2 and "Traceback" not in err and len(err) < 2000
 
 
-# -- one set of bounds for files, --set values and rendered templates ------------------------------
+# -- one set of bounds for files, --set values and rendered templates -----------------------------
 
 def test_a_deep_set_value_is_an_error_not_a_recursion_error(capsys):
     deep = "[" * 3000 + "]" * 3000
@@ -250,7 +250,7 @@ def test_a_file_above_the_limit_is_refused_from_its_size(tmp_path, monkeypatch):
     assert d.code == "too-large" and str(10 * MAX_PLAN_BYTES) in d.message and reads == []
 
 
-# -- graph limits ----------------------------------------------------------------------------------
+# -- graph limits ---------------------------------------------------------------------------------
 
 HUGE = ("version: 1\nname: huge\nscheduler: {max_num_seqs: 1024, max_num_batched_tokens: 1048576,"
         " decode_query_len: 64}\ncudagraph: {mode: PIECEWISE, capture_sizes: {preset: vllm, "
@@ -286,7 +286,7 @@ def test_the_shipped_plans_are_within_the_default_graph_limit():
         assert len(compile_plan(p).graphs) <= 4096, p
 
 
-# -- -o never destroys an input or a device --------------------------------------------------------
+# -- -o never destroys an input or a device -------------------------------------------------------
 
 @pytest.fixture
 def plan_copy(tmp_path) -> Path:

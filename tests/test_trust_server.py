@@ -68,7 +68,7 @@ def open_server(plans):
     s.stop()
 
 
-# -- the admin token --------------------------------------------------------------------------------
+# -- the admin token ------------------------------------------------------------------------------
 
 def test_admin_routes_are_off_without_a_token(open_server, plans):
     fp = open_server.engine.table.fingerprint
@@ -116,7 +116,7 @@ def test_a_short_token_is_refused_at_start_up(plans, capsys):
     assert code == 1 and "at least 16 characters" in capsys.readouterr().err
 
 
-# -- the reload directory ----------------------------------------------------------------------------
+# -- the reload directory -------------------------------------------------------------------------
 
 def test_reload_paths_outside_the_reload_directory_are_refused(server, plans, tmp_path):
     outside = tmp_path / "outside.yaml"
@@ -156,7 +156,7 @@ def test_the_reload_directory_can_be_given_at_start_up(plans, tmp_path):
         s.stop()
 
 
-# -- every client error is a JSON 4xx --------------------------------------------------------------
+# -- every client error is a JSON 4xx -------------------------------------------------------------
 
 def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
     fifo = plans / "fifo.yaml"
@@ -213,7 +213,7 @@ def test_malformed_requests_answer_json_not_html(server):
     assert json.loads(body)["status"] == 431
 
 
-# -- timeouts and the reload lock ------------------------------------------------------------------
+# -- timeouts and the reload lock -----------------------------------------------------------------
 
 def test_an_idle_connection_is_closed_after_the_idle_timeout(plans):
     s = Server(plans / "plan.yaml", spec=SPEC, progress=False, idle_timeout=0.3).start()
@@ -247,12 +247,13 @@ def test_a_slow_template_cannot_wedge_the_reload_lock(server, plans, monkeypatch
 def test_a_template_cannot_run_code_through_a_reload(server, plans, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     evil = plans / "evil.yaml.j2"
-    evil.write_text("version: 1\nname: t{{ cycler.__init__.__globals__.os.system('touch PWNED') }}\n")
+    evil.write_text("version: 1\nname: t{{ cycler.__init__.__globals__.os.system('touch PWNED') }}"
+                    "\n")
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "evil.yaml.j2"}, ADMIN)
     assert status == 422 and not (tmp_path / "PWNED").exists(), body
 
 
-# -- an interrupted capture ----------------------------------------------------------------------
+# -- an interrupted capture -----------------------------------------------------------------------
 
 def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_usable():
     import torch
@@ -273,8 +274,10 @@ def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_us
             if self.left == 0:
                 raise KeyboardInterrupt
             return model(**kw)
-    plan = {"version": 1, "name": "t", "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
-            "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS", "capture_sizes": [1, 2, 4, 8]}}
+    plan = {"version": 1, "name": "t",
+            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+            "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS",
+                          "capture_sizes": [1, 2, 4, 8]}}
     runner = GraphRunner(InterruptedAt(3), compile_plan(plan), static_inputs(model),
                          progress=False, device="cpu")
     with pytest.raises(KeyboardInterrupt):

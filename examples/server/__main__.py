@@ -4,8 +4,8 @@ Compiles the plan (or loads a compiled table.json), starts listening, builds the
 to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
 swaps it in between steps; SIGTERM / SIGINT drain and stop. ``/admin/reload`` is off unless an admin
 token is given (``GRAPHPLAN_ADMIN_TOKEN``, or ``--admin-token``, which other users can see in the
-process list), and reloads only files inside ``--reload-dir`` (default: the plan's folder). Exit codes: 0 after a clean stop,
-2 for an invalid plan, 1 for any other start-up failure.
+process list), and reloads only files inside ``--reload-dir`` (default: the plan's folder).
+Exit codes: 0 after a clean stop, 2 for an invalid plan, 1 for any other start-up failure.
 """
 
 from __future__ import annotations
