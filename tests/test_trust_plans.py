@@ -347,3 +347,9 @@ def test_a_trace_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_path
         assert time.monotonic() - t0 < 5
         assert code == 1 and "cannot read trace" in err and "regular files" in err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_profile_that_is_a_device_is_refused_without_reading_it(capsys):
+    code, out, err = run(capsys, "compile", str(ROOT / "plans" / "tiny-llama.yaml"),
+                         "--profile", "/dev/zero")
+    assert code == 1 and out == "" and "cannot read memory profile: is a character device" in err
