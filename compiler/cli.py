@@ -54,6 +54,9 @@ def _load_any(path: str, sets=None):
         if sets:
             raise UsageError(f"plan: {path}: --set applies to plans, not to a compiled table "
                              "(it would be ignored); compile the plan with --set instead")
+        from graphplan.compiler.errors import TableError
+        from graphplan.compiler.limits import require_regular_file
+        require_regular_file(path, TableError, "table")  # a FIFO would block the reader
         return DispatchTable.load(path), []
     from graphplan.compiler import compile_loaded, load_plan
     return compile_loaded(load_plan(path, parse_overrides(sets)))

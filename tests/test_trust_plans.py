@@ -353,3 +353,13 @@ def test_a_profile_that_is_a_device_is_refused_without_reading_it(capsys):
     code, out, err = run(capsys, "compile", str(ROOT / "plans" / "tiny-llama.yaml"),
                          "--profile", "/dev/zero")
     assert code == 1 and out == "" and "cannot read memory profile: is a character device" in err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_table_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys):
+    fifo = tmp_path / "table.json"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    code, out, err = run(capsys, "explain", str(fifo), "--tokens", "3")
+    assert time.monotonic() - t0 < 5
+    assert code == 1 and out == "" and "cannot read table: is a FIFO" in err

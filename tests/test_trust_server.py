@@ -159,13 +159,15 @@ def test_the_reload_directory_can_be_given_at_start_up(plans, tmp_path):
 # -- every client error is a JSON 4xx -------------------------------------------------------------
 
 def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
-    fifo = plans / "fifo.yaml"
+    fifo, fifo_table = plans / "fifo.yaml", plans / "fifo.json"
     os.mkfifo(fifo)
+    os.mkfifo(fifo_table)
     cases = [
         (b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
         (json.dumps({"path": "a\x00b.yaml"}).encode(), 400, "not a usable file name"),
         (json.dumps({"path": str(plans)}).encode(), 422, "is a directory"),
         (json.dumps({"path": "fifo.yaml"}).encode(), 422, "is a FIFO"),
+        (json.dumps({"path": "fifo.json"}).encode(), 422, "is a FIFO"),
         (json.dumps({"path": "plan.yaml", "set": {"lora": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[
             ]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}).encode(), 422, "too-deep"),
         (json.dumps({"path": "plan.yaml", "set": {"parallel.sync_timeout_s": 1e400}}).encode(),
@@ -180,6 +182,7 @@ def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
                 (raw[:60], body)
     finally:
         fifo.unlink()
+        fifo_table.unlink()
 
 
 @pytest.mark.parametrize("method,path,status", [
