@@ -32,17 +32,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_overrides(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}."""
-    import yaml
+    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}, under the plan file's bounds."""
+    from graphplan.compiler.load import parse_set_value
     out = {}
     for pair in pairs or []:
         key, eq, value = pair.partition("=")
         if not eq or not key:
             raise UsageError(f"plan: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)")
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            out[key.strip()] = value
+        out[key.strip()] = parse_set_value(value, key.strip())
     return out
 
 
@@ -54,6 +51,12 @@ def _load_any(path: str, sets=None):
     """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
     from graphplan.compiler.table import DispatchTable
     if _is_table(path):
+        if sets:
+            raise UsageError(f"plan: {path}: --set applies to plans, not to a compiled table "
+                             "(it would be ignored); compile the plan with --set instead")
+        from graphplan.compiler.errors import TableError
+        from graphplan.compiler.limits import require_regular_file
+        require_regular_file(path, TableError, "table")  # a FIFO would block the reader
         return DispatchTable.load(path), []
     from graphplan.compiler import compile_loaded, load_plan
     return compile_loaded(load_plan(path, parse_overrides(sets)))
@@ -76,7 +79,9 @@ def cmd_validate(a) -> int:
 
 
 def cmd_compile(a) -> int:
+    from graphplan.compiler.outputs import check_output
     from graphplan.compiler.summary import summary_json, summary_lines
+    check_output(a.output, [a.plan, a.profile])
     table, diags = _load_any(a.plan, a.set)
     _print_diags(diags)
     memory = None

@@ -31,12 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.fileio import read_json, write_atomic
+from graphplan.compiler.fileio import write_atomic
 from graphplan.compiler.table import DispatchTable
 
 FORMAT = "graphplan.memory_profile"
 VERSION = 1
 MIB = 1024 * 1024
+MAX_PROFILE_BYTES = 1 << 20
+"""A profile is a few hundred bytes; a larger file is not one."""
 
 DEFAULT_PROFILE = {
     "format": FORMAT, "version": VERSION,
@@ -121,9 +123,15 @@ def check_profile(data, source: str = "<profile>") -> dict:
 
 
 def load_profile(path: str | os.PathLike) -> dict:
+    from graphplan.compiler.limits import read_regular_file  # regular files only, size first
     p = Path(path)
-    data = read_json(p, ProfileError, "memory profile",
-                     "calibrate one with examples/calibrate_memory.py (runtime/calibrate.py)")
+    hint = "calibrate one with examples/calibrate_memory.py (runtime/calibrate.py)"
+    raw = read_regular_file(p, MAX_PROFILE_BYTES, "memory profile", hint, error=ProfileError)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProfileError(f"{p}: not a graphplan memory profile: not JSON ({e}); {hint}") \
+            from None
     out = check_profile(data, str(p))
     out["source"] = str(p)
     return out

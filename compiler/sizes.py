@@ -12,7 +12,8 @@ from graphplan.compiler.errors import Diagnostic, plan_error
 from graphplan.compiler.spec import CaptureSizesSpec, SchedulerSpec
 
 MAX_SIZES = 4096
-"""More capture sizes than this is a mistake (each one is a graph per LoRA case and routine)."""
+"""More capture sizes than this is a mistake (each one is a graph per LoRA case and routine); the
+bound applies to lists, ranges and presets alike. ``limits.max_graphs`` bounds the graphs."""
 
 _PATH = "cudagraph.capture_sizes"
 
@@ -102,6 +103,10 @@ def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[in
         sizes = sglang_sizes(sched, cs.max_size)
     else:
         sizes = trtllm_sizes(sched, cs.max_size, cs.enable_padding)
+    if len(sizes) > MAX_SIZES:  # the same bound as lists and ranges
+        raise plan_error("too-many-sizes", _PATH, f"preset {cs.preset} generates {len(sizes)} "
+                         f"sizes here; at most {MAX_SIZES}", "lower the preset's ceiling or "
+                         "max_size, or use ranges with a larger step")
     return [(s, _PATH) for s in sizes]
 
 

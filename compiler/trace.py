@@ -113,14 +113,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
     """Read and shape-check a JSONL trace. Errors name the line; values are checked against a
     plan's limits by ``check_trace``."""
     p, source = Path(path), str(path)
-    try:
-        if p.stat().st_size > MAX_TRACE_BYTES:
-            raise TraceError(f"{source}: larger than {MAX_TRACE_BYTES >> 20} MiB; sample the trace")
-        raw = p.read_bytes()
-    except IsADirectoryError:
-        raise TraceError(f"{source}: is a directory; give the trace .jsonl file") from None
-    except OSError as e:
-        raise TraceError(f"{source}: cannot read trace: {e.strerror or e}") from None
+    from graphplan.compiler.limits import read_regular_file  # regular files only, size first
+    raw = read_regular_file(p, MAX_TRACE_BYTES, "trace", "give the trace .jsonl file; sample "
+                            "a larger trace", error=TraceError)
     parsed = _fast_parse(raw)
     if parsed is None:
         try:

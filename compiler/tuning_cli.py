@@ -26,7 +26,9 @@ def _workload(path: str, table):
 def cmd_report(a) -> int:
     from graphplan.compiler.cli import _is_table, _load_any
     from graphplan.compiler.memory import load_profile
+    from graphplan.compiler.outputs import check_output
     from graphplan.compiler.report import build, write_report
+    check_output(a.output, [a.plan, a.trace, a.profile])
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table) if a.trace else None
@@ -74,6 +76,8 @@ def cmd_optimize(a) -> int:
     from graphplan.compiler.summary import compact_sizes
     from graphplan.compiler.fileio import write_atomic
     from graphplan.compiler.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
+    from graphplan.compiler.outputs import check_output
+    check_output(a.output, [a.plan, a.trace, a.profile])
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)

@@ -77,7 +77,7 @@ def test_save_then_load_round_trips_and_leaves_no_temp_files(tmp_path):
     (json.dumps(profile(device=3)).encode(), "device: expected a string"),
     (json.dumps(profile(samples=[[1]])).encode(), r"samples\[0\]"),
     (b'{"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": "m", '
-     b'"device": "d", "per_graph_bytes": NaN, "per_token_bytes": 1}', "NaN is not a number JSON allows"),
+     b'"device": "d", "per_graph_bytes": NaN, "per_token_bytes": 1}', "per_graph_bytes"),
 ])
 def test_a_bad_profile_file_is_a_profile_error_naming_the_file_and_field(tmp_path, content, match):
     path = tmp_path / "p.json"

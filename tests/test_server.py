@@ -27,6 +27,8 @@ from examples.server import engine as engine_mod  # noqa: E402
 
 SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
 SPEC_ARGS = ["--layers", "2", "--hidden", "64", "--vocab-size", "128", "--max-model-len", "48"]
+TOKEN = "test-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def plan_text(name="t", sizes=(1, 2, 4, 8), mode="FULL_AND_PIECEWISE", seqs=8) -> str:
@@ -45,7 +47,8 @@ def plan_file(tmp_path):
 
 @pytest.fixture
 def server(plan_file):
-    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096).start()
+    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096,
+               admin_token=TOKEN).start()
     assert s.wait_ready(30)
     yield s
     s.stop()
@@ -255,7 +258,7 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
     while server.engine.num_running() <= 4 and time.monotonic() < deadline:
         time.sleep(0.002)
     assert server.engine.num_running() > 4  # more than the new plan seats: the switch waits
-    status, body = request(server, "POST", "/admin/reload", {"path": str(new)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(new)}, ADMIN)
     in_flight = server.engine.num_running()
     clients.join(60)
     assert status == 200 and body["previous"] == old_fp and body["plan"] == "t2", body
@@ -264,14 +267,14 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
     assert request(server, "GET", "/healthz")[1]["fingerprint"] == body["fingerprint"]
     assert results == [_reference(tuple(p), n) for p, n in work]
     assert server.engine.runner.stats()["replays"] > 0  # the new runner served the tail
-    status, body = request(server, "POST", "/admin/reload", {"path": str(new)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(new)}, ADMIN)
     assert status == 200 and body["unchanged"]
     table = tmp_path / "table.json"  # a compiled table loads without the YAML stack
     load_table_from_text(plan_text(name="t3", sizes=(1, 8), mode="FULL")).save(table)
-    status, body = request(server, "POST", "/admin/reload", {"path": str(table)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(table)}, ADMIN)
     assert status == 200 and body["plan"] == "t3" and body["capture"]["graphs"] == 2
     status, body = request(server, "POST", "/admin/reload",
-                           {"path": str(table), "set": {"cudagraph.mode": "NONE"}})
+                           {"path": str(table), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
     assert status == 422 and "apply to plans, not to a compiled table" in body["error"]
     assert generate(server, [8, 1], 4) == _reference((8, 1), 4)
 
@@ -290,12 +293,12 @@ def test_reload_with_a_bad_plan_is_rejected_and_the_old_plan_kept(server, tmp_pa
             ({"set": ["x"]}, 400, "'set' must be an object"),
             (None, 400, "malformed JSON")]:
         raw = b"{" if body is None else None
-        got, reply = request(server, "POST", "/admin/reload", body, raw=raw)
+        got, reply = request(server, "POST", "/admin/reload", body, ADMIN, raw=raw)
         assert got == status and re.search(message, reply["error"]), reply
         assert status == 400 or f"still serving {fp[:19]}" in reply["error"]
         assert server.engine.table.fingerprint == fp
     got, reply = request(server, "POST", "/admin/reload",  # the bad plan, fixed by an override
-                         {"path": str(bad), "set": {"cudagraph.mode": "NONE"}})
+                         {"path": str(bad), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
     assert got == 200 and server.engine.runner.stats()["capture"]["graphs"] == 0, reply
     assert server.engine.metrics.reloads == {"rejected": 3, "ok": 1}
     assert generate(server, [9, 9], 4) == _reference((9, 9), 4)

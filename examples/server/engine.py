@@ -121,7 +121,7 @@ class Engine:
             try:
                 table = load_table(src, ov)
                 check_fits(table, self.model)
-            except GraphplanError as e:
+            except (GraphplanError, RecursionError, ValueError) as e:  # the file's fault
                 self.metrics.reload("rejected")
                 raise RequestError(422, f"plan rejected, still serving {old[:19]}: {e}") from None
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
