@@ -320,3 +320,38 @@ def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serv
     status, body, _ = call(server, "POST", "/generate", {"prompt": [3, 1, 4], "max_tokens": 5})
     assert status == 200 and body["tokens"] == _reference((3, 1, 4), 5)
     assert server.engine.metrics.step_errors == 0
+
+
+def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_right_tokens(
+        server, plans):
+    """Resealed tables with random edits (routes re-aimed, settings, graphs, the embedded plan)
+    through /admin/reload: each is refused (422) or, if it still means what its plan compiles
+    to, accepted; the server then serves the tokens offline greedy decoding gives."""
+    import copy
+    import random
+
+    from test_server import _reference
+    from test_table_trust import mutate, resealed
+
+    from graphplan.compiler import compile_plan
+    base = json.loads(compile_plan(plans / "plan.yaml").dumps())
+    rnd = random.Random("reload-tables")
+    seen = {200: 0, 422: 0}
+    for i in range(25):
+        data = copy.deepcopy(base)
+        mutate(data, rnd)
+        try:
+            data = resealed(data)
+        except (TypeError, KeyError, AttributeError, ValueError):
+            pass
+        name = f"tampered{i}.json"
+        (plans / name).write_text(json.dumps(data))
+        status, body, _ = call(server, "POST", "/admin/reload", {"path": name}, ADMIN)
+        assert status in (200, 422), (i, body)
+        seen[status] += 1
+        (plans / name).unlink()
+        status, body, _ = call(server, "POST", "/generate", {"prompt": [3, 1, 4], "max_tokens": 5})
+        assert status == 200 and body["tokens"] == _reference((3, 1, 4), 5), i
+    assert seen[422] >= 15, seen
+    assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
+    assert server.engine.metrics.step_errors == 0
