@@ -23,28 +23,48 @@ def _workload(path: str, table):
     return aggregate(trace, table.q)
 
 
+def _report_workload(path: str, table):
+    """(workload, warnings): a report prices what fits the plan and warns about the rest."""
+    import sys
+    from graphplan.compiler.trace import aggregate, fit_trace, load_trace
+    trace, warnings = fit_trace(load_trace(path), table)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return aggregate(trace, table.q), warnings
+
+
 def cmd_report(a) -> int:
     from graphplan.compiler.cli import _is_table, _load_any
     from graphplan.compiler.memory import load_profile
     from graphplan.compiler.report import build, write_report
     table, diags = _load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
-    work = _workload(a.trace, table) if a.trace else None
+    work, warnings = _report_workload(a.trace, table) if a.trace else (None, [])
     ctx = build(table, source=a.plan, located=None if _is_table(a.plan) else diags, work=work,
-                trace_source=a.trace or "", profile=profile)
+                trace_source=a.trace or "", profile=profile, trace_warnings=warnings)
     write_report(a.output, ctx)
     if a.format == "json":
         print(json.dumps({"output": a.output, "graphs": len(table.graphs),
                           "diagnostics": len(ctx["diagnostics"]),
                           "memory_bytes": ctx["memory"]["total_bytes"],
-                          "trace_padded_tokens": ctx["trace"]["pad"].padded_tokens
-                          if ctx["trace"] else None}, sort_keys=True))
+                          "trace": _trace_json(ctx["trace"])}, sort_keys=True))
     else:
+        t = ctx["trace"]
         print(f"wrote {a.output}: {len(table.graphs)} graphs, {len(ctx['diagnostics'])} "
               f"diagnostic(s), {ctx['memory']['total_mib']:.1f} MiB estimated graph memory"
-              + (f", {ctx['trace']['pad'].per_step:.3f} padding tokens per trace step"
-                 if ctx["trace"] else ""))
+              + (f"; trace: {100 * t['pad'].graphed_share:.1f} % of steps on graphs, "
+                 f"{t['pad'].per_graph_step:.3f} padding tokens per graph step, "
+                 f"{t['pad'].eager_steps} eager steps" if t else ""))
     return 0
+
+
+def _trace_json(t) -> dict | None:
+    if not t:
+        return None
+    p = t["pad"]
+    return {"steps": p.steps, "graphed_steps": p.graphed_steps, "eager_steps": p.eager_steps,
+            "graphed_share": p.graphed_share, "padded_tokens": p.padded_tokens,
+            "padding_per_graph_step": p.per_graph_step, "warnings": list(t["warnings"])}
 
 
 def _header(a, res, trace_steps: int, above: int, graphs_before: int) -> list[str]:
