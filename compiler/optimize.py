@@ -185,7 +185,8 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
     if memory_budget is not None:
         profile = DEFAULT_PROFILE if profile is None else check_profile(profile)
         per_graph = profile["per_graph_bytes"]
-        room = memory_budget - profile["per_token_bytes"] * top  # what the graphs' overhead may use
+        room = memory_budget - profile.get("base_bytes", 0.0) - profile["per_token_bytes"] * top
+        # what the graphs' overhead may use
         if room < 0:
             raise OptimizeError(f"--memory-budget {memory_budget / 2**20:.1f} MiB: the activations "
                                 f"of a {top}-token graph alone need "
