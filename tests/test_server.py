@@ -224,7 +224,8 @@ def test_metrics_expose_the_runner_and_server_series(server):
     fp, stats = server.engine.table.fingerprint, server.engine.runner.stats()
     assert stats["replays"] + sum(stats["eager_steps"].values()) == 4  # 1 prefill + 3 decodes
     for series in (f'graphplan_plan_info{{plan="t",fingerprint="{fp}",backend="cpu-stand-in"}} 1',
-                   'graphplan_graph_replays_total{graph=', 'graphplan_graph_padding_tokens_total{',
+                   f'graphplan_graph_replays_total{{fingerprint="{fp}",graph=',
+                   'graphplan_graph_padding_tokens_total{',
                    "# TYPE graphplan_eager_steps_total counter",
                    "graphplan_capture_seconds ", "graphplan_capture_bytes ",
                    f"graphplan_captured_graphs {stats['capture']['graphs']}",
@@ -238,6 +239,56 @@ def test_metrics_expose_the_runner_and_server_series(server):
                    "graphplan_server_step_seconds_count 4",
                    'graphplan_server_request_seconds_bucket{le="+Inf"} 1'):
         assert series in text, series
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """{labels: value} of one Prometheus series."""
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+
+
+def test_metrics_count_every_response_by_code(server):
+    generate(server, [1, 2], 2)
+    assert request(server, "POST", "/generate", {"prompt": [], "max_tokens": 2})[0] == 422
+    assert request(server, "GET", "/nowhere")[0] == 404
+    assert request(server, "GET", "/healthz")[0] == 200
+    text = request(server, "GET", "/metrics")[1]
+    got = _series(text, "graphplan_server_http_responses_total")
+    assert got == {'code="200",endpoint="/generate"': 1, 'code="422",endpoint="/generate"': 1,
+                   'code="404",endpoint="other"': 1, 'code="200",endpoint="/healthz"': 1}
+    text = request(server, "GET", "/metrics")[1]  # the first scrape is counted by the next
+    assert _series(text, "graphplan_server_http_responses_total")[
+        'code="200",endpoint="/metrics"'] == 1
+
+
+def test_replay_counters_stay_cumulative_per_plan_fingerprint_across_reloads(server, plan_file,
+                                                                             tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text(plan_text(name="t2", sizes=(1, 2, 4), mode="FULL"))
+    fp_a = server.engine.table.fingerprint
+
+    def replays(fp):
+        text = request(server, "GET", "/metrics")[1]
+        return sum(v for k, v in _series(text, "graphplan_graph_replays_total").items()
+                   if f'fingerprint="{fp}"' in k)
+    generate(server, [1, 2, 3], 4)
+    a1 = replays(fp_a)
+    assert a1 > 0
+    status, body = request(server, "POST", "/admin/reload", {"path": str(other)})
+    assert status == 200 and body["previous"] == fp_a
+    fp_b = body["fingerprint"]
+    assert replays(fp_a) == a1  # the swapped-out plan's counters are kept, not reset
+    generate(server, [4, 5], 3)
+    b1 = replays(fp_b)
+    assert b1 > 0 and replays(fp_a) == a1
+    status, body = request(server, "POST", "/admin/reload", {"path": str(plan_file)})
+    assert status == 200 and body["fingerprint"] == fp_a
+    generate(server, [1, 2, 3], 4)
+    assert replays(fp_a) == 2 * a1 and replays(fp_b) == b1  # A continues from its total
+    text = request(server, "GET", "/metrics")[1]
+    eager = sum(_series(text, "graphplan_eager_steps_total").values())
+    steps = sum(_series(text, "graphplan_server_steps_total").values())
+    assert replays(fp_a) + replays(fp_b) + eager == steps  # every step of every plan counted
 
 
 def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_finish(server,
