@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tiny_llama import reference_generate  # noqa: E402
+from tiny_llama import greedy, greedy_mismatch, reference_generate  # noqa: E402
 
 from examples.server import ModelSpec, Server, build_model, load_table  # noqa: E402
 from examples.server import engine as engine_mod  # noqa: E402
@@ -139,11 +139,40 @@ def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkey
         s.stop()
 
 
+def record_logits(server) -> dict:
+    """Wraps the engine's batcher: request -> the logits rows its tokens were picked from."""
+    rows: dict = {}
+    batcher = server.engine.batcher
+    commit = batcher.commit
+
+    def recording(batch, logits):
+        for rid, i in zip(batch.request_ids, batch.sample_rows):
+            if i >= 0:
+                rows.setdefault(rid, []).append(logits[i].to("cpu", torch.float32, copy=True))
+        return commit(batch, logits)
+    batcher.commit = recording
+    return rows
+
+
+def assert_logits_equal_offline(rows: dict, device: str = "cpu") -> None:
+    """Each request's logits equal those of offline greedy decoding of its prompt alone, fed the
+    same tokens (teacher forcing), within tiny_llama.LOGIT_TOL of the model dtype."""
+    ref = _ref_model(device)
+    assert rows
+    for r, got in rows.items():
+        _, want = greedy(ref, [r.prompt], len(r.out), forced=[r.out])
+        bad = greedy_mismatch([r.out], [torch.stack(got)], want, ref.kv_cache.dtype)
+        assert bad is None, (r.prompt, bad)
+
+
 def test_concurrent_generates_equal_offline_greedy_for_each_prompt_alone(server):
+    rows = record_logits(server)
     work = random_prompts(20, seed=1)  # more requests than KV rows (8): queueing and row reuse
     outs = run_concurrently([lambda p=p, n=n, i=i: generate(server, p, n, stream=i % 3 == 0)
                              for i, (p, n) in enumerate(work)])
     assert outs == [_reference(tuple(p), n) for p, n in work]
+    assert len(rows) == 20
+    assert_logits_equal_offline(rows)  # logits too, not only tokens
     status, body = request(server, "POST", "/generate",
                            {"prompts": [p for p, _ in work[:3]], "max_tokens": 5})
     assert status == 200
@@ -441,10 +470,12 @@ def test_server_on_cuda_generates_offline_greedy_tokens_with_graphs():
     s = Server(ROOT / "plans" / "tiny-llama.yaml", device="cuda", progress=False).start()
     try:
         assert s.wait_ready(120), s.engine.error
+        rows = record_logits(s)
         rng = random.Random(3)
         work = [([rng.randrange(2048) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
                 for _ in range(24)]
         outs = run_concurrently([lambda p=p, n=n: generate(s, p, n) for p, n in work])
+        assert_logits_equal_offline(rows, "cuda")  # float32: LOGIT_TOL 1e-3
         assert outs == [_reference(tuple(p), n, "cuda") for p, n in work]
         stats = s.engine.runner.stats()
         assert stats["backend"] == "cuda" and stats["replays"] > 0
