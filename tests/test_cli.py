@@ -410,3 +410,15 @@ def test_format_json_prints_a_json_error_object_on_stdout(capsys, args, exit_cod
     assert e["error"]["message"] in err
     if kind == "PlanError":
         assert e["error"]["diagnostics"][0]["code"] == "not-found"
+
+
+def test_the_readme_documents_every_cli_option_and_names_every_shipped_plan():
+    from graphplan.compiler.cli import build_parser
+    readme = (ROOT / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    missing = [f"{name} {o}" for name, sp in sub.choices.items() for a in sp._actions
+               for o in a.option_strings
+               if o.startswith("--") and o not in ("--help", "--output") and o not in readme]
+    assert missing == [] and "plan --version" in readme
+    # the plan the README's own commands run is in its list of shipped plans
+    assert "`plans/tiny-llama.yaml`, the plan the examples" in " ".join(readme.split())
