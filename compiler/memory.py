@@ -173,7 +173,9 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
              f"{source} (model {prof['model_fingerprint']}, device {prof['device']})")
     base = prof.get("base_bytes", 0.0) if n else 0.0
     explanation = (
-        (f"{base / MIB:.1f} MiB once per pool, + " if base else "") + f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = {overhead / MIB:.1f} MiB, "
+        (f"{base / MIB:.1f} MiB once per pool, + " if base else "")
+        + f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = "
+        f"{overhead / MIB:.1f} MiB, "
         f"+ activations of the largest graph only ({largest} tokens x "
         f"{prof['per_token_bytes'] / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
         f"because every graph shares one pool captured largest first and smaller graphs reuse "

@@ -124,7 +124,8 @@ def summary_lines(table: DispatchTable) -> list[str]:
     top = r["max_num_batched_tokens"]
     if covered_top < top:
         span = str(top) if covered_top + 1 == top else f"{covered_top + 1}..{top}"
-        lines.append(f"{'eager':<8} {'NONE':<10} {span + (' token' if top == 1 else ' tokens'):<34} "
+        span += " token" if top == 1 else " tokens"
+        lines.append(f"{'eager':<8} {'NONE':<10} {span:<34} "
                      f"{'-':>14}")
     return lines
 
