@@ -14,7 +14,7 @@ graphplan's choices where SEMANTICS leaves room (each a documented rule, tested)
   ubatch would be empty), as vLLM's one-token dummy run does;
 - when every rank is idle nobody runs anything (``DPDecision.idle``);
 - an idle rank runs a dummy batch of ``dummy_tokens``: the agreed padded size, or the largest
-  unpadded size when ranks keep their own sizes (synced mode NONE, no ubatch).
+  unpadded size when ranks keep their own sizes (synced mode NONE, no ubatch);
 - a rank that wants to micro-batch at a size with a ubatched FULL graph contributes FULL at that
   size, plain twins or not; an aborted ubatch then runs what the re-dispatch at the agreed mode
   and size gives (the plain twin, or eager at the agreed size without one);
@@ -90,11 +90,17 @@ def contribution(num_tokens: int, route=None) -> tuple[int, int, int, int]:
     decided after agreement, by the re-dispatch at the agreed mode and size."""
     if route is None or num_tokens == 0:
         return IDLE
-    if route.wants_ubatch and route.mode != "FULL":
+    full = int(RuntimeMode.FULL)
+    if route.wants_ubatch and _mode(route) != full:
         ub = _ubatched_route(route)
-        if ub.mode == "FULL":
-            return (num_tokens, ub.padded_tokens, 1, int(RuntimeMode.FULL))
-    return (num_tokens, route.padded_tokens, int(route.wants_ubatch), MODE_OF[route.mode])
+        if _mode(ub) == full:
+            return (num_tokens, ub.padded_tokens, 1, full)
+    return (num_tokens, route.padded_tokens, int(route.wants_ubatch), _mode(route))
+
+
+def _mode(route) -> int:
+    """A route's runtime mode as the int a rank contributes (a mode name or a RuntimeMode)."""
+    return MODE_OF[route.mode] if isinstance(route.mode, str) else int(route.mode)
 
 
 def _ubatched_route(route):

@@ -74,6 +74,7 @@ def render_prometheus(stats: dict, prefix: str = "graphplan") -> str:
     metric("plan_info", "gauge", "Loaded plan and its fingerprint.",
            [({"plan": stats["plan"], "fingerprint": stats["fingerprint"],
               "backend": stats["backend"]}, 1)])
+
     def graph(g):  # a graph entry may name its plan (a server's totals over several plans)
         return {**({"fingerprint": g["fingerprint"]} if "fingerprint" in g else {}),
                 "graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]}
