@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching import ContinuousBatcher  # noqa: E402
 from tiny_llama import (LOGIT_TOL, TinyLlama, TinyLlamaConfig, greedy,  # noqa: E402
-                        greedy_mismatch, make_batch, static_inputs)
+                        greedy_mismatch, make_batch, reference_generate, static_inputs)
 
 from graphplan.runtime import GraphRunner, GraphplanError, load_table  # noqa: E402
 
