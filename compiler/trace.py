@@ -153,6 +153,57 @@ def check_trace(trace: Trace, table: DispatchTable) -> None:
             raise TraceError(f"{trace.source}:{trace.line[i]}: {text}" + (f" ({hint})" if hint else ""))
 
 
+QUERY_LEN_PROBE = 16
+"""Uniform batches of query length up to this count as decode steps when guessing the
+decode_query_len a trace was recorded with (a longer uniform batch is a prefill)."""
+
+
+def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
+    """The steps of ``trace`` the plan's scheduler could produce, and warnings about the rest.
+
+    Steps with more tokens than max_num_batched_tokens or more requests than max_num_seqs are
+    left out (a warning per limit, naming the first line); a trace whose uniform batches have
+    another query length than the plan's decode_query_len gets a warning (its decode steps route
+    as mixed batches). What is left must pass ``check_trace``; a trace with nothing left is an
+    error."""
+    n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
+    name, warnings_ = table.plan.get("name", "plan"), []
+    over = np.zeros(len(n), dtype=bool)
+    for bad, key, got, limit, value in (
+            (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
+            (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs)):
+        if bad.any():
+            i, more = int(np.argmax(bad)), int(bad.sum()) - 1
+            warnings_.append(
+                f"{trace.source}:{trace.line[i]}: {key} {int(got[i])} exceeds scheduler.{limit}="
+                f"{value} of plan {name}" + (f", as do {more} more of {len(n)} steps" if more
+                                             else "") + "; left out: this plan's scheduler "
+                "never runs such steps (record the trace with the plan's scheduler limits)")
+            over |= bad
+    if over.all():
+        raise TraceError("\n".join(warnings_) + f"\n{trace.source}: no step is left")
+    if over.any():
+        keep = ~over
+        trace = Trace(source=trace.source, num_tokens=n[keep], num_reqs=r[keep],
+                      max_query_len=m[keep], line=trace.line[keep])
+        n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
+    check_trace(trace, table)
+    uniform = (m * r == n) & (m <= QUERY_LEN_PROBE)
+    lens, counts = np.unique(m[uniform], return_counts=True)
+    if len(lens):
+        common = int(lens[np.argmax(counts)])
+        at_q = int(counts[lens == table.q].sum())
+        if common != table.q and counts.max() > at_q:
+            noun = "token" if common == 1 else "tokens"
+            warnings_.append(
+                f"{trace.source}: {int(counts.max())} steps have every request at {common} "
+                f"{noun} ({at_q} at {table.q}): the trace looks recorded with decode_query_len="
+                f"{common}, but plan {name} has decode_query_len={table.q}, so its decode steps "
+                "route as mixed batches here (record the trace with the plan's speculative-token "
+                "count, or set scheduler.decode_query_len)")
+    return trace, warnings_
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Workload:
     """A trace aggregated by (num_tokens, uniform decode): what routing and padding depend on."""
@@ -207,8 +258,19 @@ class Padding:
 
     @property
     def per_step(self) -> float:
-        """Expected padding tokens per step of the workload (eager steps pad 0)."""
+        """Padding tokens per step of the workload, eager steps counted as 0: an all-eager plan
+        scores 0, so never show it alone (``graphed_share``, ``per_graph_step``)."""
         return self.padded_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def graphed_share(self) -> float:
+        """Share of the steps that replay a graph (0..1)."""
+        return self.graphed_steps / self.steps if self.steps else 0.0
+
+    @property
+    def per_graph_step(self) -> float:
+        """Padding tokens per step that replays a graph (what a graph step pays)."""
+        return self.padded_tokens / self.graphed_steps if self.graphed_steps else 0.0
 
 
 def padding(table: DispatchTable, work: Workload) -> Padding:

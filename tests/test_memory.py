@@ -112,6 +112,14 @@ def test_estimate_is_per_graph_cost_times_graphs_plus_the_largest_graphs_activat
     assert "largest graph only" in est["explanation"] or n == 0
 
 
+def test_a_pool_base_cost_is_counted_once_and_old_profiles_read_as_zero():
+    table = compile_plan(PLANS / "llama3-8b-h100.yaml")
+    plain, based = estimate(table, profile()), estimate(table, profile(base_bytes=20 * MIB))
+    assert based["total_bytes"] - plain["total_bytes"] == 20 * MIB
+    assert based["explanation"].startswith("20.0 MiB once per pool, + 86 graphs")
+    assert plain["profile"]["base_bytes"] == 0.0  # a profile written before base_bytes existed
+
+
 def test_without_a_profile_the_default_is_used_and_said():
     est = estimate(compile_plan(PLANS / "llama3-8b-h100.yaml"))
     assert est["profile"]["default"] and "default profile" in est["explanation"]

@@ -37,6 +37,10 @@ class Handler(GuardedHandler, BaseHTTPRequestHandler):
     server_version = "graphplan-server/0.1"
     server: "_HTTPServer"
 
+    def send_response(self, code, message=None):  # every response, counted by code
+        self.server.app.engine.metrics.response(code, urlsplit(getattr(self, "path", "")).path)
+        super().send_response(code, message)
+
     def log_message(self, fmt, *args):  # access log at debug level; errors are logged by us
         log.debug("%s %s", self.address_string(), fmt % args)
 

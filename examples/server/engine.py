@@ -248,7 +248,9 @@ class Engine:
         if self.num_running() > swap.table.max_num_seqs:
             return
         self._pending = None
-        old, self.runner = self.runner, swap.runner
+        with self.metrics.lock:  # /metrics sees the old counters or the new runner plus them
+            self.metrics.retire(self.runner.stats())
+            old, self.runner = self.runner, swap.runner
         prev = self.table.fingerprint
         self.table, self.source, self.overrides = swap.table, swap.source, swap.overrides
         self.batcher.max_num_seqs = swap.table.max_num_seqs
