@@ -11,14 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from graphplan.compiler.cli_inputs import UsageError, load_any, print_diags
 from graphplan.compiler.errors import GraphplanError, did_you_mean
 
 PLAN_EXTRA = ("yaml", "jsonschema", "jinja2")  # the `graphplan[plan]` extra (pyproject.toml)
 COMMANDS = ("validate", "compile", "explain", "diff", "report", "optimize")
-
-
-class UsageError(GraphplanError):
-    exit_code = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,45 +28,9 @@ class _Parser(argparse.ArgumentParser):
                          + f"\n{self.format_usage().strip()}")
 
 
-def parse_overrides(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}, under the plan file's bounds."""
-    from graphplan.compiler.load import parse_set_value
-    out = {}
-    for pair in pairs or []:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise UsageError(f"plan: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)")
-        out[key.strip()] = parse_set_value(value, key.strip())
-    return out
-
-
-def _is_table(path: str) -> bool:
-    return path.endswith(".json")
-
-
-def _load_any(path: str, sets=None):
-    """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
-    from graphplan.compiler.table import DispatchTable
-    if _is_table(path):
-        if sets:
-            raise UsageError(f"plan: {path}: --set applies to plans, not to a compiled table "
-                             "(it would be ignored); compile the plan with --set instead")
-        from graphplan.compiler.errors import TableError
-        from graphplan.compiler.limits import require_regular_file
-        require_regular_file(path, TableError, "table")  # a FIFO would block the reader
-        return DispatchTable.load(path), []
-    from graphplan.compiler import compile_loaded, load_plan
-    return compile_loaded(load_plan(path, parse_overrides(sets)))
-
-
-def _print_diags(diags) -> None:
-    for d in diags:
-        print(d.format(), file=sys.stderr)
-
-
 def cmd_validate(a) -> int:
-    table, diags = _load_any(a.plan, a.set)
-    _print_diags(diags)
+    table, diags = load_any(a.plan, a.set)
+    print_diags(diags)
     if a.format == "json":
         print(json.dumps({"ok": True, "fingerprint": table.fingerprint,
                           "diagnostics": list(table.diagnostics)}, sort_keys=True))
@@ -82,8 +43,8 @@ def cmd_compile(a) -> int:
     from graphplan.compiler.outputs import check_output
     from graphplan.compiler.summary import summary_json, summary_lines
     check_output(a.output, [a.plan, a.profile])
-    table, diags = _load_any(a.plan, a.set)
-    _print_diags(diags)
+    table, diags = load_any(a.plan, a.set)
+    print_diags(diags)
     memory = None
     if a.memory or a.profile:  # before writing: a bad profile leaves no table behind
         from graphplan.compiler.tuning_cli import memory_estimate
@@ -109,7 +70,7 @@ def cmd_compile(a) -> int:
 
 
 def cmd_explain(a) -> int:
-    table, _ = _load_any(a.plan, a.set)
+    table, _ = load_any(a.plan, a.set)
     route = table.route(a.tokens, a.reqs, a.query_len, a.loras)
     if a.format == "json":
         print(json.dumps(route.to_json(), sort_keys=True))
@@ -127,8 +88,8 @@ def cmd_explain(a) -> int:
 
 def cmd_diff(a) -> int:
     from graphplan.compiler.diff import diff_json, diff_lines, diff_tables
-    before, _ = _load_any(a.a, a.set + a.set_a)  # --set: both sides; --set-a / --set-b: one
-    after, _ = _load_any(a.b, a.set + a.set_b)
+    before, _ = load_any(a.a, a.set + a.set_a)  # --set: both sides; --set-a / --set-b: one
+    after, _ = load_any(a.b, a.set + a.set_b)
     d = diff_tables(before, after)
     print(json.dumps(diff_json(d), sort_keys=True) if a.format == "json"
           else "\n".join(diff_lines(d, a.a, a.b)))

@@ -34,15 +34,15 @@ def _report_workload(path: str, table):
 
 
 def cmd_report(a) -> int:
-    from graphplan.compiler.cli import _is_table, _load_any
+    from graphplan.compiler.cli_inputs import is_table, load_any
     from graphplan.compiler.memory import load_profile
     from graphplan.compiler.outputs import check_output
     from graphplan.compiler.report import build, write_report
     check_output(a.output, [a.plan, a.trace, a.profile])
-    table, diags = _load_any(a.plan, a.set)
+    table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work, warnings = _report_workload(a.trace, table) if a.trace else (None, [])
-    ctx = build(table, source=a.plan, located=None if _is_table(a.plan) else diags, work=work,
+    ctx = build(table, source=a.plan, located=None if is_table(a.plan) else diags, work=work,
                 trace_source=a.trace or "", profile=profile, trace_warnings=warnings)
     write_report(a.output, ctx)
     if a.format == "json":
@@ -90,7 +90,7 @@ def _cut(before: int, after: int) -> float:
 
 
 def cmd_optimize(a) -> int:
-    from graphplan.compiler.cli import _load_any, parse_overrides
+    from graphplan.compiler.cli_inputs import load_any, parse_overrides
     from graphplan.compiler.memory import estimate, load_profile
     from graphplan.compiler.optimize import optimize
     from graphplan.compiler.summary import compact_sizes
@@ -98,7 +98,7 @@ def cmd_optimize(a) -> int:
     from graphplan.compiler.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
     from graphplan.compiler.outputs import check_output
     check_output(a.output, [a.plan, a.trace, a.profile])
-    table, diags = _load_any(a.plan, a.set)
+    table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)
     pins = list(a.pin)

@@ -65,7 +65,7 @@ def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
 
 def parse_sets(pairs: list[str] | None) -> dict:
     """``["cudagraph.mode=NONE", ...]`` -> overrides, exactly as ``plan --set`` reads them."""
-    from graphplan.compiler.cli import parse_overrides  # the YAML stack only when overrides are given
+    from graphplan.compiler.cli_inputs import parse_overrides  # the YAML stack only when overrides are given
     return parse_overrides(pairs or [])
 
 
