@@ -72,7 +72,7 @@ def size_blocks(shape: KVCacheShape, *, max_num_seqs: int, max_model_len: int,
         free = free_memory_bytes(torch.device(device))
         per_block = shape.bytes_per_token * shape.block_size
         blocks = int(free * memory_fraction) // per_block - 1  # one block is the padding block
-        source = f"{memory_fraction:.0%} of {free / GiB:.2f} GiB free"
+        source = f"memory fraction {memory_fraction:g} of {free / GiB:.2f} GiB free"
     else:
         return need
     if blocks < need:

@@ -1,0 +1,84 @@
+"""Small random transformers configs of each supported family, and a schedule runner that drives
+continuous batches (prefill chunks and decodes mixed) through a GraphRunner; shared by test_hf.py,
+test_hf_gpu.py and the server tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int = 2,
+                 heads: int = 4, kv_heads: int = 2, tied: bool | None = None, **extra):
+    """Llama untied; Qwen2 biased qkv and tied embeddings; Qwen3 q/k norms, explicit head_dim."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        cfg = LlamaConfig(tie_word_embeddings=bool(tied), **common, **extra)
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif family == "qwen2":
+        cfg = Qwen2Config(tie_word_embeddings=True if tied is None else tied, **common, **extra)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+    elif family == "qwen3":
+        cfg = Qwen3Config(tie_word_embeddings=bool(tied), head_dim=2 * hidden // heads, **common,
+                          **extra)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def reference_model(paged):
+    """The same weights under transformers' own eager attention, no graphplan in the way."""
+    from transformers import AutoModelForCausalLM
+    cfg = copy.deepcopy(paged.hf.config)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=paged.cache.kv.dtype)
+    ref.load_state_dict(paged.hf.state_dict())
+    return ref.to(paged.device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
+    """The model's own forward over the whole sequence, no cache: [len, vocab] float32."""
+    ids = torch.tensor([tokens], device=ref.device)
+    return ref(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def plan(max_num_seqs: int = 4, max_tokens: int = 32, sizes=(1, 2, 4)) -> dict:
+    """FULL graphs for uniform decode, mixed batches eager (PIECEWISE comes later)."""
+    return {"version": 1, "name": "hf-test",
+            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
+            "cudagraph": {"mode": "FULL_DECODE_ONLY", "attention_support": "ALWAYS",
+                          "capture_sizes": list(sizes)}}
+
+
+@torch.no_grad()
+def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tensor]:
+    """Teacher-forced continuous batching. ``steps``: per step, ``(request, num_tokens)`` pairs;
+    a request's next ``num_tokens`` tokens of ``seqs[request]`` join the batch (request i sits in
+    seat i). Returns each request's logits at every position it ran, [len(seq), vocab]."""
+    done = [0] * len(seqs)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step in steps:
+        reqs = []
+        for i, n in step:
+            reqs.append((i, done[i], seqs[i][done[i]:done[i] + n]))
+            done[i] += n
+        batch = model.make_batch(reqs)
+        logits = runner.step(batch, num_reqs=len(reqs), max_query_len=max(n for _, n in step))
+        first = 0
+        for i, n in step:
+            rows[i].append(logits[first:first + n].clone())
+            first += n
+    return [torch.cat(r) for r in rows]
+
+
+def tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
