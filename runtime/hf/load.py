@@ -87,6 +87,10 @@ def load_model(source, *, dtype: torch.dtype = torch.float32, device: torch.devi
     """The model in eval mode, no grads, on ``device`` in ``dtype``. Weights from the directory's
     safetensors when it has any, else random from ``seed`` (``init_random``)."""
     from transformers import AutoModelForCausalLM
+
+    from graphplan.runtime.hf.attention import ATTN_IMPLEMENTATION, register
+    if attn_implementation == ATTN_IMPLEMENTATION:
+        register()
     config = load_config(source)
     check_supported(config)
     path = None if not isinstance(source, (str, os.PathLike)) else Path(source)
