@@ -9,6 +9,18 @@ import copy
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# three requests (prompts of 9, 5 and 3 tokens, then decodes); seat i holds request i
+LENS = (15, 9, 8)
+STEPS = [
+    [(0, 6), (1, 5)],                  # a prefill chunk and a whole prompt        (eager)
+    [(1, 1), (0, 3), (2, 3)],          # a decode, the rest of a prompt, a prompt  (eager)
+    [(0, 1), (1, 1), (2, 1)],          # uniform decode of 3 -> FULL graph of 4
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1), (0, 1), (1, 1)],          # batch order differs from seat order
+    [(0, 1), (2, 1)],                  # FULL graph of 2
+    [(0, 1)],                          # FULL graph of 1
+    [(0, 1), (2, 1)],
+]
 
 
 def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int = 2,

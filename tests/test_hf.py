@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import (FAMILIES, plan, reference_logits, reference_model, run_schedule,  # noqa: E402
-                       small_config, tokens)
+from hf_models import (FAMILIES, LENS, STEPS, plan, reference_logits, reference_model,  # noqa: E402
+                       run_schedule, small_config, tokens)
 
 from graphplan.compiler import compile_plan  # noqa: E402
 from graphplan.runtime import GraphRunner  # noqa: E402
@@ -23,20 +23,6 @@ from graphplan.runtime.paged_kv import BlockTables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = compile_plan(plan())
-# three requests (prompts of 9, 5 and 3 tokens, then decodes); seat i holds request i
-LENS = (15, 9, 8)
-STEPS = [
-    [(0, 6), (1, 5)],                  # a prefill chunk and a whole prompt        (eager)
-    [(1, 1), (0, 3), (2, 3)],          # a decode, the rest of a prompt, a prompt  (eager)
-    [(0, 1), (1, 1), (2, 1)],          # uniform decode of 3 -> FULL graph of 4
-    [(0, 1), (1, 1), (2, 1)],
-    [(2, 1), (0, 1), (1, 1)],          # batch order differs from seat order
-    [(0, 1), (2, 1)],                  # FULL graph of 2
-    [(0, 1)],                          # FULL graph of 1
-    [(0, 1), (2, 1)],
-]
-
-
 def build(family: str, seed: int = 0, **cache):
     model = PagedCausalLM.load(small_config(family), max_num_seqs=4, max_model_len=32,
                                block_size=4, seed=seed, **cache)
