@@ -127,6 +127,7 @@ def bench_graphplan(a, hf, table, prompts, device) -> dict:
     r["full_replays"] = after["replays_by_mode"].get("FULL", 0) - before["replays_by_mode"].get("FULL", 0)
     r["eager_steps"] = sum(after["eager_steps"].values()) - sum(before["eager_steps"].values())
     r["kv_blocks"] = model.cfg.num_blocks
+    runner.release()  # graphs and cache go back before the baselines size their caches
     return r
 
 
@@ -218,27 +219,38 @@ def main(argv=None) -> int:
         from graphplan.compiler import compile_plan
         table = compile_plan(a.plan)
     prompts = prompts_for(a, cfg.vocab_size)
-    results = {}
+    results, failed = {}, {}
     for name in systems:
-        print(f"running {name} ...", flush=True)
-        if name == "graphplan":
-            results[name] = bench_graphplan(a, hf, table, prompts, device)
-        elif name in ("generate_batch", "generate"):
-            m = baseline_model(hf, dtype, device)
-            fn = bench_generate_batch if name == "generate_batch" else bench_generate
-            results[name] = fn(a, m, prompts, device)
-            del m
-        else:
+        if name not in ("graphplan", "generate_batch", "generate"):
             raise SystemExit(f"unknown system {name!r}")
-        r = results[name]
+        print(f"running {name} ...", flush=True)
+        try:
+            if name == "graphplan":
+                r = bench_graphplan(a, hf, table, prompts, device)
+            else:
+                m = baseline_model(hf, dtype, device)
+                fn = bench_generate_batch if name == "generate_batch" else bench_generate
+                r = fn(a, m, prompts, device)
+                del m
+        except Exception as e:  # noqa: BLE001 - report it and measure the others
+            import traceback
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         r["generated"] = sum(len(t) for t in r["tokens"])
         r["tok_s"] = r["generated"] / r["wall"]
+        results[name] = r
+        print(f"  {name}: {r['generated']} tokens, {r['tok_s']:.0f} tokens/s", flush=True)
     lines = report(a, results, table, device)
+    lines += [f"{name} FAILED: {why}" for name, why in failed.items()]
     print("\n".join(lines))
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {a.out}")
-    return 0
+    return 1 if failed else 0
 
 
 def report(a, results: dict, table, device) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -35,12 +36,7 @@ class HFSpec:
         return self.served_model_name or Path(self.model).resolve().name
 
     def _config(self) -> dict:
-        path = Path(self.model)
-        path = path.parent if path.is_file() else path
-        try:
-            return json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return _read_json(str(_directory(self.model) / "config.json"))
 
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
@@ -53,13 +49,7 @@ class HFSpec:
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The model's end-of-sequence ids (generation_config.json first, then config.json)."""
-        path = Path(self.model)
-        path = path.parent if path.is_file() else path
-        eos = None
-        try:
-            eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            pass
+        eos = _read_json(str(_directory(self.model) / "generation_config.json")).get("eos_token_id")
         if eos is None:
             eos = self._config().get("eos_token_id")
         if eos is None:
@@ -86,10 +76,23 @@ class HFSpec:
                                   kv_memory_fraction=self.kv_memory_fraction)
 
 
+def _directory(model: str) -> Path:
+    path = Path(model)
+    return path.parent if path.is_file() else path
+
+
+@lru_cache(maxsize=16)
+def _read_json(path: str) -> dict:
+    """A small JSON file of the checkpoint, read once ({} when absent or unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def load_tokenizer(model_dir: str):
     """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving)."""
-    path = Path(model_dir)
-    path = path.parent if path.is_file() else path
+    path = _directory(model_dir)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
