@@ -124,7 +124,8 @@ def bench_graphplan(a, hf, table, prompts, device) -> dict:
     after = runner.stats()
     r["capture_s"] = cap["seconds"]
     r["graphs"] = cap["graphs"]
-    r["full_replays"] = after["replays_by_mode"].get("FULL", 0) - before["replays_by_mode"].get("FULL", 0)
+    full = [s["replays_by_mode"].get("FULL", 0) for s in (before, after)]
+    r["full_replays"] = full[1] - full[0]
     r["eager_steps"] = sum(after["eager_steps"].values()) - sum(before["eager_steps"].values())
     r["kv_blocks"] = model.cfg.num_blocks
     runner.release()  # graphs and cache go back before the baselines size their caches
@@ -211,8 +212,9 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     hf = load_model(cfg, dtype=dtype, device=device, seed=a.seed,
                     attn_implementation=ATTN_IMPLEMENTATION)
-    print(f"model built in {time.perf_counter() - t:.1f} s: {sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M "
-          f"parameters, {a.dtype} on {device}", flush=True)
+    params = sum(p.numel() for p in hf.parameters()) / 1e6
+    print(f"model built in {time.perf_counter() - t:.1f} s: {params:.0f}M parameters, {a.dtype} "
+          f"on {device}", flush=True)
     if a.plan.endswith(".json"):
         table = load_table(a.plan)
     else:

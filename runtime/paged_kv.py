@@ -68,7 +68,8 @@ def size_blocks(shape: KVCacheShape, *, max_num_seqs: int, max_model_len: int,
         blocks, source = tokens // shape.block_size, f"a budget of {tokens} tokens"
     elif memory_fraction is not None:
         if not 0 < memory_fraction <= 1:
-            raise KVCacheSizeError(f"KV-cache memory fraction must be in (0, 1], not {memory_fraction}")
+            raise KVCacheSizeError(f"KV-cache memory fraction must be in (0, 1], "
+                                   f"not {memory_fraction}")
         free = free_memory_bytes(torch.device(device))
         per_block = shape.bytes_per_token * shape.block_size
         blocks = int(free * memory_fraction) // per_block - 1  # one block is the padding block
@@ -110,7 +111,8 @@ class BlockTables:
     """Blocks per seat (a batcher's cache row), allocated as its sequence grows. A chunk that starts
     at position 0 is a new sequence: the seat's old blocks go back first."""
 
-    def __init__(self, *, num_blocks: int, block_size: int, num_seats: int, max_blocks_per_seq: int):
+    def __init__(self, *, num_blocks: int, block_size: int, num_seats: int,
+                 max_blocks_per_seq: int):
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.pad_block = num_blocks
         self._free = deque(range(num_blocks))

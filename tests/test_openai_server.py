@@ -6,7 +6,6 @@ end in ``data: [DONE]``; errors are OpenAI-shaped 4xx."""
 import http.client
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest

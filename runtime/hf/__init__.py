@@ -10,7 +10,7 @@ itself never imports this package.
 """
 
 try:
-    import transformers  # noqa: F401
+    import transformers  # noqa: F401 - fail here, with the extra to install
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("graphplan.runtime.hf needs transformers and safetensors: "
                       "pip install 'graphplan[hf]'") from e

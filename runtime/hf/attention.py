@@ -55,7 +55,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     graphplan: PagedBatch | None = None, **kwargs):
     if graphplan is None:
         raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs the step's "
-                           "paged metadata: run the model through graphplan.runtime.hf.PagedCausalLM")
+                           "paged metadata: run the model through "
+                           "graphplan.runtime.hf.PagedCausalLM")
     _, num_heads, num_tokens, head_dim = query.shape
     kv_heads = key.shape[1]
     if scaling is None:

@@ -1,6 +1,6 @@
 """Load a stock transformers causal LM for the paged adapter, with no network access: a local
-directory's ``config.json`` + ``*.safetensors``, or a ``config.json`` alone with random weights drawn
-from a seed. What the adapter cannot run is refused here, before any weight is read."""
+directory's ``config.json`` + ``*.safetensors``, or a ``config.json`` alone with random weights
+drawn from a seed. What the adapter cannot run is refused here, before any weight is read."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def check_supported(config) -> None:
         raise UnsupportedModelError(f"model {name} has layers of type {other}; the paged adapter "
                                     "runs only full_attention layers")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    rope_type = "default"
+    if isinstance(rope, dict):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
         raise UnsupportedModelError(f"model {name} uses rope type {rope_type!r}; supported: "
                                     f"{', '.join(STATIC_ROPE)}")
