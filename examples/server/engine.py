@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batching import ContinuousBatcher
+
 from graphplan.compiler.errors import GraphplanError
 from examples.server.metrics import ServerMetrics
 from examples.server.model import (ModelSpec, build_model, check_fits, load_table, model_batch,

@@ -1,6 +1,7 @@
 """Run stock transformers causal LMs (Llama, Qwen2, Qwen3) under GraphRunner, attention through a
 paged KV cache. Needs the ``graphplan[hf]`` extra (transformers, safetensors); ``graphplan.runtime``
-itself never imports this package.
+itself never imports this package. (transformers itself imports pyyaml and jinja2; graphplan's
+code here imports neither.)
 
     from graphplan.runtime.hf import PagedCausalLM
     model = PagedCausalLM.load("path/to/model", max_num_seqs=64, max_model_len=2048,
