@@ -203,3 +203,15 @@ def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extr
                          timeout=120, check=True)
     assert "ERR graphplan.runtime.hf needs transformers" in out.stdout
     assert "pip install 'graphplan[hf]'" in out.stdout
+
+
+def test_the_hf_benchmark_program_runs_on_the_cpu(tmp_path, capsys):
+    """bench/hf_bench.py's graphplan path at smoke size (the GPU run compares the baselines)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hf_bench
+    out, table = tmp_path / "hf.md", tmp_path / "table.json"
+    TABLE.save(table)
+    assert hf_bench.main(["--device", "cpu", "--smoke", "--systems", "graphplan", "--requests",
+                          "4", "--new-tokens", "3", "--plan", str(table), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| graphplan | 12 |" in text and "FULL replays" in text
