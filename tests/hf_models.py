@@ -5,6 +5,7 @@ test_hf_gpu.py and the server tests."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
@@ -94,3 +95,18 @@ def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tens
 def tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def write_model_dir(path: Path, **config) -> Path:
+    """config.json (random weights from the seed) + a word-level tokenizer: 'w0'..'w125' are ids
+    2..127, '<eos>' is 1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    path.mkdir(parents=True, exist_ok=True)
+    small_config("qwen3", **config).save_pretrained(path)  # its auto tokenizer reads tokenizer.json as is
+    words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                            eos_token="<eos>").save_pretrained(path)
+    return path

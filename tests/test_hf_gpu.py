@@ -134,3 +134,56 @@ def test_greedy_generation_of_64_requests_matches_transformers_generate(dtype, m
            f"{sum(stats['eager_steps'].values())})")
     assert stats["replays_by_mode"]["FULL"] > 0
     assert same >= min_share
+
+
+def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
+    """python -m examples.server --model DIR on CUDA (float32, so batching cannot flip a near-tied
+    argmax in practice): concurrent /v1/completions equal transformers' generate of each prompt."""
+    import http.client
+    import json
+    import threading
+
+    from hf_models import write_model_dir
+
+    from examples.server import Server
+    from examples.server.hf_model import HFSpec
+    model_dir = write_model_dir(tmp_path / "m", hidden=256, layers=4, heads=8, kv_heads=2)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("version: 1\nname: hf-gpu\nscheduler: {max_num_seqs: 8, "
+                    "max_num_batched_tokens: 64}\ncudagraph: {mode: FULL_DECODE_ONLY, "
+                    "attention_support: ALWAYS, capture_sizes: [1, 2, 4, 8]}\n")
+    s = Server(plan, spec=HFSpec(model=str(model_dir), max_model_len=64, dtype="float32"),
+               device=DEV, progress=False).start()
+    try:
+        assert s.wait_ready(300), s.engine.error
+        prompts = [tokens(n, seed=n) for n in (3, 9, 17, 30, 5, 12, 1, 22, 8, 14, 40, 2)]
+        got = [None] * len(prompts)
+
+        def call(i):
+            conn = http.client.HTTPConnection(*s.httpd.server_address[:2], timeout=300)
+            body = {"model": "m", "prompt": prompts[i], "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True}
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})
+            got[i] = json.loads(conn.getresponse().read())["choices"][0]["token_ids"]
+            conn.close()
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        ref = reference_model(s.engine.model)
+        want = []
+        for p in prompts:
+            ids = torch.tensor([p], device=DEV)
+            want.append(ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                     do_sample=False)[0, len(p):].tolist())
+        same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / (12 * len(prompts))
+        stats = s.engine.runner.stats()
+        record(f"- server on cuda, {len(prompts)} concurrent /v1/completions (float32): identical "
+               f"tokens {same:.1%}; FULL replays {stats['replays_by_mode'].get('FULL', 0)}, eager "
+               f"steps {sum(stats['eager_steps'].values())}")
+        assert stats["backend"] == "cuda" and stats["replays_by_mode"]["FULL"] > 0
+        assert same >= 0.95
+    finally:
+        s.stop()

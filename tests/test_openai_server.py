@@ -14,7 +14,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from hf_models import reference_model, small_config  # noqa: E402
+from hf_models import reference_model, write_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,21 +25,6 @@ from examples.server.hf_model import HFSpec  # noqa: E402
 NAME = "tiny-qwen3"
 PLAN = ("version: 1\nname: hf-t\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 32}\n"
         "cudagraph: {mode: FULL_DECODE_ONLY, attention_support: ALWAYS, capture_sizes: [1, 2, 4]}\n")
-
-
-def write_model_dir(path: Path) -> Path:
-    """config.json (random weights from the seed) + a word-level tokenizer: 'w0'..'w125' are ids
-    2..127, '<eos>' is 1."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    path.mkdir(parents=True, exist_ok=True)
-    small_config("qwen3").save_pretrained(path)  # its auto tokenizer reads tokenizer.json as is
-    words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                            eos_token="<eos>").save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
