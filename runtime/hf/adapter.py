@@ -8,8 +8,9 @@ requests (prefill chunks and decodes mixed) is the forward's input, all fixed-sh
     block_tables [R, max_blocks_per_seq] int32 (padding: the padding block),
     seq_lens [R] int32, query_start_loc [R + 1] int32   ->   logits [T, vocab] float32
 
-A token attends to the slots of its request's block table at positions <= its own, so
-``seq_lens`` is implied by the positions; it is carried for attention kernels that want it.
+A token attends to the slots of its request's block table at positions <= its own; eager batches
+with prefill chunks read ``seq_lens`` and ``query_start_loc`` on the host to attend each prompt
+chunk over its real length (graphs never read them back: see ``attention.make_paged_batch``).
 ``make_batch`` turns a batcher's ``(seat, start_pos, token_ids)`` requests into those inputs,
 allocating blocks as sequences grow.
 """
@@ -83,7 +84,7 @@ class PagedCausalLM(torch.nn.Module):
         return self.cache.kv.device
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
-        meta = make_paged_batch(self.cache.kv, positions, slot_mapping, block_tables,
+        meta = make_paged_batch(self.cache.kv, positions, slot_mapping, block_tables, seq_lens,
                                 query_start_loc)
         out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                       graphplan=meta)
