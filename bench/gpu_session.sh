@@ -28,6 +28,8 @@ for step in "$@"; do
     dbo)       timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --threshold 4096 --sizes 512,1024,2048,4096,8192,16384 --out "$OUT/dbo_bench.md" 2>&1 | tail -20 ;;
     dbo-pcie)  timeout 240 python bench/dbo_bench.py --ranks 2 --modes graph --nccl-p2p off --threshold 512 --sizes 128,256,512,1024,2048 --candidates 2048,4096,8192,16384 --iters 10 --repeats 3 --out "$OUT/dbo_bench_pcie.md" 2>&1 | tail -20 ;;
     probe)     timeout 240 python bench/overlap_probe.py --ranks 2 --out "$OUT/overlap_probe.md" 2>&1 | tail -60 ;;
+    hftests)   timeout 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_gpu.py 2>&1 | tee "$OUT/hf_gpu_tests.log" | tail -40 ;;
+    hf)        timeout 580 python bench/hf_bench.py --out "$OUT/hf_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

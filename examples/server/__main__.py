@@ -1,4 +1,5 @@
 """python -m examples.server --plan plans/tiny-llama.yaml [--port 8000] [--device cuda]
+   python -m examples.server --model DIR --plan plans/hf-decode.yaml   (a Hugging Face decoder)
 
 Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
 to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
@@ -20,6 +21,7 @@ import torch
 
 from graphplan.compiler.errors import GraphplanError
 from examples.server.app import Server
+from examples.server.hf_model import HFSpec
 from examples.server.model import DTYPES, ModelSpec, parse_sets
 from examples.server.security import TOKEN_ENV, admin_token
 
@@ -28,7 +30,8 @@ log = logging.getLogger("graphplan.server")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.server",
-                                description="Serve the tiny Llama through graphplan's runtime.")
+                                description="Serve the tiny Llama, or a Hugging Face decoder "
+                                "(--model), through graphplan's runtime.")
     p.add_argument("--plan", required=True,
                    help="a plan (.yaml, .yaml.j2) or a compiled table.json")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -37,12 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the log)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d = ModelSpec()
+    p.add_argument("--model", metavar="DIR",
+                   help="a local Hugging Face checkpoint (config.json + *.safetensors, tokenizer "
+                   "optional; config.json alone: random weights from --seed) instead of the tiny "
+                   "Llama; Llama, Qwen2 and Qwen3 causal LMs")
+    p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
+    p.add_argument("--kv-cache-tokens", type=int,
+                   help="--model: KV-cache size in tokens (default: max_num_seqs x max-model-len)")
+    p.add_argument("--kv-memory-fraction", type=float,
+                   help="--model: KV cache from this fraction of the free device memory")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"default {d.max_model_len} (--model: min(max_position_embeddings, 2048))")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help=f"default {d.dtype} (--model: bfloat16 on CUDA)")
     p.add_argument("--no-progress", action="store_true", help="no capture progress bar")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -62,11 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    d = ModelSpec()
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = ModelSpec(layers=a.layers, hidden=a.hidden, vocab_size=a.vocab_size,
-                     max_model_len=a.max_model_len, seed=a.seed, dtype=a.dtype)
+    if a.model:
+        spec = HFSpec(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype, seed=a.seed,
+                      kv_cache_tokens=a.kv_cache_tokens, kv_memory_fraction=a.kv_memory_fraction,
+                      served_model_name=a.served_model_name)
+    else:
+        spec = ModelSpec(layers=a.layers, hidden=a.hidden, vocab_size=a.vocab_size,
+                         max_model_len=a.max_model_len or d.max_model_len, seed=a.seed,
+                         dtype=a.dtype or d.dtype)
     try:
+        if a.model:
+            spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(a.plan, overrides=parse_sets(a.set) or None, host=a.host, port=a.port,
                         device=a.device, spec=spec, progress=not a.no_progress,
                         max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,

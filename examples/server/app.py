@@ -5,6 +5,7 @@ keep-alive, chunked NDJSON streams) in front of the single engine thread.
     GET  /metrics        Prometheus text: the runner's series and the server's
     POST /generate       {"prompt": [ids], "max_tokens": N, "stream": false} or {"prompts": [...]}
     POST /admin/reload   {} (re-read the start-up plan) or {"path": ..., "set": {...}}
+    GET  /v1/models, POST /v1/completions   the OpenAI-compatible API (openai_api.py)
 
 Every answer is JSON (errors too: 4xx for the client's mistakes, 405 for a known path with the
 wrong method, 501 for an unknown method, 5xx only for server faults). ``/admin/`` routes need
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 from examples.server.engine import Engine
 from examples.server.metrics import render_metrics
 from examples.server.model import ModelSpec, load_table
+from examples.server.openai_api import OpenAIFrontEnd
 from examples.server.protocol import RequestError, parse_generate, parse_reload
 from examples.server.security import AdminGate, GuardedHandler, ReloadDir
 
@@ -56,6 +58,8 @@ class Handler(GuardedHandler, BaseHTTPRequestHandler):
             if e.error is not None:
                 body["error"] = f"{type(e.error).__name__}: {e.error}"
             self._json(200 if e.state == "ready" else 503, body)
+        elif path.startswith("/v1/"):
+            app.openai.handle(self, "GET", path)
         elif path == "/metrics":
             self._send(200, render_metrics(app.engine).encode(),
                        "text/plain; version=0.0.4; charset=utf-8")
@@ -66,6 +70,8 @@ class Handler(GuardedHandler, BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if self._admin(path):
             return
+        if path.startswith("/v1/"):
+            return self.server.app.openai.handle(self, "POST", path)
         try:
             if path == "/generate":
                 self._generate()
@@ -222,6 +228,7 @@ class Server:
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
         self.engine = Engine(table, str(source), overrides, spec=spec, device=device,
                              progress=progress)
+        self.openai = OpenAIFrontEnd(spec)
         self.max_body_bytes, self.request_timeout = max_body_bytes, request_timeout
         self.drain_timeout = drain_timeout
         self.httpd = _HTTPServer((host, port), self)

@@ -14,11 +14,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batching import ContinuousBatcher
-from tiny_llama import make_batch, static_inputs
 
 from graphplan.compiler.errors import GraphplanError
 from examples.server.metrics import ServerMetrics
-from examples.server.model import ModelSpec, build_model, check_fits, load_table
+from examples.server.model import (ModelSpec, build_model, check_fits, load_table, model_batch,
+                                   model_inputs)
 from examples.server.protocol import RequestError
 from graphplan.runtime import GraphRunner
 
@@ -35,6 +35,7 @@ class Request:
     """(tag, "token", id) when streaming, then (tag, "done", None) or (tag, "error", err)."""
     tag: int = 0
     stream: bool = False
+    stop: tuple[int, ...] = ()
     out: list[int] = field(default_factory=list)
     arrived: float = field(default_factory=time.perf_counter)
     admitted: bool = False  # holds a KV-cache row (it was in a step)
@@ -82,8 +83,7 @@ class Engine:
         return self._ready.wait(timeout) and self.state == "ready"
 
     def limits(self) -> dict:
-        cfg = self.spec.config(1)
-        return {"vocab_size": cfg.vocab_size, "max_model_len": cfg.max_model_len}
+        return self.spec.limits()
 
     def queue_depth(self) -> int:
         return len(self._waiting) + sum(not (r.admitted or r.finished) for r in self._live)
@@ -91,10 +91,12 @@ class Engine:
     def num_running(self) -> int:
         return sum(r.admitted and not r.finished for r in self._live)
 
-    def submit(self, prompts: list[list[int]], max_tokens: int, stream: bool = False):
+    def submit(self, prompts: list[list[int]], max_tokens: int, stream: bool = False,
+               stop_token_ids: tuple[int, ...] = ()):
         """Queue one request per prompt (all or none); returns (events, requests)."""
         events = queue.SimpleQueue()
-        reqs = [Request(p, max_tokens, events, tag=i, stream=stream) for i, p in enumerate(prompts)]
+        reqs = [Request(p, max_tokens, events, tag=i, stream=stream, stop=tuple(stop_token_ids))
+                for i, p in enumerate(prompts)]
         with self._cond:
             if self.state != "ready":
                 raise RequestError(503, f"server is {self.state}"
@@ -196,7 +198,7 @@ class Engine:
     def _capture(self, table) -> GraphRunner:
         log.info("capturing %d graphs of plan %r (fingerprint %s) on %s", len(table.graphs),
                  table.settings.name, table.fingerprint[:19], self.device)
-        runner = GraphRunner(self.model, table, static_inputs(self.model), device=self.device,
+        runner = GraphRunner(self.model, table, model_inputs(self.model), device=self.device,
                              progress=self.progress)
         runner.capture()
         return runner
@@ -213,7 +215,7 @@ class Engine:
                 self._live = self._live + new  # before the clear: stop() never sees neither
                 self._waiting.clear()
             for r in new:
-                self.batcher.add(r, r.prompt, r.max_tokens)
+                self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
                 self.metrics.prompt_tokens += len(r.prompt)
             for swap in swaps:
                 self._capture_swap(swap)
@@ -269,7 +271,7 @@ class Engine:
     def _step(self, batch) -> None:
         t0 = time.perf_counter()
         try:
-            inputs = make_batch(self.model, batch.reqs)
+            inputs = model_batch(self.model, batch.reqs)
             logits = self.runner.step(inputs, num_reqs=batch.num_reqs,
                                       max_query_len=batch.max_query_len)
             events = self.batcher.commit(batch, logits)

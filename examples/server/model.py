@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tiny_llama import TinyLlama, TinyLlamaConfig
+from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
 
 from graphplan.compiler.errors import GraphplanError, TableError
 from graphplan.compiler.table import DispatchTable
@@ -36,6 +36,14 @@ class ModelSpec:
     kernels whose rounding does not depend on the batch size; bfloat16 is faster but near-tie
     argmaxes can flip when a request is batched with others."""
 
+    name = "tiny-llama"
+
+    def limits(self) -> dict:
+        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len}
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
+
     def config(self, num_cache_rows: int) -> TinyLlamaConfig:
         return TinyLlamaConfig.sized(hidden=self.hidden, layers=self.layers,
                                      vocab_size=self.vocab_size, max_model_len=self.max_model_len,
@@ -43,10 +51,21 @@ class ModelSpec:
 
 
 def build_model(spec: ModelSpec, table: DispatchTable, device: str | torch.device) -> TinyLlama:
+    if not isinstance(spec, ModelSpec):  # a Hugging Face checkpoint (hf_model.HFSpec)
+        return spec.build(table, device)
     if spec.dtype not in DTYPES:
         raise UsageError(f"dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
     return TinyLlama(spec.config(table.max_num_seqs), seed=spec.seed, device=device,
                      dtype=DTYPES[spec.dtype])
+
+
+def model_batch(model, reqs) -> dict:
+    """The step's inputs for ``(row, start_pos, token_ids)`` requests, for either kind of model."""
+    return model.make_batch(reqs) if hasattr(model, "make_batch") else make_batch(model, reqs)
+
+
+def model_inputs(model) -> list:
+    return model.static_inputs() if hasattr(model, "static_inputs") else static_inputs(model)
 
 
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:

@@ -14,7 +14,8 @@ from examples.server.protocol import RequestError
 
 TOKEN_ENV = "GRAPHPLAN_ADMIN_TOKEN"
 ADMIN_PREFIX = "/admin/"
-ROUTES = {"/healthz": "GET", "/metrics": "GET", "/generate": "POST", "/admin/reload": "POST"}
+ROUTES = {"/healthz": "GET", "/metrics": "GET", "/generate": "POST", "/admin/reload": "POST",
+          "/v1/models": "GET", "/v1/completions": "POST"}
 """Path -> its method: a known path asked with another method answers 405."""
 
 

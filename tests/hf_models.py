@@ -1,0 +1,112 @@
+"""Small random transformers configs of each supported family, and a schedule runner that drives
+continuous batches (prefill chunks and decodes mixed) through a GraphRunner; shared by test_hf.py,
+test_hf_gpu.py and the server tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+# three requests (prompts of 9, 5 and 3 tokens, then decodes); seat i holds request i
+LENS = (15, 9, 8)
+STEPS = [
+    [(0, 6), (1, 5)],                  # a prefill chunk and a whole prompt        (eager)
+    [(1, 1), (0, 3), (2, 3)],          # a decode, the rest of a prompt, a prompt  (eager)
+    [(0, 1), (1, 1), (2, 1)],          # uniform decode of 3 -> FULL graph of 4
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1), (0, 1), (1, 1)],          # batch order differs from seat order
+    [(0, 1), (2, 1)],                  # FULL graph of 2
+    [(0, 1)],                          # FULL graph of 1
+    [(0, 1), (2, 1)],
+]
+
+
+def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int = 2,
+                 heads: int = 4, kv_heads: int = 2, tied: bool | None = None, **extra):
+    """Llama untied; Qwen2 biased qkv and tied embeddings; Qwen3 q/k norms, explicit head_dim."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        cfg = LlamaConfig(tie_word_embeddings=bool(tied), **common, **extra)
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif family == "qwen2":
+        cfg = Qwen2Config(tie_word_embeddings=True if tied is None else tied, **common, **extra)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+    elif family == "qwen3":
+        cfg = Qwen3Config(tie_word_embeddings=bool(tied), head_dim=2 * hidden // heads, **common,
+                          **extra)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def reference_model(paged):
+    """The same weights under transformers' own eager attention, no graphplan in the way."""
+    from transformers import AutoModelForCausalLM
+    cfg = copy.deepcopy(paged.hf.config)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=paged.cache.kv.dtype)
+    ref.load_state_dict(paged.hf.state_dict())
+    return ref.to(paged.device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
+    """The model's own forward over the whole sequence, no cache: [len, vocab] float32."""
+    ids = torch.tensor([tokens], device=ref.device)
+    return ref(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def plan(max_num_seqs: int = 4, max_tokens: int = 32, sizes=(1, 2, 4)) -> dict:
+    """FULL graphs for uniform decode, mixed batches eager (PIECEWISE comes later)."""
+    return {"version": 1, "name": "hf-test",
+            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
+            "cudagraph": {"mode": "FULL_DECODE_ONLY", "attention_support": "ALWAYS",
+                          "capture_sizes": list(sizes)}}
+
+
+@torch.no_grad()
+def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tensor]:
+    """Teacher-forced continuous batching. ``steps``: per step, ``(request, num_tokens)`` pairs;
+    a request's next ``num_tokens`` tokens of ``seqs[request]`` join the batch (request i sits in
+    seat i). Returns each request's logits at every position it ran, [len(seq), vocab]."""
+    done = [0] * len(seqs)
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step in steps:
+        reqs = []
+        for i, n in step:
+            reqs.append((i, done[i], seqs[i][done[i]:done[i] + n]))
+            done[i] += n
+        batch = model.make_batch(reqs)
+        logits = runner.step(batch, num_reqs=len(reqs), max_query_len=max(n for _, n in step))
+        first = 0
+        for i, n in step:
+            rows[i].append(logits[first:first + n].clone())
+            first += n
+    return [torch.cat(r) for r in rows]
+
+
+def tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def write_model_dir(path: Path, **config) -> Path:
+    """config.json (random weights from the seed) + a word-level tokenizer: 'w0'..'w125' are ids
+    2..127, '<eos>' is 1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    path.mkdir(parents=True, exist_ok=True)
+    small_config("qwen3", **config).save_pretrained(path)  # its auto tokenizer reads tokenizer.json as is
+    words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                            eos_token="<eos>").save_pretrained(path)
+    return path
