@@ -234,6 +234,8 @@ class BreakableGraphs:
         return buf.narrow(d, 0, tokens)
 
     def _bind_op_outputs(self, i: int, name: str, out, tokens: int):
+        if out is None:  # it wrote its result into an argument
+            return None, ()
         single = isinstance(out, torch.Tensor)
         if not single and not isinstance(out, (tuple, list)):
             raise SplitError(f"splitting op {name!r} returned a {type(out).__name__}: splitting "
