@@ -60,8 +60,8 @@ class PyLlama(TinyLlama):
         return super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc)
 
 
-def py_llama(core=None, cls=PyLlama):
-    model = cls(CFG, seed=0)
+def py_llama(core=None, cls=PyLlama, cfg=CFG, **kw):
+    model = cls(cfg, seed=0, **kw)
     for layer in model.layers:
         layer.attn.__class__ = PyAttention
         if core is not None:
