@@ -52,7 +52,7 @@ def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count:
     ids = {next(g.id for g in table.graphs if g.mode is RuntimeMode.FULL
                 and g.key.num_ubatches == 1 and g.key.num_tokens == t) for t in sizes}
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
-    summary = runner.capture((RuntimeMode.FULL,), only=ids)
+    summary = runner.capture((RuntimeMode.FULL,), only=ids, measure_each=True)
     runner.release()
     samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
     per_graph = max(0.0, sum(b for _, b in samples[1:]) / (len(samples) - 1))

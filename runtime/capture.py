@@ -56,6 +56,12 @@ class CaptureJob:
     """How PIECEWISE graphs split the model: "fx", "runtime" or "auto" (see _split)."""
     ubatch_body: object = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
+    warmup_each: bool = False
+    """Warm up before every FULL graph, not only before the first (slower; for models with
+    per-shape lazy initialisation)."""
+    measure_each: bool = False
+    """Measure every graph's memory (memory calibration); otherwise the first two (the
+    estimate's inputs) and the whole capture, which costs no per-graph synchronisation."""
 
 
 def _progress(items: list, job: CaptureJob, desc: str):
@@ -114,7 +120,7 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
         done.piecewise = _split(job)  # SplitError here, before anything is captured
     gc.collect()
     gc.freeze()  # capture allocates many Python objects; keep the collector out of the way
-    gid = ids[0]
+    gid, start, head = ids[0], backend.memory_used(), 0
     try:
         with torch.no_grad():
             for n_done, gid in enumerate(_progress(ids, job, f"Capturing graphs ({backend.name})")):
@@ -126,7 +132,8 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
                     done.graphs[gid], took = done.piecewise.capture(views, tokens)
                 else:
-                    for i in range(max(job.warmups, 1 if done.outputs is None else 0)):
+                    first = done.outputs is None
+                    for i in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
                         out = model(**views)
                         if done.outputs is None:
                             done.outputs = _static_outputs(out, buffers.max_tokens)
@@ -137,14 +144,15 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
                         body()
                     else:
                         body = _graph_fn(model, done.outputs, views, tokens)
-                    before = backend.memory_used()
+                    measure = job.measure_each or n_done < 2
+                    before = backend.memory_used() if measure else None
                     done.graphs[gid] = backend.capture(body)
-                    took = backend.memory_used() - before
+                    took = backend.memory_used() - before if measure else None
                 summary["per_graph"].append([gid, tokens, took])
-                summary["bytes"] += took
-                if n_done == 1:  # estimate the rest from the two largest graphs
-                    first = summary["per_graph"][0][2]
-                    summary["estimate_bytes"] = first + took * (len(ids) - 1)
+                if n_done == 0:  # the static outputs and the largest graph
+                    head = backend.memory_used() - start
+                elif n_done == 1 and took is not None:  # estimate the rest from the two largest
+                    summary["estimate_bytes"] = head + took * (len(ids) - 1)
     except BaseException as e:
         done.graphs = [None] * len(table.graphs)
         done.piecewise = done.outputs = None
@@ -155,8 +163,9 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
     finally:
         gc.unfreeze()
     backend.synchronize()
+    summary["seconds"] = time.perf_counter() - t0  # the memory reading below is not capture time
     summary["graphs"] = len(ids)
-    summary["seconds"] = time.perf_counter() - t0
+    summary["bytes"] = backend.memory_used() - start  # the pool, static outputs included
     if done.piecewise is not None:
         summary["piecewise"] = done.piecewise.summary()
     if summary["estimate_bytes"] and summary["bytes"]:

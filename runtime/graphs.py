@@ -181,6 +181,7 @@ class CpuGraphStandIn:
         self.device = torch.device(device)
 
     def capture(self, fn: Callable[[], None]) -> StandInGraph:
+        fn()  # a CUDA capture runs the Python once too: errors surface at capture, as on a GPU
         return StandInGraph(fn)
 
     def open_segment(self) -> TapeSegment:

@@ -46,11 +46,16 @@ class GraphRunner:
     run-time split otherwise. ``splitting_ops`` binds a plan op name to the op explicitly
     (``{"attention": torch.ops.my_ns.attention.default}``; the run-time split also takes a
     function or an ``nn.Module``) instead of the name rule.
+
+    Capture runs ``warmups`` eager passes before the first FULL graph (``warmup_each``: before
+    every graph, for models that initialise lazily per shape), then captures back to back; memory
+    is read around the first two graphs (the estimate) and the whole capture only.
     """
 
     def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
-                 warmups: int = 1, rank: int | None = None, progress: bool = True,
+                 warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
+                 progress: bool = True,
                  splitting_ops: Mapping[str, object] | None = None, piecewise: str = "auto"):
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
@@ -65,7 +70,7 @@ class GraphRunner:
         self.model, self.table = model, table
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
-        self.warmups, self.progress = warmups, progress
+        self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
         self.splitting_ops = dict(splitting_ops or {})
         self.piecewise = piecewise
         self.rank = rank if rank is not None else _default_rank()
@@ -84,10 +89,11 @@ class GraphRunner:
 
     # -- capture ----------------------------------------------------------------------------
     def capture(self, modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
-                only: set[int] | None = None) -> dict:
+                only: set[int] | None = None, *, measure_each: bool = False) -> dict:
         """Warm up and capture the table's graphs of the given modes (by default every graph the
         table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
-        ``only`` restricts capture to those graph ids (memory calibration captures one at a time).
+        ``only`` restricts capture to those graph ids; ``measure_each`` measures every graph's
+        memory (calibration), at the price of a device synchronisation per graph.
 
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
@@ -98,7 +104,8 @@ class GraphRunner:
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
-                         piecewise=self.piecewise, ubatch_body=self.ubatch_body)
+                         piecewise=self.piecewise, ubatch_body=self.ubatch_body,
+                         warmup_each=self.warmup_each, measure_each=measure_each)
         done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
                                          for m in modes), only)
         self._graphs, self._outputs = done.graphs, done.outputs
