@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphplan.runtime.graphs import HostSyncInCapture
 from graphplan.runtime.piecewise import SplitError, qualified_op_name
 
+_TORCH_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _ACTIVE: list = []  # the Intercept of the capture running now (at most one)
 _STEP: list = [None]  # the Step being replayed or captured
 
@@ -89,12 +93,11 @@ class _OpMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        try:
-            name = self.names[func]
-        except KeyError:
+        if not isinstance(func, _TORCH_OPS):  # torch.* functions and Tensor methods
+            return func(*args, **kwargs)
+        name = self.names.get(func, False)
+        if name is False:
             name = self.names[func] = self.intercept.op_name(func)
-        except TypeError:  # unhashable callable: never a torch op
-            name = None
         if name is None:
             return func(*args, **kwargs)
         return self.intercept.on_split(name, func, args, kwargs)
@@ -188,3 +191,32 @@ def _call_as(on_split: Callable, name: str, fn: Callable) -> Callable:
     def split(*args, **kwargs):
         return on_split(name, fn, args, kwargs)
     return split
+
+
+SEGMENT_FIX = ("compute it before the step from host values, or inside a splitting op, and keep "
+               "every shape a function of the token count; or capture FULL graphs only "
+               "(runner.capture(modes=('FULL',))), or use a plan without piecewise graphs "
+               "(splitting_ops: [])")
+_CAPTURE_REFUSED = ("operation not permitted when stream is capturing", "cudaErrorStreamCapture",
+                    "during CUDA graph capture", "stream is capturing")
+_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+
+
+def segment_error(e: BaseException, what: str, tokens: int, calls: list[str],
+                  capturing: bool) -> SplitError | None:
+    """A SplitError for a graph segment that no graph can hold (a host sync, a data-dependent
+    shape), naming the op, the segment (after ``calls``, the split ops called so far), the model's
+    line and the fix; None for any other failure."""
+    if isinstance(e, HostSyncInCapture):
+        did = f"calls {e.op}, which syncs the host or has a data-dependent output shape"
+    elif capturing and isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_REFUSED):
+        did = f"does something CUDA refuses while capturing ({str(e).splitlines()[0]})"
+    else:
+        return None
+    seg = ("before the first splitting op" if not calls else
+           f"after splitting op {calls[-1]!r} (call {len(calls)})")
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__))
+                  if not f.filename.startswith(_SKIP_FRAMES)), None)
+    at = f" at {frame.filename}:{frame.lineno} ({frame.line})" if frame else ""
+    return SplitError(f"cannot capture {what} piecewise at {tokens} tokens: the graph segment "
+                      f"{seg}{at} {did}. Fix: {SEGMENT_FIX}")

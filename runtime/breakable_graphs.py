@@ -1,23 +1,24 @@
 """Piecewise graphs by splitting the capture at run time: any model, no torch.fx.
 
 Capturing one size (``capture(views, tokens)``, sizes largest first):
-1. **warm-up**: the model runs eagerly under the intercept (``runtime/breakable.py``); each splitting
-   op call goes through the substitution below, which allocates the static buffers (at the largest
-   piecewise size, outside any graph) and finds the arguments an op writes into;
-2. **capture**: a graph segment opens (``backend.open_segment()``) and the model runs. At each call of
-   a splitting op the op's token tensors are copied into their static buffers (the segment's last
+1. **warm-up**: the model runs eagerly under the intercept (``runtime/breakable.py``); each
+   splitting op call goes through the substitution below, which allocates the static buffers (at
+   the largest piecewise size, outside any graph) and finds the arguments an op writes into;
+2. **capture**: a graph segment opens (``backend.open_segment()``) and the model runs. At each call
+   of a splitting op the op's token tensors are copied into their static buffers (the segment's last
    work), the segment closes, the op runs eagerly and its outputs are copied into static buffers,
    which the model gets back in their place, and the next segment opens. The model's outputs are
    copied into static output buffers at the end of the last segment.
 
 Replay: segment, op, segment, ..., segment; the ops run eagerly on the static tensors, with the
-runner's per-request inputs (``seq_lens``, ``query_start_loc``) re-viewed at the step's real request
-count and ``breakable.current_step()`` giving the real counts; token tensors have the padded count.
+runner's per-request inputs (``seq_lens``, ``query_start_loc``) re-viewed at the step's real
+request count and ``breakable.current_step()`` giving the real counts; token tensors have the
+padded count.
 
 Where tensors that cross a split live:
-- an op's tensor argument that is static (weights, caches, runner inputs, crossing buffers) is passed
-  as is; one with a token dimension is copied into a crossing buffer shared by every size (memory:
-  one buffer per argument, at the largest size, as the fx split has); any other, and one the op
+- an op's tensor argument that is static (weights, caches, runner inputs, crossing buffers) is
+  passed as is; one with a token dimension is copied into a crossing buffer shared by every size
+  (one buffer per argument, at the largest size, as the fx split has); any other, and one the op
   writes into, is kept alive as captured (its address is fixed);
 - an op's tensor outputs go to crossing buffers too (or to a per-size copy without a token dim);
 - values that a later segment reads without passing through an op (the residual stream, RoPE rows
@@ -32,25 +33,15 @@ either is a ``SplitError`` naming the op, where it sits and the fix.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 
-from graphplan.runtime.breakable import Intercept, Step, set_step
+from graphplan.runtime.breakable import (SEGMENT_FIX, Intercept, Step, segment_error,
+                                         set_step)
 from graphplan.runtime.buffers import as_tuple, real_rows
-from graphplan.runtime.graphs import HostSyncInCapture
 from graphplan.runtime.piecewise import SplitError
-
-_FIX = ("compute it before the step from host values, or inside a splitting op, and keep every "
-        "shape a function of the token count; or capture FULL graphs only (runner.capture(modes="
-        "('FULL',))), or use a plan without piecewise graphs (splitting_ops: [])")
-_CAPTURE_REFUSED = ("operation not permitted when stream is capturing", "cudaErrorStreamCapture",
-                    "during CUDA graph capture", "stream is capturing")
-_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
-
 
 @dataclass
 class _Run:
@@ -117,6 +108,7 @@ class BreakableGraphs:
         self.crossing: dict[tuple, torch.Tensor] = {}  # (call, "in"|"out", leaf) -> buffer
         self.token_dim: dict[tuple, int] = {}
         self.written: set[tuple[int, int]] = set()  # (call, leaf): arguments the op writes into
+        self.checked: set[tuple[int, int]] = set()
         self.outputs: list[torch.Tensor] = []
         self.sizes: dict[int, _Size] = {}
         self.run: _Run | None = None
@@ -146,7 +138,8 @@ class BreakableGraphs:
             raise SplitError(f"{self.what} called its splitting ops differently in two forwards "
                              f"of the same batch at {tokens} tokens ({len(warm.signature)} calls "
                              f"vs {len(run.signature)}, or other shapes): a piecewise model's "
-                             f"control flow must depend only on the token count. Fix: {_FIX}")
+                             "control flow must depend only on the token count. Fix: "
+                             f"{SEGMENT_FIX}")
         took = self.backend.memory_used() - before
         self.sizes[tokens] = _Size(run.graphs, run.calls, run.result,
                                    any(c.inputs for c in run.calls))
@@ -167,7 +160,7 @@ class BreakableGraphs:
         except BaseException as e:
             if run.segment is not None:
                 run.segment.abort()
-            problem = self._explain(e, run)
+            problem = segment_error(e, self.what, tokens, [c.name for c in run.calls], capture)
             if problem is None:
                 raise
             raise problem from e
@@ -177,7 +170,7 @@ class BreakableGraphs:
         return run
 
     def _split(self, name: str, fn, args: tuple, kwargs: dict):
-        """A splitting op was called under the intercept: end the segment, run it, begin the next."""
+        """A splitting op was called under the intercept: end the segment, run it, open the next."""
         run = self.run
         if run is None or run.in_op:  # not ours, or an op called by a splitting op
             return fn(*args, **kwargs)
@@ -205,8 +198,11 @@ class BreakableGraphs:
             out = fn(*call_args, **call_kwargs)
         finally:
             run.in_op = False
-        if not run.capture:  # an argument the op writes into must stay the tensor the model holds
-            self.written |= {(i, j) for j, v in copied.items() if not torch.equal(leaves[j], v)}
+        for j, v in copied.items():  # an argument the op writes into stays the model's tensor
+            if not run.capture and (i, j) not in self.checked:
+                self.checked.add((i, j))
+                if not torch.equal(leaves[j], v):
+                    self.written.add((i, j))
         result, copies = self._bind_op_outputs(i, name, out, tokens)
         run.calls.append(_OpCall(fn, name, leaves, spec, tuple(inputs), copies))
         run.signature.append((name, tuple(tuple(v.shape) for v in leaves
@@ -267,24 +263,6 @@ class BreakableGraphs:
                                                 device=o.device))
         views = [buf[:tokens].copy_(o) for buf, o in zip(self.outputs, outs)]
         return tuple(views) if isinstance(out, (tuple, list)) else views[0]
-
-    def _explain(self, e: BaseException, run: _Run) -> SplitError | None:
-        """A SplitError for a segment that a graph cannot hold; None for other failures."""
-        if isinstance(e, HostSyncInCapture):
-            what = f"calls {e.op}, which syncs the host or has a data-dependent output shape"
-        elif run.capture and isinstance(e, RuntimeError) and any(
-                m in str(e) for m in _CAPTURE_REFUSED):
-            what = f"does something CUDA refuses while capturing ({str(e).splitlines()[0]})"
-        else:
-            return None
-        k = len(run.calls)
-        seg = ("before the first splitting op" if k == 0 else
-               f"after splitting op {run.calls[-1].name!r} (call {k})")
-        frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__))
-                      if not f.filename.startswith(_SKIP_FRAMES)), None)
-        at = f" at {frame.filename}:{frame.lineno} ({frame.line})" if frame else ""
-        return SplitError(f"cannot capture {self.what} piecewise at {run.tokens} tokens: the graph "
-                          f"segment {seg}{at} {what}. Fix: {_FIX}")
 
     # -- replay -----------------------------------------------------------------------------
     def replay(self, tokens: int, inputs: dict[str, torch.Tensor], n: int, reqs: int):

@@ -2,9 +2,11 @@
 
 Both capture a zero-argument function that reads static input buffers and writes static output
 buffers, and replay it later. Both can also capture a *segment*: whatever runs between
-``open_segment()`` and the segment's ``close()`` (the run-time split of ``runtime/breakable_graphs.py``
-ends a segment at each splitting op, so the code of a segment is not one function). The stand-in is **not** a graph: it records the function and re-runs it
-on the same buffers at replay, so aliasing, padding and slicing bugs in the runner show up on the CPU
+``open_segment()`` and the segment's ``close()`` (the run-time split,
+``runtime/breakable_graphs.py``, ends a segment at each splitting op, so a segment's code is not
+one function). The stand-in is
+**not** a graph: it records the function (a segment: its aten calls) and re-runs it on the same
+buffers at replay, so aliasing, padding and slicing bugs in the runner show up on the CPU
 exactly as they would with CUDA graphs (a graph, too, only sees the buffers it was captured on).
 """
 
@@ -80,7 +82,7 @@ class CudaSegment:
         return self.graph
 
     def abort(self) -> None:
-        """End a capture that failed; the graph is dropped (CUDA may already have invalidated it)."""
+        """End a capture that failed; the graph is dropped (CUDA may have invalidated it)."""
         try:
             self.close()
         except Exception:  # noqa: BLE001  (the capture's own error is the one to report)

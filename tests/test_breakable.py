@@ -25,7 +25,8 @@ SMALL = (4, 16, 32)
 
 
 def py_attention(q, k, v, kv_cache, slot_mapping, positions):
-    """The tiny Llama's attention as a plain function, batch first as in transformers: [1, T, H, D]."""
+    """The tiny Llama's attention as a plain function, batch first as transformers has it:
+    q [1, T, H, D]."""
     return _attention(q[0], k[0], v[0], kv_cache, slot_mapping, positions)[None]
 
 
@@ -239,7 +240,8 @@ def returns_a_number(*args):
     (SyncsAfterAttention(CFG), r"segment after splitting op 'attention' \(call 1\) at .*"
                                r"torch.nonzero.*calls aten.nonzero.default"),
     (FlipFlop(CFG), r"FlipFlop called its splitting ops differently in two forwards of the same "
-                    r"batch at 32 tokens \((3 calls vs 2|2 calls vs 3).*depend only on the token count"),
+                    r"batch at 32 tokens \((3 calls vs 2|2 calls vs 3).*depend only on the token "
+                    r"count"),
     (py_llama(returns_a_number), r"splitting op 'attention' returned a float: splitting ops must "
                                  r"return a tensor"),
 ], ids=["never_reached", "host_sync", "data_dependent_shape", "control_flow", "not_a_tensor"])
