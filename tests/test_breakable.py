@@ -290,3 +290,25 @@ def test_the_piecewise_mechanism_is_checked_and_bindings_must_be_ops_functions_o
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": 3}, piecewise="runtime")
     with pytest.raises(SplitError, match=r"binds 'attention' to 3: bind a torch op, an nn.Module"):
         runner.capture()
+
+
+def test_a_stand_in_segment_redoes_its_aten_calls_on_the_tensors_it_was_captured_with():
+    from graphplan.runtime.graphs import CpuGraphStandIn, HostSyncInCapture
+    backend = CpuGraphStandIn("cpu")
+    x, acc = torch.randn(4, 3), torch.zeros(4)
+    seg = backend.open_segment()
+    y = x.t().contiguous() * 2          # a view, then a new tensor
+    values, index = y.max(dim=0)        # two outputs
+    acc.add_(values + index)            # in place on a static tensor
+    graph = seg.close()
+    x.copy_(torch.randn(4, 3))
+    acc.zero_()
+    graph.replay()
+    want = (x * 2).max(dim=1)
+    torch.testing.assert_close(values, want.values)
+    torch.testing.assert_close(acc, want.values + want.indices)
+    seg = backend.open_segment()
+    with pytest.raises(HostSyncInCapture, match=r"aten._local_scalar_dense"):
+        x.sum().item()
+    seg.abort()
+    assert x.sum().item() == pytest.approx(float(x.sum()))  # the tape is gone
