@@ -197,8 +197,8 @@ SEGMENT_FIX = ("compute it before the step from host values, or inside a splitti
                "every shape a function of the token count; or capture FULL graphs only "
                "(runner.capture(modes=('FULL',))), or use a plan without piecewise graphs "
                "(splitting_ops: [])")
-_CAPTURE_REFUSED = ("operation not permitted when stream is capturing", "cudaErrorStreamCapture",
-                    "during CUDA graph capture", "stream is capturing")
+_CAPTURE_REFUSED = ("stream is capturing", "cudaerrorstreamcapture", "graph capture",
+                    "capture invalidated", "capture_invalidated")  # CUDA's and torch's words
 _SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
 
 
@@ -209,7 +209,8 @@ def segment_error(e: BaseException, what: str, tokens: int, calls: list[str],
     line and the fix; None for any other failure."""
     if isinstance(e, HostSyncInCapture):
         did = f"calls {e.op}, which syncs the host or has a data-dependent output shape"
-    elif capturing and isinstance(e, RuntimeError) and any(m in str(e) for m in _CAPTURE_REFUSED):
+    elif capturing and isinstance(e, RuntimeError) and any(
+            m in str(e).lower() for m in _CAPTURE_REFUSED):
         did = f"does something CUDA refuses while capturing ({str(e).splitlines()[0]})"
     else:
         return None
