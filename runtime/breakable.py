@@ -142,9 +142,13 @@ class Intercept:
         elif hasattr(obj, "graphplan_split_point"):
             self.points[obj.graphplan_split_point] = name
         elif callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__name__"):
-            namespace = vars(sys.modules[obj.__module__]) if obj.__module__ in sys.modules else {}
-            if namespace.get(obj.__name__) is obj:
-                self.globals.append((namespace, obj.__name__, obj, name))
+            module = sys.modules.get(obj.__module__)
+            if module is None or vars(module).get(obj.__name__) is not obj:
+                raise SplitError(f"splitting_ops binds {name!r} to {obj.__qualname__}, which is "
+                                 f"not a module-level function of {obj.__module__}, so the run-"
+                                 f"time split cannot reach its calls: mark it where it is defined "
+                                 f"or registered with split_point({name!r}, fn)")
+            self.globals.append((vars(module), obj.__name__, obj, name))
         else:
             raise SplitError(f"splitting_ops binds {name!r} to {obj!r}: bind a torch op, an "
                              "nn.Module (instance or class), or a function")
@@ -159,7 +163,7 @@ class Intercept:
         return next((n for n in self.rule if n == q or n == q.split("::")[-1]), None)
 
     def reached(self, point: str, fn: Callable, args: tuple, kwargs: dict):
-        """A split_point ``point`` (or a matched op, already named) was called."""
+        """A function marked ``split_point(point)`` was called under the capture."""
         name = self.points.get(point)
         if name is None:  # marked, but this plan does not split there
             return fn(*args, **kwargs)

@@ -290,6 +290,11 @@ def test_the_piecewise_mechanism_is_checked_and_bindings_must_be_ops_functions_o
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": 3}, piecewise="runtime")
     with pytest.raises(SplitError, match=r"binds 'attention' to 3: bind a torch op, an nn.Module"):
         runner.capture()
+    _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": lambda *a: a},
+                           piecewise="runtime")
+    with pytest.raises(SplitError, match=r"not a module-level function of test_breakable.*mark it "
+                                         r"where it is defined or registered with split_point"):
+        runner.capture()
 
 
 def test_a_stand_in_segment_redoes_its_aten_calls_on_the_tensors_it_was_captured_with():
