@@ -9,7 +9,9 @@ A plan name (``cudagraph.splitting_ops``, e.g. ``attention``) reaches its op in 
 1. a **torch custom op** called from Python (``torch.library.custom_op``): by the name rule, an op
    whose qualified name ``ns::op`` or its ``op`` part equals the name (``tiny_llama::attention``
    for ``attention``), or bound explicitly (``splitting_ops={"attention": torch.ops.ns.op}``);
-   caught by a ``TorchFunctionMode`` that is active only while capturing;
+   caught by a ``TorchFunctionMode`` that is active only while capturing. The name rule also
+   takes a module-level function named ``attention`` in a module that defines one of the model's
+   classes, called by that global name (what ``torch.fx.wrap("attention")`` covers for fx);
 2. a **function marked once** with :func:`split_point`, the one-line hook for adapters::
 
        from graphplan.runtime.breakable import split_point
@@ -28,6 +30,7 @@ A declared name that no call reaches during a capture is a ``SplitError`` naming
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import traceback
 from pathlib import Path
@@ -127,6 +130,7 @@ class Intercept:
         self.rule = [n for n in names if n not in bindings]  # names matched by the name rule
         for name in self.rule:
             self.points[name] = name
+            self.globals += _functions_named(name, model)
         for name, obj in bindings.items():
             self._bind(model, name, obj)
 
@@ -188,6 +192,20 @@ class Intercept:
         for m, _ in self.modules:
             vars(m).pop("forward", None)  # the class's forward again
         _ACTIVE.remove(self)
+
+
+def _functions_named(name: str, model) -> list[tuple[dict, str, Callable, str]]:
+    """Module-level functions called ``name`` in the modules that define the model's classes (what
+    ``torch.fx.wrap(name)`` reaches too: calls by that global name from those modules)."""
+    classes = (type(m) for m in model.modules()) if isinstance(model, torch.nn.Module) else ()
+    found = []
+    for module in {sys.modules.get(c.__module__) for c in classes
+                   if not c.__module__.startswith("torch.")} - {None}:
+        fn = vars(module).get(name)
+        if inspect.isfunction(fn) and fn.__name__ == name and not hasattr(
+                fn, "graphplan_split_point"):
+            found.append((vars(module), name, fn, name))
+    return found
 
 
 def _call_as(on_split: Callable, name: str, fn: Callable) -> Callable:

@@ -125,6 +125,15 @@ def test_auto_splits_a_model_fx_cannot_trace_at_its_python_attention(core, bindi
     assert all("forward" not in vars(m) for m in model.modules())
 
 
+def test_the_name_rule_finds_a_module_level_function_of_that_name_as_fx_wrap_does():
+    model = py_llama()  # PyAttention calls py_attention by its global name
+    _, runner = runner_for(plan(sizes=SMALL, splitting_ops=("py_attention",)), model)
+    summary = runner.capture()["piecewise"]
+    assert (summary["mechanism"], summary["split_ops"]) == ("runtime", CFG.layers)
+    check_steps(model, runner, mixed_steps()[:2])
+    assert sys.modules[__name__].py_attention is py_attention
+
+
 def test_a_module_instance_binding_splits_only_at_that_module():
     model = py_llama(Core)
     first = model.layers[0].attn.core
