@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 from generate import continuous_generate
-from test_piecewise import CFG, Branchy, NoAttention, mixed_steps, plan, runner_for, toks
+from test_piecewise import (CFG, Branchy, NoAttention, WeightAcrossSplits, mixed_steps, plan,
+                            runner_for, toks)
 from tiny_llama import Attention, TinyLlama, _attention, apply_rope, make_batch, static_inputs
 from torch import nn
 
@@ -132,6 +133,17 @@ def test_the_name_rule_finds_a_module_level_function_of_that_name_as_fx_wrap_doe
     assert (summary["mechanism"], summary["split_ops"]) == ("runtime", CFG.layers)
     check_steps(model, runner, mixed_steps()[:2])
     assert sys.modules[__name__].py_attention is py_attention
+
+
+def test_the_runtime_split_captures_a_model_the_fx_split_refuses_for_a_crossing_weight():
+    model = WeightAcrossSplits(CFG, seed=0)  # a [hidden] value made before attention, used after
+    _, runner = runner_for(plan(sizes=SMALL), model, piecewise="runtime")
+    runner.capture()
+    eager = WeightAcrossSplits(CFG, seed=0)
+    for reqs in mixed_steps()[:2]:
+        batch = make_batch(model, reqs)
+        out = runner.step(batch, num_reqs=len(reqs), max_query_len=max(len(t) for *_, t in reqs))
+        torch.testing.assert_close(out, eager(**{k: v.clone() for k, v in batch.items()}))
 
 
 def test_a_module_instance_binding_splits_only_at_that_module():
