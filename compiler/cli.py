@@ -11,14 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from graphplan.compiler.cli_inputs import UsageError, load_any, print_diags
 from graphplan.compiler.errors import GraphplanError, did_you_mean
 
 PLAN_EXTRA = ("yaml", "jsonschema", "jinja2")  # the `graphplan[plan]` extra (pyproject.toml)
 COMMANDS = ("validate", "compile", "explain", "diff", "report", "optimize")
-
-
-class UsageError(GraphplanError):
-    exit_code = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,42 +28,9 @@ class _Parser(argparse.ArgumentParser):
                          + f"\n{self.format_usage().strip()}")
 
 
-def parse_overrides(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}."""
-    import yaml
-    out = {}
-    for pair in pairs or []:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise UsageError(f"plan: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)")
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            out[key.strip()] = value
-    return out
-
-
-def _is_table(path: str) -> bool:
-    return path.endswith(".json")
-
-
-def _load_any(path: str, sets=None):
-    """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
-    from graphplan.compiler.table import DispatchTable
-    if _is_table(path):
-        return DispatchTable.load(path), []
-    from graphplan.compiler import compile_loaded, load_plan
-    return compile_loaded(load_plan(path, parse_overrides(sets)))
-
-
-def _print_diags(diags) -> None:
-    for d in diags:
-        print(d.format(), file=sys.stderr)
-
-
 def cmd_validate(a) -> int:
-    table, diags = _load_any(a.plan, a.set)
-    _print_diags(diags)
+    table, diags = load_any(a.plan, a.set)
+    print_diags(diags)
     if a.format == "json":
         print(json.dumps({"ok": True, "fingerprint": table.fingerprint,
                           "diagnostics": list(table.diagnostics)}, sort_keys=True))
@@ -76,9 +40,11 @@ def cmd_validate(a) -> int:
 
 
 def cmd_compile(a) -> int:
+    from graphplan.compiler.outputs import check_output
     from graphplan.compiler.summary import summary_json, summary_lines
-    table, diags = _load_any(a.plan, a.set)
-    _print_diags(diags)
+    check_output(a.output, [a.plan, a.profile])
+    table, diags = load_any(a.plan, a.set)
+    print_diags(diags)
     memory = None
     if a.memory or a.profile:  # before writing: a bad profile leaves no table behind
         from graphplan.compiler.tuning_cli import memory_estimate
@@ -104,13 +70,14 @@ def cmd_compile(a) -> int:
 
 
 def cmd_explain(a) -> int:
-    table, _ = _load_any(a.plan, a.set)
+    table, _ = load_any(a.plan, a.set)
     route = table.route(a.tokens, a.reqs, a.query_len, a.loras)
     if a.format == "json":
         print(json.dumps(route.to_json(), sort_keys=True))
         return 0
-    pad = f"{route.padded_tokens} tokens" + (f", {route.padded_reqs} requests"
-                                             if route.padded_reqs is not None else "")
+    from graphplan.compiler.summary import count
+    pad = count(route.padded_tokens, "token") + (f", {count(route.padded_reqs, 'request')}"
+                                                 if route.padded_reqs is not None else "")
     graph = f"graph #{route.graph_id}" if route.graph_id >= 0 else "eager"
     print(f"{route.mode.name} ({graph}), padded to {pad}"
           + (", wants to micro-batch" if route.wants_ubatch else ""))
@@ -121,8 +88,8 @@ def cmd_explain(a) -> int:
 
 def cmd_diff(a) -> int:
     from graphplan.compiler.diff import diff_json, diff_lines, diff_tables
-    before, _ = _load_any(a.a, a.set)
-    after, _ = _load_any(a.b, a.set)
+    before, _ = load_any(a.a, a.set + a.set_a)  # --set: both sides; --set-a / --set-b: one
+    after, _ = load_any(a.b, a.set + a.set_b)
     d = diff_tables(before, after)
     print(json.dumps(diff_json(d), sort_keys=True) if a.format == "json"
           else "\n".join(diff_lines(d, a.a, a.b)))
@@ -130,11 +97,14 @@ def cmd_diff(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from graphplan.compiler import __version__
     p = _Parser(prog="plan", description="graphplan: compile CUDA-graph execution plans.")
+    p.add_argument("--version", action="version", version=f"plan (graphplan) {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def common(sp, sets=True):
-        sp.add_argument("--format", choices=("text", "json"), default="text")
+        sp.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one JSON object on stdout (an error object on failure)")
         if sets:
             sp.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                             help="template variable (.j2 plans) or dotted plan key")
@@ -154,17 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("explain", help="show where one batch goes, and why")
     sp.add_argument("plan", help="a plan or a compiled table.json")
-    sp.add_argument("--tokens", type=int, required=True)
-    sp.add_argument("--reqs", type=int)
-    sp.add_argument("--query-len", type=int)
-    sp.add_argument("--loras", type=int, default=0)
+    sp.add_argument("--tokens", type=int, required=True, metavar="N",
+                    help="tokens in the batch (all requests' query tokens together)")
+    sp.add_argument("--reqs", type=int, metavar="R",
+                    help="requests in the batch (with --query-len: tells uniform decode apart)")
+    sp.add_argument("--query-len", type=int, metavar="L",
+                    help="the longest request's query length (decode_query_len for a uniform "
+                    "decode batch)")
+    sp.add_argument("--loras", type=int, default=0, metavar="K",
+                    help="active LoRA adapters in the batch (default 0)")
     common(sp)
     sp.set_defaults(fn=cmd_explain)
 
     sp = sub.add_parser("diff", help="compare two plans or tables")
-    sp.add_argument("a")
-    sp.add_argument("b")
+    sp.add_argument("a", help="the plan or table before")
+    sp.add_argument("b", help="the plan or table after")
     common(sp)
+    sp.add_argument("--set-a", action="append", metavar="KEY=VALUE", default=[],
+                    help="override for A only (diff a plan against itself with --set-b k=v)")
+    sp.add_argument("--set-b", action="append", metavar="KEY=VALUE", default=[],
+                    help="override for B only; --set applies to both sides")
     sp.set_defaults(fn=cmd_diff)
 
     from graphplan.compiler.tuning_cli import add_tuning_commands
@@ -173,19 +152,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _wants_json(argv: list[str]) -> bool:
+    """``--format json`` on the command line (looked up before parsing, which may fail)."""
+    return any(a == "--format=json" or (a == "--format" and nxt == "json")
+               for a, nxt in zip(argv, argv[1:] + [""]))
+
+
+def _fail(argv: list[str], message: str, exit_code: int, kind: str, diagnostics=()) -> int:
+    """Report an error: the message on stderr and, with --format json, a JSON error object on
+    stdout (scripts reading stdout get one object either way); returns the exit code."""
+    print(message, file=sys.stderr)
+    if _wants_json(argv):
+        print(json.dumps({"ok": False, "error": {
+            "kind": kind, "exit_code": exit_code, "message": message,
+            "diagnostics": [{**d.to_json(), "file": d.file, "line": d.line, "col": d.col}
+                            for d in diagnostics]}}, sort_keys=True))
+    return exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
         return args.fn(args)
     except GraphplanError as e:
-        print(str(e), file=sys.stderr)
-        return e.exit_code
+        return _fail(argv, str(e), e.exit_code, type(e).__name__,
+                     getattr(e, "diagnostics", ()))
     except ModuleNotFoundError as e:
         if e.name not in PLAN_EXTRA:
             raise
-        print(f"plan: this command needs {e.name!r}, part of the plan extra: "
-              "pip install 'graphplan[plan]'", file=sys.stderr)
-        return 1
+        return _fail(argv, f"plan: this command needs {e.name!r}, part of the plan extra: "
+                     "pip install 'graphplan[plan]'", 1, "MissingExtra")
     except KeyboardInterrupt:
         print("plan: interrupted", file=sys.stderr)
         return 1

@@ -44,6 +44,13 @@ def _graph_label(g) -> str:
     return ", ".join(parts)
 
 
+def _graph_order(g) -> tuple:
+    """Graphs listed by mode, then numerically by tokens, requests, LoRA count, ubatches."""
+    k = g.key
+    return (g.mode.name, k.num_tokens, k.num_reqs or 0, k.uniform, k.num_active_loras,
+            k.num_ubatches)
+
+
 def _route_label(t: DispatchTable, n: int, uniform: bool) -> str:
     if n > t.max_tokens:
         return "out of range"
@@ -82,13 +89,15 @@ def _changes(a: DispatchTable, b: DispatchTable, kind: str) -> list[RouteChange]
 
 
 def diff_tables(a: DispatchTable, b: DispatchTable) -> TableDiff:
+    order = {_graph_label(g): _graph_order(g) for g in (*a.graphs, *b.graphs)}
     ga = {_graph_label(g) for g in a.graphs}
     gb = {_graph_label(g) for g in b.graphs}
     pad_a = {(c.routine, c.mode): c.worst_pad for c in coverage(a)}
     pad_b = {(c.routine, c.mode): c.worst_pad for c in coverage(b)}
     padding = tuple((r, m, pad_a.get((r, m)), pad_b.get((r, m)))
                     for r, m in sorted(set(pad_a) | set(pad_b)))
-    return TableDiff(added=tuple(sorted(gb - ga)), removed=tuple(sorted(ga - gb)),
+    return TableDiff(added=tuple(sorted(gb - ga, key=order.get)),
+                     removed=tuple(sorted(ga - gb, key=order.get)),
                      changes=tuple(_changes(a, b, "decode") + _changes(a, b, "mixed")),
                      padding=padding, same_fingerprint=a.fingerprint == b.fingerprint)
 
@@ -105,7 +114,8 @@ def diff_lines(d: TableDiff, name_a: str, name_b: str, limit: int = 40) -> list[
     lines.append(f"routes changed: {len(d.changes)} range(s)")
     for c in d.changes[:limit]:
         span = f"{c.first}" if c.first == c.last else f"{c.first}..{c.last}"
-        lines.append(f"  {c.kind:<6} tokens {span:<14} {c.before} -> {c.after}")
+        noun = "token " if c.first == c.last == 1 else "tokens"
+        lines.append(f"  {c.kind:<6} {noun} {span:<14} {c.before} -> {c.after}")
     lines.append("worst-case padding (tokens):")
     for routine, mode, before, after in d.padding:
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731

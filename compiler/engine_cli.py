@@ -17,8 +17,8 @@ FORMATS = ("args", "yaml", "json")
 def _loaded(path: str, sets):
     """(LoadedPlan, table, located diagnostics) from a plan or a compiled table.json."""
     from graphplan.compiler import compile_loaded, load_plan
-    from graphplan.compiler.cli import _is_table, parse_overrides
-    if _is_table(path):
+    from graphplan.compiler.cli_inputs import is_table, parse_overrides
+    if is_table(path):
         from graphplan.compiler.table import DispatchTable
         loaded = load_plan(DispatchTable.load(path).plan)
     else:
@@ -36,11 +36,11 @@ def _emit(text: str, output: str | None) -> None:
 
 
 def cmd_export(a) -> int:
-    from graphplan.compiler.cli import _print_diags
+    from graphplan.compiler.cli_inputs import print_diags
     from graphplan.compiler.engines import export_plan
     loaded, table, diags = _loaded(a.plan, a.set)
     out = export_plan(loaded, table.capture_sizes, a.engine, a.format, a.engine_version)
-    _print_diags(list(diags) + list(out.diagnostics))
+    print_diags(list(diags) + list(out.diagnostics))
     _emit(out.text, a.output)
     if a.output:
         print(f"wrote {a.output} ({out.version}, {len(out.lost)} lost feature(s))", file=sys.stderr)
@@ -48,7 +48,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_import(a) -> int:
-    from graphplan.compiler.cli import UsageError, _print_diags, parse_overrides
+    from graphplan.compiler.cli_inputs import UsageError, print_diags, parse_overrides
     from graphplan.compiler.engines import import_plan
     args = list(a.args or [])
     if args and args[0] == "--":
@@ -58,7 +58,7 @@ def cmd_import(a) -> int:
     out = import_plan(a.engine, args=args if args or not (a.config or a.log) else None,
                       config=a.config, log=a.log, version=a.engine_version,
                       sets=parse_overrides(a.set), allow_unknown=a.ignore_unknown)
-    _print_diags(out.diagnostics)
+    print_diags(out.diagnostics)
     _emit(out.text, a.output)
     if a.output:
         print(f"wrote {a.output}", file=sys.stderr)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tempfile
 from pathlib import Path
 
 from graphplan.compiler.errors import OutputError
+from graphplan.compiler.limits import read_regular_file
 
 MAX_JSON_BYTES = 64 << 20
 """Largest table or profile read (64 MiB; the 64K-token, LoRA-8, DP-8 plan's table is ~1 MiB)."""
@@ -30,23 +30,7 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: 
     Only regular files are read, their size checked before reading; NaN/Infinity, integers of
     more than 4300 digits and nesting deeper than the interpreter allows are refused."""
     p = Path(path)
-    try:
-        st = p.stat()
-    except OSError as e:
-        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise error(f"{p}: is a directory, not a {what} (give the .json file)")
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{p}: is not a regular file (a device, FIFO or socket); give a {what} file")
-    if st.st_size > limit:
-        raise error(f"{p}: {st.st_size} bytes is more than a {what} may have ({limit}); {hint}")
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
-    if len(raw) > limit:
-        raise error(f"{p}: more than {limit} bytes; {hint}")
+    raw = read_regular_file(p, limit, what, hint, error=error)
     try:
         return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

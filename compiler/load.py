@@ -12,10 +12,11 @@ from pathlib import Path
 import yaml
 
 from graphplan.compiler.errors import Diagnostic, PlanError
+from graphplan.compiler.limits import (MAX_DEPTH, MAX_NODES, MAX_PLAN_BYTES, check_value,
+                                       read_regular_file)
 from graphplan.compiler.schema import fill_defaults, schema_errors
 from graphplan.compiler.spec import PlanSpec, plan_from_dict
 
-MAX_PLAN_BYTES = 4 * 1024 * 1024
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -41,16 +42,7 @@ def _fail(file: str, code: str, message: str, hint: str = "", line: int = 0, col
 
 def read_text(path: Path) -> str:
     f = str(path)
-    if path.is_dir():
-        _fail(f, "not-a-file", "is a directory", "give a plan file, e.g. plans/llama3-8b-h100.yaml")
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        _fail(f, "not-found", "no such file", "check the path; shipped plans are in plans/")
-    except OSError as e:
-        _fail(f, "unreadable", f"cannot read: {e.strerror or e}")
-    if len(raw) > MAX_PLAN_BYTES:
-        _fail(f, "too-large", f"{len(raw)} bytes; plans are at most {MAX_PLAN_BYTES} bytes")
+    raw = read_regular_file(path)  # regular files only, size checked before reading
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -60,10 +52,7 @@ def read_text(path: Path) -> str:
               line, col)
 
 
-MAX_DEPTH = 32
-"""Nesting deeper than this is not a plan (plans nest 5 levels)."""
-MAX_NODES = 100_000
-"""YAML nodes after expanding aliases; more is not a plan (and would stall validation)."""
+_INT_TAG = "tag:yaml.org,2002:int"
 
 
 def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
@@ -99,6 +88,10 @@ def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
                 _positions(v, path + (i,), out, file, walk)
+        elif node.tag == _INT_TAG and len(node.value) > 300:  # int("9" * 5000) is a ValueError
+            _fail(file, "out-of-range", f"a {len(node.value)}-character integer; plan integers "
+                  "have a few digits", "use a plan-sized number", node.start_mark.line + 1,
+                  node.start_mark.column + 1)
         walk["open"].discard(id(node))
         walk["size"][id(node)] = walk["total"] - before
     if walk["total"] > MAX_NODES:
@@ -142,6 +135,49 @@ def parse_yaml(text: str, file: str) -> tuple[object, dict]:
     return data, positions
 
 
+def parse_set_value(text: str, key: str):
+    """One ``--set KEY=VALUE`` value, read as YAML under the plan file's bounds (size, depth,
+    aliases); text that is not YAML stays a string."""
+    where = f"--set {key}"
+    if len(text) > MAX_PLAN_BYTES:
+        _fail(where, "too-large", f"{len(text)} characters; a value is at most {MAX_PLAN_BYTES}")
+    if not text.strip():
+        return ""
+    loader = _Loader(text)
+    try:
+        _check_depth(text, where)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _positions(node, file=where)
+        return loader.construct_document(node)
+    except yaml.YAMLError:
+        return text
+    finally:
+        loader.dispose()
+
+
+def check_overrides(overrides: dict, file: str) -> None:
+    """``--set`` values (and API/server dicts) get the bounds of the plan file."""
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key or len(key) > 256:
+            _fail(file, "bad-override", f"--set {str(key)[:64]!r}: a key is a dotted plan path or "
+                  "a template variable name", "e.g. --set scheduler.max_num_seqs=128")
+        check_value(value, file, key)
+
+
+def _locate_bounds(data, positions: dict, file: str) -> None:
+    """The bounds of check_value on a plan read from YAML, located at the offending value."""
+    try:
+        check_value(data, file)
+    except PlanError as e:
+        located = []
+        for d in e.diagnostics:
+            line, col = _position(positions, _parse_path(d.path))
+            located.append(replace(d, line=line, col=col))
+        raise PlanError(located) from None
+
+
 def _parse_path(dotted: str) -> tuple:
     out: list = []
     for part in dotted.replace("]", "").split("."):
@@ -178,6 +214,7 @@ def read_plan(path: Path, overrides: dict) -> tuple[str, object, dict]:
     """A plan file as written: (text after templating, data with overrides, positions); no
     schema, no defaults. ``plan optimize`` rewrites plans from this."""
     file = str(path)
+    check_overrides(overrides, file)
     text = read_text(path)
     if path.name.endswith(".j2"):
         from graphplan.compiler.template import render  # Jinja2 only when a template is used
@@ -187,6 +224,7 @@ def read_plan(path: Path, overrides: dict) -> tuple[str, object, dict]:
         _fail(file, "empty", "the plan is empty",
               "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
     data, positions = parse_yaml(text, file)
+    _locate_bounds(data, positions, file)
     if overrides:
         if not isinstance(data, dict):
             _fail(file, "not-a-mapping", "the plan must be a mapping of keys to values")
@@ -199,6 +237,8 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     ``.j2`` plan, dotted keys for a plain one)."""
     overrides = dict(overrides or {})
     if isinstance(source, dict):
+        check_overrides(overrides, "<plan>")
+        check_value(source, "<plan>")
         file, data, positions = "<plan>", apply_overrides(source, overrides, "<plan>"), {}
     elif isinstance(source, (str, os.PathLike)):
         file = str(source)

@@ -6,7 +6,10 @@ A graph's intermediate tensors are freed back to the pool when its capture ends,
 What is not reused is a per-graph fixed cost: the instantiated graph itself (kernel parameters,
 node bookkeeping) and the blocks a graph keeps alive (its outputs, library workspaces). Hence
 
-    pool bytes ~= per_graph_bytes * num_graphs + per_token_bytes * largest_graph_tokens
+    pool bytes ~= base_bytes + per_graph_bytes * num_graphs + per_token_bytes * largest_graph_tokens
+
+``base_bytes`` is what a pool costs once whatever its graphs (library workspaces allocated on the
+capture stream, the allocator's first segments); optional, 0 in profiles that predate it.
 
 A *profile* holds the two coefficients for one model on one device. The runtime calibrates it once:
 capture one graph at each of a few token counts, each into a fresh pool, record the pool growth,
@@ -15,7 +18,7 @@ and fit ``bytes = per_graph_bytes + per_token_bytes * num_tokens`` by least squa
 
     {"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": str,
      "device": str, "per_graph_bytes": float, "per_token_bytes": float,
-     "samples": [[num_tokens, bytes], ...]}
+     "base_bytes": float (optional, default 0), "samples": [[num_tokens, bytes], ...]}
 
 Without a profile, ``DEFAULT_PROFILE`` is used (an order-of-magnitude figure for an 8B-class bf16
 model; outputs say so). Standard library and numpy only: the runtime imports this module.
@@ -31,12 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.fileio import read_json, write_atomic
+from graphplan.compiler.fileio import write_atomic
 from graphplan.compiler.table import DispatchTable
 
 FORMAT = "graphplan.memory_profile"
 VERSION = 1
 MIB = 1024 * 1024
+MAX_PROFILE_BYTES = 1 << 20
+"""A profile is a few hundred bytes; a larger file is not one."""
 
 DEFAULT_PROFILE = {
     "format": FORMAT, "version": VERSION,
@@ -48,6 +53,7 @@ DEFAULT_PROFILE = {
     # Largest live intermediates per token of a Llama-3-8B layer in bf16: gate/up projection
     # (2 x 14336 x 2 B), the activation output (14336 x 2 B), and a few hidden-size tensors.
     "per_token_bytes": 112.0 * 1024,
+    "base_bytes": 0.0,
     "samples": [],
 }
 """Used when no calibrated profile is given; calibrate with the runtime for real numbers."""
@@ -99,7 +105,7 @@ def fit_profile(samples, model_fingerprint: str, device: str) -> dict:
         per_graph, per_token = 0.0, float((n * b).sum() / (n * n).sum())
     return {"format": FORMAT, "version": VERSION, "model_fingerprint": str(model_fingerprint),
             "device": str(device), "per_graph_bytes": float(per_graph),
-            "per_token_bytes": float(per_token), "samples": pts}
+            "per_token_bytes": float(per_token), "base_bytes": 0.0, "samples": pts}
 
 
 def check_profile(data, source: str = "<profile>") -> dict:
@@ -117,13 +123,20 @@ def check_profile(data, source: str = "<profile>") -> dict:
             "device": data["device"],
             "per_graph_bytes": _number(data.get("per_graph_bytes"), "per_graph_bytes", source),
             "per_token_bytes": _number(data.get("per_token_bytes"), "per_token_bytes", source),
+            "base_bytes": _number(data.get("base_bytes", 0.0), "base_bytes", source),
             "samples": _samples(data.get("samples", []), source)}
 
 
 def load_profile(path: str | os.PathLike) -> dict:
+    from graphplan.compiler.limits import read_regular_file  # regular files only, size first
     p = Path(path)
-    data = read_json(p, ProfileError, "memory profile",
-                     "calibrate one with examples/calibrate_memory.py (runtime/calibrate.py)")
+    hint = "calibrate one with examples/calibrate_memory.py (runtime/calibrate.py)"
+    raw = read_regular_file(p, MAX_PROFILE_BYTES, "memory profile", hint, error=ProfileError)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProfileError(f"{p}: not a graphplan memory profile: not JSON ({e}); {hint}") \
+            from None
     out = check_profile(data, str(p))
     out["source"] = str(p)
     return out
@@ -139,7 +152,8 @@ def pool_bytes(profile: dict, num_graphs: int, largest_tokens: int) -> float:
     """The model itself: per-graph overhead for every graph + the largest graph's activations."""
     if num_graphs <= 0:
         return 0.0
-    return profile["per_graph_bytes"] * num_graphs + profile["per_token_bytes"] * largest_tokens
+    return profile.get("base_bytes", 0.0) + profile["per_graph_bytes"] * num_graphs \
+        + profile["per_token_bytes"] * largest_tokens
 
 
 def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
@@ -166,8 +180,11 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
     where = ("the built-in default profile (an 8B-class bf16 guess; calibrate with the runtime "
              "and pass --profile for real numbers)" if default else
              f"{source} (model {prof['model_fingerprint']}, device {prof['device']})")
+    base = prof.get("base_bytes", 0.0) if n else 0.0
     explanation = (
-        f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = {overhead / MIB:.1f} MiB, "
+        (f"{base / MIB:.1f} MiB once per pool, + " if base else "")
+        + f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = "
+        f"{overhead / MIB:.1f} MiB, "
         f"+ activations of the largest graph only ({largest} tokens x "
         f"{prof['per_token_bytes'] / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
         f"because every graph shares one pool captured largest first and smaller graphs reuse "
@@ -178,7 +195,8 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
             "profile": {"default": default, "source": "built-in default" if default else source,
                         "model_fingerprint": prof["model_fingerprint"], "device": prof["device"],
                         "per_graph_bytes": prof["per_graph_bytes"],
-                        "per_token_bytes": prof["per_token_bytes"]},
+                        "per_token_bytes": prof["per_token_bytes"],
+                        "base_bytes": prof.get("base_bytes", 0.0)},
             "explanation": explanation}
 
 

@@ -12,7 +12,9 @@ Objective. Given a trace and a plan, choose capture sizes S minimising the *padd
   eager, and no decode step that could replay a FULL graph is padded onto a PIECEWISE one;
 - legality: sizes are <= max_num_batched_tokens and, when decode is FULL with q > 1, multiples of q
   (what the compiler would round them to); pinned sizes (``--pin``, or every size of a plan with an
-  explicit list) are kept.
+  explicit list) are kept; with ``keep_small`` (the CLI's default; ``--no-small`` turns it off)
+  so are the plan's sizes below the trace's smallest step, so batches the trace never saw but a
+  server still runs (a lone decode) pad as they did before rather than to the trace's smallest size.
 Ties go to the fewest graphs. Decode and mixed steps share the sizes, so both are priced together.
 
 Exactness. An optimal S exists within the candidates: the observed token counts <= top (rounded
@@ -76,7 +78,7 @@ def _with_sizes(plan: dict, sizes, lora: bool = True) -> DispatchTable:
 
 
 def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), max_size=None,
-             memory_budget=None, profile=None) -> Result:
+             memory_budget=None, profile=None, keep_small: bool = False) -> Result:
     """Tuned capture sizes for ``table``'s plan over ``work``; see the module docstring."""
     r = table.settings
     if r.mode is CudagraphMode.NONE:
@@ -108,6 +110,15 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
                      f"{q * seqs}" + (f"; pinned {extra} kept, capturing nothing" if extra else ""))
         top = q * seqs
     pins = [p for p in pins if p <= top]
+    if keep_small and len(work.tokens):
+        smallest = int(work.tokens.min())
+        small = [s for s in table.capture_sizes if s < smallest and s <= top and s % step == 0]
+        if small:
+            from graphplan.compiler.summary import compact_sizes
+            pins = sorted(set(pins) | set(small))
+            notes.append(f"kept the plan's {len(small)} size(s) below the trace's smallest step "
+                         f"({smallest} tokens): {compact_sizes(small)}, so smaller batches pad "
+                         "as before (--no-small lets them go)")
 
     # -- candidates ---------------------------------------------------------------------------
     observed = work.tokens[work.tokens <= top]
@@ -174,7 +185,8 @@ def optimize(table: DispatchTable, work: Workload, max_graphs: int, *, pins=(), 
     if memory_budget is not None:
         profile = DEFAULT_PROFILE if profile is None else check_profile(profile)
         per_graph = profile["per_graph_bytes"]
-        room = memory_budget - profile["per_token_bytes"] * top  # what the graphs' overhead may use
+        room = memory_budget - profile.get("base_bytes", 0.0) - profile["per_token_bytes"] * top
+        # what the graphs' overhead may use
         if room < 0:
             raise OptimizeError(f"--memory-budget {memory_budget / 2**20:.1f} MiB: the activations "
                                 f"of a {top}-token graph alone need "

@@ -72,18 +72,19 @@ def _resolved_rows(table: DispatchTable) -> list[tuple[str, str]]:
     return rows
 
 
-def _trace_section(table: DispatchTable, work: Workload, source: str) -> dict:
+def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=()) -> dict:
     pad: Padding = padding(table, work)
     top = table.capture_sizes[-1] if table.capture_sizes else 1
     x_max = charts.nice_max(top * 1.15)
-    bins = 64
-    hist = charts.histogram(work.tokens.tolist(), work.count.tolist(), x_max, bins)
+    hist_max = charts.nice_max(max(top * 1.15, int(work.tokens.max())))  # every step shows
+    bins = 128
+    hist = charts.histogram(work.tokens.tolist(), work.count.tolist(), hist_max, bins)
     return {
-        "source": source, "pad": pad, "top": top,
+        "source": source, "pad": pad, "top": top, "warnings": list(warnings),
         "above_top": int(work.count[work.tokens > top].sum()),
         "rows": [(name, row) for name, row in pad.routines.items() if row["steps"]],
-        "hist_chart": charts.spike_chart(hist, x_max, "num_tokens of the step", "steps",
-                                         marks=table.capture_sizes, bar_tokens=x_max / bins),
+        "hist_chart": charts.spike_chart(hist, hist_max, "num_tokens of the step", "steps",
+                                         marks=table.capture_sizes, bar_tokens=hist_max / bins),
         "by_size_chart": charts.spike_chart([(s, v[1]) for s, v in pad.by_size.items()], x_max,
                                             "capture size (tokens)", "padding tokens, all steps"),
         "worst_sizes": sorted(pad.by_size.items(), key=lambda kv: -kv[1][1])[:10],
@@ -91,7 +92,7 @@ def _trace_section(table: DispatchTable, work: Workload, source: str) -> dict:
 
 
 def build(table: DispatchTable, *, source: str, located=None, work: Workload | None = None,
-          trace_source: str = "", profile: dict | None = None) -> dict:
+          trace_source: str = "", profile: dict | None = None, trace_warnings=()) -> dict:
     """Everything the template shows, computed here so that tests can check the same numbers."""
     routines = []
     for c in coverage(table):
@@ -123,7 +124,8 @@ def build(table: DispatchTable, *, source: str, located=None, work: Workload | N
         "mode_chart": charts.bar_chart(bars, "graphs") if bars else None,
         "graphs": graphs, "graphs_left_out": len(table.graphs) - len(graphs),
         "memory": mem, "mib": MIB,
-        "trace": _trace_section(table, work, trace_source) if work is not None else None,
+        "trace": _trace_section(table, work, trace_source, trace_warnings)
+        if work is not None else None,
     }
 
 

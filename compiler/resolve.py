@@ -102,6 +102,22 @@ def graph_keys(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: lis
     return out
 
 
+def check_graph_count(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]) -> None:
+    """Refuse a plan whose graphs would exceed ``limits.max_graphs``, whatever produced them
+    (presets with large ceilings, ranges, lists, many LoRA cases)."""
+    limit = spec.limits.max_graphs
+    # every LoRA case captures the same keys: count one case, multiply
+    count = len(graph_keys(spec, mode, sizes, cases[:1])) * len(cases) if sizes else 0
+    if count > limit:
+        raise PlanError([Diagnostic(
+            code="too-many-graphs", path="limits.max_graphs", severity="error",
+            message=f"the plan compiles to {count} graphs ({len(sizes)} capture sizes x "
+                    f"{len(cases)} LoRA case(s) x routines); the limit is {limit}",
+            hint=f"use fewer capture sizes (a smaller preset ceiling, ranges with a larger "
+                 f"step) or fewer LoRA cases; to capture this many on purpose, set "
+                 f"limits.max_graphs: {count}")])
+
+
 def capture_order(keys):
     """PIECEWISE first, then FULL; each largest (num_tokens, num_active_loras) first."""
     return sorted(keys, key=lambda k: (k[1] is RuntimeMode.FULL, -k[2].num_tokens,
@@ -144,6 +160,7 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
                                            "hint": d.hint + "; or set strict: false"})
                              for d in strict])
     cases, of_count = lora_cases(spec.lora)
+    check_graph_count(spec, mode, sizes, cases)  # before any graph is built
     ordered = capture_order(graph_keys(spec, mode, sizes, cases))
     graphs = tuple(Graph(id=i, mode=m, key=k, routine=r) for i, (r, m, k) in enumerate(ordered))
     size_pos = {s: i for i, s in enumerate(sizes)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from functools import lru_cache
 from importlib import resources
 
@@ -15,10 +16,26 @@ def load_schema(name: str = "plan.schema.json") -> dict:
     return json.loads(resources.files("graphplan.schemas").joinpath(name).read_text("utf-8"))
 
 
+def _is_integer(checker, v) -> bool:
+    """JSON Schema counts 64.0 as an integer; graphplan does not (one rule for the schema, the
+    compiler and the table: integers are written without a fractional part)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(checker, v) -> bool:
+    """Finite numbers only: NaN and Infinity are refused everywhere."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
+
+
 @lru_cache(maxsize=None)
 def _validator(name: str = "plan.schema.json"):
     import jsonschema
-    return jsonschema.Draft202012Validator(load_schema(name))
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine_many({"integer": _is_integer, "number": _is_number})
+    strict = jsonschema.validators.extend(base, type_checker=checker)
+    return strict(load_schema(name))
 
 
 def _subschema(schema: dict, instance) -> dict:
@@ -73,8 +90,16 @@ def schema_errors(instance, name: str = "plan.schema.json") -> list[tuple[tuple,
             out.append((path, "bad-value", msg, hint))
         elif v == "type":
             want = val if isinstance(val, str) else " or ".join(val)
-            out.append((path, "wrong-type", f"expected {want}, got {_type_name(e.instance)} "
-                        f"{e.instance!r}"[:200], ""))
+            got = e.instance
+            if isinstance(got, float) and not math.isfinite(got):
+                out.append((path, "not-finite", f"{got} is not a finite number",
+                            "write a number (NaN and Infinity are refused)"))
+            elif isinstance(got, float) and got.is_integer() and "integer" in want:
+                out.append((path, "wrong-type", f"expected integer, got {got!r}",
+                            f"write {int(got)}: integers have no fractional part"))
+            else:
+                out.append((path, "wrong-type", f"expected {want}, got {_type_name(got)} "
+                            f"{got!r}"[:200], ""))
         elif v in ("minimum", "maximum", "exclusiveMinimum"):
             word = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">"}[v]
             out.append((path, "out-of-range", f"{e.instance!r} must be {word} {val}", ""))

@@ -12,7 +12,8 @@ from graphplan.compiler.errors import Diagnostic, plan_error
 from graphplan.compiler.spec import CaptureSizesSpec, SchedulerSpec
 
 MAX_SIZES = 4096
-"""More capture sizes than this is a mistake (each one is a graph per LoRA case and routine)."""
+"""More capture sizes than this is a mistake (each one is a graph per LoRA case and routine); the
+bound applies to lists, ranges and presets alike. ``limits.max_graphs`` bounds the graphs."""
 
 _PATH = "cudagraph.capture_sizes"
 
@@ -23,10 +24,16 @@ def _grid(limit: int) -> list[int]:
             + list(range(256, limit + 1, 16)))
 
 
+def vllm_max(sched: SchedulerSpec, ceiling: int) -> int:
+    """The vllm preset's max: ``min(max_num_seqs * q * 2, ceiling, max_num_batched_tokens)``."""
+    return min(sched.max_num_seqs * sched.decode_query_len * 2, ceiling,
+               sched.max_num_batched_tokens)
+
+
 def vllm_sizes(sched: SchedulerSpec, ceiling: int) -> list[int]:
     """vLLM's default list (its ``CompilationConfig`` capture-size generation)."""
     q, seqs, tokens = sched.decode_query_len, sched.max_num_seqs, sched.max_num_batched_tokens
-    top = min(seqs * q * 2, ceiling, tokens)
+    top = vllm_max(sched, ceiling)
     sizes = set(_grid(top))
     if tokens <= top:
         sizes.add(tokens)
@@ -102,13 +109,19 @@ def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[in
         sizes = sglang_sizes(sched, cs.max_size)
     else:
         sizes = trtllm_sizes(sched, cs.max_size, cs.enable_padding)
+    if len(sizes) > MAX_SIZES:  # the same bound as lists and ranges
+        raise plan_error("too-many-sizes", _PATH, f"preset {cs.preset} generates {len(sizes)} "
+                         f"sizes here; at most {MAX_SIZES}", "lower the preset's ceiling or "
+                         "max_size, or use ranges with a larger step")
     return [(s, _PATH) for s in sizes]
 
 
 def resolve_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec, round_to_q: bool
                   ) -> tuple[list[int], list[Diagnostic]]:
     """De-duplicate, sort, drop sizes above max_num_batched_tokens, then (FULL decode, q > 1)
-    round up to multiples of q and drop those above the largest size."""
+    round up to multiples of q and drop those above the max: the vllm preset's computed max (a
+    generated list can stop below it, e.g. q=3, max_num_seqs=1: sizes 1-4, max 6 -> [3, 6]), else
+    the largest size."""
     limit, q = sched.max_num_batched_tokens, sched.decode_query_len
     diags: list[Diagnostic] = []
     seen: dict[int, str] = {}
@@ -125,14 +138,15 @@ def resolve_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec, round_to_q: bool
     sizes = sorted(seen)
     if not (round_to_q and q > 1 and sizes):
         return sizes, diags
-    top = sizes[-1]
+    top = vllm_max(sched, cs.ceiling) if cs.kind == "preset" and cs.preset == "vllm" \
+        else sizes[-1]
     rounded: set[int] = set()
     for s in sizes:
         r = -(-s // q) * q
         if r > top:
             diags.append(Diagnostic(code="size-dropped", path=seen[s], message=f"size {s} rounds "
                                     f"up to {r} (a multiple of decode_query_len={q}), above the "
-                                    f"largest size {top}; dropped", hint=f"use multiples of {q}"))
+                                    f"max size {top}; dropped", hint=f"use multiples of {q}"))
         else:
             if r != s:
                 diags.append(Diagnostic(code="size-rounded", path=seen[s], message=f"size {s} "

@@ -82,6 +82,12 @@ class ParallelSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LimitsSpec:
+    max_graphs: int
+    """Most graphs the plan may compile to; more is an error (resolve.check_graph_count)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlanSpec:
     version: int
     name: str
@@ -89,6 +95,7 @@ class PlanSpec:
     cudagraph: CudagraphSpec
     lora: LoraSpec
     parallel: ParallelSpec
+    limits: LimitsSpec
 
 
 def _sizes_from_dict(d) -> CaptureSizesSpec:
@@ -119,4 +126,5 @@ def plan_from_dict(d: dict) -> PlanSpec:
         parallel=ParallelSpec(
             data_parallel_size=par["data_parallel_size"], backend=par["backend"],
             sync_timeout_s=par["sync_timeout_s"], ubatch=UbatchSpec(**par["ubatch"])),
+        limits=LimitsSpec(**d["limits"]),
     )

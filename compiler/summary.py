@@ -8,17 +8,27 @@ from graphplan.compiler.table import DispatchTable
 from graphplan.compiler.table_format import graph_json
 
 
+RUN = 4
+"""Arithmetic runs of at least this many sizes collapse; shorter ones read better spelled out."""
+
+
+def count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def compact_sizes(sizes) -> str:
-    """``1 2 4 8-248/8 256-512/16``: arithmetic runs of 3+ collapse to first-last/step."""
-    sizes, out, i = list(sizes), [], 0
+    """``1 2 4 8-248/8 256-512/16``: arithmetic runs of RUN+ sizes collapse to first-last/step
+    (``first-last`` for consecutive sizes); shorter runs are listed."""
+    sizes, out, i = sorted(sizes), [], 0
     while i < len(sizes):
         j = i + 1
         if j < len(sizes):
             step = sizes[j] - sizes[i]
             while j + 1 < len(sizes) and sizes[j + 1] - sizes[j] == step:
                 j += 1
-            if j - i >= 2:
-                out.append(f"{sizes[i]}-{sizes[j]}/{step}")
+            if j - i + 1 >= RUN:
+                out.append(f"{sizes[i]}-{sizes[j]}" + (f"/{step}" if step > 1 else ""))
                 i = j + 1
                 continue
         out.append(str(sizes[i]))
@@ -114,7 +124,9 @@ def summary_lines(table: DispatchTable) -> list[str]:
         covered_top = max(covered_top, c.sizes[-1])
     top = r.max_num_batched_tokens
     if covered_top < top:
-        lines.append(f"{'eager':<8} {'NONE':<10} {f'{covered_top + 1}..{top} tokens':<34} "
+        span = str(top) if covered_top + 1 == top else f"{covered_top + 1}..{top}"
+        span += " token" if top == 1 else " tokens"
+        lines.append(f"{'eager':<8} {'NONE':<10} {span:<34} "
                      f"{'-':>14}")
     return lines
 

@@ -113,14 +113,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
     """Read and shape-check a JSONL trace. Errors name the line; values are checked against a
     plan's limits by ``check_trace``."""
     p, source = Path(path), str(path)
-    try:
-        if p.stat().st_size > MAX_TRACE_BYTES:
-            raise TraceError(f"{source}: larger than {MAX_TRACE_BYTES >> 20} MiB; sample the trace")
-        raw = p.read_bytes()
-    except IsADirectoryError:
-        raise TraceError(f"{source}: is a directory; give the trace .jsonl file") from None
-    except OSError as e:
-        raise TraceError(f"{source}: cannot read trace: {e.strerror or e}") from None
+    from graphplan.compiler.limits import read_regular_file  # regular files only, size first
+    raw = read_regular_file(p, MAX_TRACE_BYTES, "trace", "give the trace .jsonl file; sample "
+                            "a larger trace", error=TraceError)
     parsed = _fast_parse(raw)
     if parsed is None:
         try:
@@ -156,6 +151,57 @@ def check_trace(trace: Trace, table: DispatchTable) -> None:
             i = int(np.argmax(bad))
             text = message.format(n=n[i], r=r[i], m=m[i])
             raise TraceError(f"{trace.source}:{trace.line[i]}: {text}" + (f" ({hint})" if hint else ""))
+
+
+QUERY_LEN_PROBE = 16
+"""Uniform batches of query length up to this count as decode steps when guessing the
+decode_query_len a trace was recorded with (a longer uniform batch is a prefill)."""
+
+
+def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
+    """The steps of ``trace`` the plan's scheduler could produce, and warnings about the rest.
+
+    Steps with more tokens than max_num_batched_tokens or more requests than max_num_seqs are
+    left out (a warning per limit, naming the first line); a trace whose uniform batches have
+    another query length than the plan's decode_query_len gets a warning (its decode steps route
+    as mixed batches). What is left must pass ``check_trace``; a trace with nothing left is an
+    error."""
+    n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
+    name, warnings_ = table.plan.get("name", "plan"), []
+    over = np.zeros(len(n), dtype=bool)
+    for bad, key, got, limit, value in (
+            (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
+            (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs)):
+        if bad.any():
+            i, more = int(np.argmax(bad)), int(bad.sum()) - 1
+            warnings_.append(
+                f"{trace.source}:{trace.line[i]}: {key} {int(got[i])} exceeds scheduler.{limit}="
+                f"{value} of plan {name}" + (f", as do {more} more of {len(n)} steps" if more
+                                             else "") + "; left out: this plan's scheduler "
+                "never runs such steps (record the trace with the plan's scheduler limits)")
+            over |= bad
+    if over.all():
+        raise TraceError("\n".join(warnings_) + f"\n{trace.source}: no step is left")
+    if over.any():
+        keep = ~over
+        trace = Trace(source=trace.source, num_tokens=n[keep], num_reqs=r[keep],
+                      max_query_len=m[keep], line=trace.line[keep])
+        n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
+    check_trace(trace, table)
+    uniform = (m * r == n) & (m <= QUERY_LEN_PROBE)
+    lens, counts = np.unique(m[uniform], return_counts=True)
+    if len(lens):
+        common = int(lens[np.argmax(counts)])
+        at_q = int(counts[lens == table.q].sum())
+        if common != table.q and counts.max() > at_q:
+            noun = "token" if common == 1 else "tokens"
+            warnings_.append(
+                f"{trace.source}: {int(counts.max())} steps have every request at {common} "
+                f"{noun} ({at_q} at {table.q}): the trace looks recorded with decode_query_len="
+                f"{common}, but plan {name} has decode_query_len={table.q}, so its decode steps "
+                "route as mixed batches here (record the trace with the plan's speculative-token "
+                "count, or set scheduler.decode_query_len)")
+    return trace, warnings_
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -212,8 +258,19 @@ class Padding:
 
     @property
     def per_step(self) -> float:
-        """Expected padding tokens per step of the workload (eager steps pad 0)."""
+        """Padding tokens per step of the workload, eager steps counted as 0: an all-eager plan
+        scores 0, so never show it alone (``graphed_share``, ``per_graph_step``)."""
         return self.padded_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def graphed_share(self) -> float:
+        """Share of the steps that replay a graph (0..1)."""
+        return self.graphed_steps / self.steps if self.steps else 0.0
+
+    @property
+    def per_graph_step(self) -> float:
+        """Padding tokens per step that replays a graph (what a graph step pays)."""
+        return self.padded_tokens / self.graphed_steps if self.graphed_steps else 0.0
 
 
 def padding(table: DispatchTable, work: Workload) -> Padding:

@@ -23,28 +23,50 @@ def _workload(path: str, table):
     return aggregate(trace, table.q)
 
 
+def _report_workload(path: str, table):
+    """(workload, warnings): a report prices what fits the plan and warns about the rest."""
+    import sys
+    from graphplan.compiler.trace import aggregate, fit_trace, load_trace
+    trace, warnings = fit_trace(load_trace(path), table)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return aggregate(trace, table.q), warnings
+
+
 def cmd_report(a) -> int:
-    from graphplan.compiler.cli import _is_table, _load_any
+    from graphplan.compiler.cli_inputs import is_table, load_any
     from graphplan.compiler.memory import load_profile
+    from graphplan.compiler.outputs import check_output
     from graphplan.compiler.report import build, write_report
-    table, diags = _load_any(a.plan, a.set)
+    check_output(a.output, [a.plan, a.trace, a.profile])
+    table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
-    work = _workload(a.trace, table) if a.trace else None
-    ctx = build(table, source=a.plan, located=None if _is_table(a.plan) else diags, work=work,
-                trace_source=a.trace or "", profile=profile)
+    work, warnings = _report_workload(a.trace, table) if a.trace else (None, [])
+    ctx = build(table, source=a.plan, located=None if is_table(a.plan) else diags, work=work,
+                trace_source=a.trace or "", profile=profile, trace_warnings=warnings)
     write_report(a.output, ctx)
     if a.format == "json":
         print(json.dumps({"output": a.output, "graphs": len(table.graphs),
                           "diagnostics": len(ctx["diagnostics"]),
                           "memory_bytes": ctx["memory"]["total_bytes"],
-                          "trace_padded_tokens": ctx["trace"]["pad"].padded_tokens
-                          if ctx["trace"] else None}, sort_keys=True))
+                          "trace": _trace_json(ctx["trace"])}, sort_keys=True))
     else:
+        t = ctx["trace"]
         print(f"wrote {a.output}: {len(table.graphs)} graphs, {len(ctx['diagnostics'])} "
               f"diagnostic(s), {ctx['memory']['total_mib']:.1f} MiB estimated graph memory"
-              + (f", {ctx['trace']['pad'].per_step:.3f} padding tokens per trace step"
-                 if ctx["trace"] else ""))
+              + (f"; trace: {100 * t['pad'].graphed_share:.1f} % of steps on graphs, "
+                 f"{t['pad'].per_graph_step:.3f} padding tokens per graph step, "
+                 f"{t['pad'].eager_steps} eager steps" if t else ""))
     return 0
+
+
+def _trace_json(t) -> dict | None:
+    if not t:
+        return None
+    p = t["pad"]
+    return {"steps": p.steps, "graphed_steps": p.graphed_steps, "eager_steps": p.eager_steps,
+            "graphed_share": p.graphed_share, "padded_tokens": p.padded_tokens,
+            "padding_per_graph_step": p.per_graph_step, "warnings": list(t["warnings"])}
 
 
 def _header(a, res, trace_steps: int, above: int, graphs_before: int) -> list[str]:
@@ -68,13 +90,15 @@ def _cut(before: int, after: int) -> float:
 
 
 def cmd_optimize(a) -> int:
-    from graphplan.compiler.cli import _load_any, parse_overrides
+    from graphplan.compiler.cli_inputs import load_any, parse_overrides
     from graphplan.compiler.memory import estimate, load_profile
     from graphplan.compiler.optimize import optimize
     from graphplan.compiler.summary import compact_sizes
     from graphplan.compiler.fileio import write_atomic
     from graphplan.compiler.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
-    table, diags = _load_any(a.plan, a.set)
+    from graphplan.compiler.outputs import check_output
+    check_output(a.output, [a.plan, a.trace, a.profile])
+    table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)
     pins = list(a.pin)
@@ -83,7 +107,8 @@ def cmd_optimize(a) -> int:
     budget = a.memory_budget * MIB if a.memory_budget is not None else None
     max_graphs = a.max_graphs if a.max_graphs is not None else len(table.graphs)
     res = optimize(table, work, max_graphs, pins=pins, max_size=a.max_size, memory_budget=budget,
-                   profile=profile)
+                   profile=profile, keep_small=not a.no_small)
+    outside = outside_trace(table, res.table, res.top)
     above = int(work.count[work.tokens > res.top].sum())
     header = _header(a, res, work.steps, above, len(table.graphs))
     if a.output:
@@ -100,7 +125,8 @@ def cmd_optimize(a) -> int:
                           "before": side(table, res.before, mem_before),
                           "after": side(res.table, res.after, mem_after),
                           "reduction_pct": _cut(res.before.padded_tokens, res.after.padded_tokens),
-                          "notes": list(res.notes), "output": a.output}, sort_keys=True))
+                          "notes": list(res.notes), "outside_trace": outside,
+                          "output": a.output}, sort_keys=True))
         return 0
     decode = int(work.count[work.uniform].sum())
     print(f"trace {a.trace}: {work.steps} steps ({decode} uniform decode, {work.steps - decode} "
@@ -120,8 +146,38 @@ def cmd_optimize(a) -> int:
               f"{p.per_step:>9.3f} {p.eager_steps:>12} {m['total_mib']:>7.1f} MiB")
     print(f"\npadded tokens: {0.0 - _cut(res.before.padded_tokens, res.after.padded_tokens):+.1f} %")
     print(f"sizes: {compact_sizes(res.sizes)}")
+    print("\n".join(outside_lines(outside)))
     print(f"wrote {a.output}" if a.output else "(no plan written; add -o tuned.yaml)")
     return 0
+
+
+def outside_trace(before, after, top: int) -> dict:
+    """What the plan and the tuned plan cost for batches the trace did not show: the smallest
+    size (what a 1-token step pads to), the worst padding of any batch per routine (trace or
+    not), and where eager starts."""
+    from graphplan.compiler.summary import coverage
+    worst = {}
+    for side, t in (("before", before), ("after", after)):
+        for c in coverage(t):
+            row = worst.setdefault(f"{c.routine} {c.mode}", {"before": None, "after": None})
+            row[side] = {"tokens": c.worst_pad, "at": c.worst_at}
+    small = lambda t: t.capture_sizes[0] if t.capture_sizes else None  # noqa: E731
+    return {"smallest_size": {"before": small(before), "after": small(after)},
+            "worst_padding": worst, "eager_above": {"before": before.capture_sizes[-1]
+                                                    if before.capture_sizes else 0, "after": top}}
+
+
+def outside_lines(o: dict) -> list[str]:
+    s = o["smallest_size"]
+    lines = ["outside the trace (any batch, seen or not):",
+             f"  smallest size {s['before']} -> {s['after']}"
+             + (f" (a 1-token step pads to {s['after']})" if s["after"] and s["after"] > 1 else "")]
+    fmt = lambda w: "-" if w is None else f"{w['tokens']} @ {w['at']}"  # noqa: E731
+    for name, w in o["worst_padding"].items():
+        lines.append(f"  worst padding, {name}: {fmt(w['before'])} -> {fmt(w['after'])} tokens")
+    e = o["eager_above"]
+    lines.append(f"  eager above {e['before']} -> {e['after']} tokens")
+    return lines
 
 
 def add_tuning_commands(sub, common) -> None:
@@ -146,6 +202,9 @@ def add_tuning_commands(sub, common) -> None:
                     help="keep capture size N (repeatable)")
     sp.add_argument("--max-size", type=int, metavar="N",
                     help="largest capture size (default: the plan's); steps above run eager")
+    sp.add_argument("--no-small", action="store_true",
+                    help="let the plan's sizes below the trace's smallest step go (by default "
+                    "they are kept, so batches smaller than any in the trace still pad little)")
     sp.add_argument("-o", "--output", help="where to write the tuned plan YAML (atomically)")
     common(sp)
     sp.set_defaults(fn=cmd_optimize)

@@ -200,17 +200,34 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+QK_GAIN = 2.0
+"""q_proj / k_proj std is QK_GAIN / sqrt(fan_in): attention logits of std ~QK_GAIN**2, so
+attention picks out tokens of the context instead of averaging them."""
+LM_GAIN = 4.0
+"""lm_head std is LM_GAIN / sqrt(hidden): logits of std ~LM_GAIN, so greedy argmaxes are decided
+by clear margins rather than near-ties."""
+
+
 @torch.no_grad()
 def init_weights(model: TinyLlama, seed: int) -> None:
     """Same weights for a seed on any device and dtype: drawn in float32 on the CPU, then copied.
-    Embedding std 1 (so context, not just the last token, moves the argmax), linears std 0.02."""
+
+    Scaled so that outputs depend on the context, which the equality checks need (with every
+    linear at std 0.02, attention averaged the context away: 26 of 30 prompt pairs sharing only
+    their last token generated the same first token, so a KV-cache mix-up between requests went
+    unseen). Embedding std 1; every linear std 1/sqrt(fan_in), keeping the residual stream at
+    unit scale; q/k and lm_head scaled up by QK_GAIN and LM_GAIN. tests/test_tiny_llama.py
+    measures it: prompts sharing only their last token generate different first tokens."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             w = torch.ones(p.shape)
+        elif name == "embed.weight":
+            w = torch.randn(p.shape, generator=gen)
         else:
-            std = 1.0 if name == "embed.weight" else 0.02
-            w = torch.randn(p.shape, generator=gen) * std
+            gain = QK_GAIN if name.endswith(("q_proj.weight", "k_proj.weight")) else \
+                LM_GAIN if name == "lm_head.weight" else 1.0
+            w = torch.randn(p.shape, generator=gen) * (gain / p.shape[1] ** 0.5)
         p.copy_(w)
 
 
@@ -263,27 +280,79 @@ def static_inputs(model: TinyLlama) -> list:
             StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last")]
 
 
+LOGIT_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+"""atol = rtol for logits of the same tokens computed two ways (graphs vs eager, batched vs alone,
+padded vs not): float32 differs by summation order only; bf16 by its 8-bit mantissa through the
+layers (logits reach ~20, where one bf16 step is 0.125)."""
+
+
+def logits_mismatch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None when ``got`` matches ``want`` within LOGIT_TOL[dtype], else what differs."""
+    tol = LOGIT_TOL[dtype]
+    if got.shape != want.shape:
+        return f"logits shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
+    got, want = got.float().cpu(), want.float().cpu()
+    bad = (got - want).abs() > tol + tol * want.abs()
+    if not bad.any():
+        return None
+    i = tuple(int(v) for v in bad.nonzero()[0])
+    return (f"{int(bad.sum())} of {bad.numel()} logits differ beyond atol=rtol={tol:g} "
+            f"(first at {i}: {got[i].item():.5f} vs {want[i].item():.5f}; max |diff| "
+            f"{(got - want).abs().max().item():.4g})")
+
+
+def greedy_mismatch(tokens: list[list[int]], got: list[torch.Tensor], want: list[torch.Tensor],
+                    dtype: torch.dtype) -> str | None:
+    """Compare a generation (``tokens`` and the logits ``got`` they were picked from) with a
+    reference run teacher-forced over the same tokens (``want``): every logit within
+    LOGIT_TOL[dtype], every token the reference's argmax or a near-tie within that tolerance.
+    None when they agree, else what differs first."""
+    tol = LOGIT_TOL[dtype]
+    for i, (toks, g, w) in enumerate(zip(tokens, got, want)):
+        bad = logits_mismatch(g, w, dtype)
+        if bad:
+            return f"prompt {i}: {bad}"
+        for t, (tok, row) in enumerate(zip(toks, w.float())):
+            top = row.max().item()
+            if row[tok].item() < top - 2 * (tol + tol * abs(top)):
+                return (f"prompt {i}, new token {t}: picked {tok} (reference logit "
+                        f"{row[tok].item():.4f}), the reference's argmax {int(row.argmax())} "
+                        f"has {top:.4f}")
+    return None
+
+
 @torch.no_grad()
-def reference_generate(model: TinyLlama, prompts: list[list[int]], max_new_tokens: int,
-                       step=None) -> list[list[int]]:
+def greedy(model: TinyLlama, prompts: list[list[int]], max_new_tokens: int, step=None,
+           forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy: prefill all prompts in one batch (prompt i in cache row i), then decode all
-    requests together one token per step. Returns only the new tokens of each prompt.
+    requests together one token per step. Returns each prompt's new tokens and the logits they
+    were chosen from ([max_new_tokens, vocab] float32 on the CPU per prompt).
 
     ``step(batch, num_reqs, max_query_len) -> logits`` runs a batch (default: the model, eagerly;
-    examples/generate.py passes a GraphRunner)."""
+    examples/generate.py passes a GraphRunner). ``forced`` (new tokens per prompt) feeds those
+    tokens back instead of the argmax (teacher forcing): two ways of computing can then be
+    compared logit by logit over the same token sequence, even where a near-tie flips an argmax."""
     assert len(prompts) <= model.cfg.num_cache_rows
     step = step or (lambda batch, num_reqs, max_query_len: model(**batch))
     reqs = [(row, 0, list(p)) for row, p in enumerate(prompts)]
     out: list[list[int]] = [[] for _ in prompts]
-    for _ in range(max_new_tokens):
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for i in range(max_new_tokens):
         batch = make_batch(model, reqs)
         last = batch["query_start_loc"][1:].long() - 1  # [R] each request's last token
-        logits = step(batch, len(reqs), max(len(toks) for _, _, toks in reqs))
-        next_ids = logits[last].argmax(dim=-1).tolist()
-        for tokens, tok in zip(out, next_ids):
+        logits = step(batch, len(reqs), max(len(toks) for _, _, toks in reqs))[last].float()
+        next_ids = logits.argmax(dim=-1).tolist() if forced is None else [f[i] for f in forced]
+        for tokens, kept, tok, row in zip(out, rows, next_ids, logits.cpu()):
             tokens.append(tok)
+            kept.append(row)
         reqs = [(row, start + len(toks), [tok]) for (row, start, toks), tok in zip(reqs, next_ids)]
-    return out
+    return out, [torch.stack(r) if r else torch.empty(0) for r in rows]
+
+
+def reference_generate(model: TinyLlama, prompts: list[list[int]], max_new_tokens: int,
+                       step=None) -> list[list[int]]:
+    """The new tokens of ``greedy`` (see there)."""
+    return greedy(model, prompts, max_new_tokens, step)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

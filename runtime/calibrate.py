@@ -1,12 +1,17 @@
 """Calibrate the compiler's graph-memory model (compiler/memory.py) on a real GPU, once per model
 and device, the way the model is defined: capture a few FULL graphs, largest first, into ONE pool
-(as the runner does) and record how much the pool grows at each. The first graph's growth is its
-activations plus one graph's fixed cost; every later graph reuses those blocks, so its growth is
-the per-graph cost alone. Hence ``per_graph_bytes`` = mean growth of the later graphs and
-``per_token_bytes`` = (first growth - per_graph_bytes) / first graph's tokens. (Fitting graphs
-captured into fresh pools instead counts a whole pool's fixed cost per graph: on an H200 that
-overestimated a 51-graph pool tenfold.) The profile it saves is what ``plan compile --memory
---profile P`` and ``plan report`` read; its ``samples`` are the [num_tokens, growth] pairs."""
+(as the runner does) and record how much the pool grows at each. Every later graph reuses the
+first one's blocks, so its growth is the per-graph cost alone: ``per_graph_bytes`` = mean growth of
+the later graphs. The first graph's growth is the pool's one-time cost (library workspaces, the
+allocator's first segments) + one graph + its activations; to tell the one-time cost from the
+activations, the smallest of those graphs is also captured alone into a fresh pool:
+``per_token_bytes`` = (first growth - smallest alone) / (their token difference) and
+``base_bytes`` = first growth - per_graph_bytes - per_token_bytes * first tokens. (Dividing the
+first growth by its tokens instead charged the one-time cost per token: 1.30x the real pool of the
+tiny Llama's table on an H200. Fitting graphs captured into fresh pools counts a whole pool's
+fixed cost per graph: 10x.) The profile it saves is what ``plan compile --memory --profile P`` and
+``plan report`` read; its ``samples`` are the shared pool's [num_tokens, growth] pairs, largest
+first, then the smallest graph alone."""
 
 from __future__ import annotations
 
@@ -55,13 +60,19 @@ def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count:
     summary = runner.capture((RuntimeMode.FULL,), only=ids, measure_each=True)
     runner.release()
     samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
-    per_graph = max(0.0, sum(b for _, b in samples[1:]) / (len(samples) - 1))
-    per_token = max(0.0, (samples[0][1] - per_graph) / samples[0][0])
+    smallest = min(ids, key=lambda i: table.graphs[i].key.num_tokens)
+    runner = GraphRunner(model, table, inputs, device=device, progress=False)
+    (_, small_tokens, alone), = runner.capture(("FULL",), only={smallest})["per_graph"]
+    runner.release()
+    (top_tokens, first), later = samples[0], samples[1:]
+    per_graph = max(0.0, sum(b for _, b in later) / len(later))
+    per_token = max(0.0, (first - alone) / (top_tokens - small_tokens))
+    base = max(0.0, first - per_graph - per_token * top_tokens)
     profile = memory.check_profile({
         "format": memory.FORMAT, "version": memory.VERSION,
         "model_fingerprint": model_fingerprint(model), "device": device_name(runner.device),
         "per_graph_bytes": float(per_graph), "per_token_bytes": float(per_token),
-        "samples": samples})
+        "base_bytes": float(base), "samples": samples + [[small_tokens, alone]]})
     if path is not None:
         memory.save_profile(path, profile)
     return profile

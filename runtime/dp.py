@@ -14,7 +14,12 @@ graphplan's choices where vLLM leaves room (docs/semantics.md §7.1, §7.3, §7.
   ubatch would be empty), as vLLM's one-token dummy run does;
 - when every rank is idle nobody runs anything (``DPDecision.idle``);
 - an idle rank runs a dummy batch of ``dummy_tokens``: the agreed padded size, or the largest
-  unpadded size when ranks keep their own sizes (synced mode NONE, no ubatch).
+  unpadded size when ranks keep their own sizes (synced mode NONE, no ubatch);
+- a rank that wants to micro-batch at a size with a ubatched FULL graph contributes FULL at that
+  size, plain twins or not; an aborted ubatch then runs what the re-dispatch at the agreed mode
+  and size gives (the plain twin, or eager at the agreed size without one);
+- with nothing padded (synced NONE, no ubatch) each rank runs eagerly at its own unpadded size
+  (vLLM runs at its own padded size: the same outputs, less work).
 """
 
 from __future__ import annotations
@@ -76,10 +81,27 @@ class DPDecision:
 
 
 def contribution(num_tokens: int, route=None) -> tuple[int, int, int, int]:
-    """This rank's column: (unpadded, padded, wants_ubatch, mode); IDLE without work."""
+    """This rank's column: (unpadded, padded, wants_ubatch, mode); IDLE without work.
+
+    A rank that wants to micro-batch at a size that has a ubatched FULL graph contributes FULL
+    at that size, with or without plain twins: the route it would take if the ranks agree to
+    micro-batch. (Without plain twins its non-ubatched route is PIECEWISE or NONE, which would
+    lower the synced mode and leave the ubatched graphs unused.) What an aborted ubatch runs is
+    decided after agreement, by the re-dispatch at the agreed mode and size."""
     if route is None or num_tokens == 0:
         return IDLE
+    full = int(RuntimeMode.FULL)
+    if route.wants_ubatch and route.mode is not RuntimeMode.FULL:
+        ub = _ubatched_route(route)
+        if ub.mode is RuntimeMode.FULL:
+            return (num_tokens, ub.padded_tokens, 1, full)
     return (num_tokens, route.padded_tokens, int(route.wants_ubatch), int(route.mode))
+
+
+def _ubatched_route(route):
+    """The same batch routed as a ubatched one (the route's own table and arguments)."""
+    table, n, r, mql, loras, *_ = route.context  # what the route was asked
+    return table.route(n, r, mql, loras, ubatched=True)
 
 
 def agree(matrix, num_ubatches: int) -> DPDecision:

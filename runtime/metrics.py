@@ -63,12 +63,14 @@ def render_prometheus(stats: dict, prefix: str = "graphplan") -> str:
     metric("plan_info", "gauge", "Loaded plan and its fingerprint.",
            [({"plan": stats["plan"], "fingerprint": stats["fingerprint"],
               "backend": stats["backend"]}, 1)])
+
+    def graph(g):  # a graph entry may name its plan (a server's totals over several plans)
+        return {**({"fingerprint": g["fingerprint"]} if "fingerprint" in g else {}),
+                "graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]}
     metric("graph_replays_total", "counter", "Replays per captured graph.",
-           [({"graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]}, g["replays"])
-            for g in stats["graphs"]])
+           [(graph(g), g["replays"]) for g in stats["graphs"]])
     metric("graph_padding_tokens_total", "counter", "Padding tokens run per graph.",
-           [({"graph": g["id"], "mode": g["mode"], "num_tokens": g["num_tokens"]},
-             g["padding_tokens"]) for g in stats["graphs"]])
+           [(graph(g), g["padding_tokens"]) for g in stats["graphs"]])
     metric("eager_steps_total", "counter", "Steps run eagerly, by reason.",
            [({"reason": r}, n) for r, n in sorted(stats["eager_steps"].items())])
     cap = stats.get("capture") or {}

@@ -342,3 +342,83 @@ def test_every_shipped_plan_compiles_and_its_table_loads(capsys, tmp_path, plan)
     table = DispatchTable.load(out)
     assert table.plan["name"] in stdout.splitlines()[0]
     assert run(capsys, "validate", str(out))[0] == 0
+
+
+# -- what a new user hit (issue 17) ------------------------------------------------------------
+
+def test_version_prints_the_package_version(capsys):
+    from graphplan.compiler import __version__
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"plan (graphplan) {__version__}\n"
+
+
+def test_every_explain_flag_has_help_text():
+    from graphplan.compiler.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices["explain"]
+    undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("sizes,text", [
+    ([3, 6, 9, 12, 18, 24, 33, 42], "3-12/3 18 24 33 42"),  # a 3-member run stays spelled out
+    (list(range(67, 85)), "67-84"),                          # consecutive: no /1
+    ([1, 2, 4] + list(range(8, 257, 8)), "1 2 4 8-256/8"),
+    ([5, 1, 3], "1 3 5"),
+    ([], "(none)"),
+])
+def test_size_lists_compress_only_runs_of_four_or_more(sizes, text):
+    from graphplan.compiler.summary import compact_sizes
+    assert compact_sizes(sizes) == text
+
+
+def test_explain_says_1_token_not_1_tokens(capsys):
+    code, out, _ = run(capsys, "explain", H100, "--tokens", "1", "--reqs", "1", "--query-len", "1")
+    assert code == 0 and out.splitlines()[0].endswith("padded to 1 token, 1 request")
+
+
+def test_diff_gives_each_side_its_own_overrides(capsys):
+    code, out, _ = run(capsys, "diff", H100, H100, "--set-b", "cudagraph.mode=PIECEWISE",
+                       "--format", "json")
+    d = json.loads(out)
+    assert code == 0 and (len(d["added"]), len(d["removed"])) == (0, 35)
+    # --set applies to both sides: the same override on both is no difference
+    code, out, _ = run(capsys, "diff", H100, H100, "--set", "cudagraph.mode=PIECEWISE")
+    assert "compile to the same table" in out
+    code, out, _ = run(capsys, "diff", H100, H100, "--set", "cudagraph.mode=PIECEWISE",
+                       "--set-a", "cudagraph.mode=FULL_AND_PIECEWISE", "--format", "json")
+    assert len(json.loads(out)["added"]) == 0 and len(json.loads(out)["removed"]) == 35
+
+
+def test_diff_lists_graphs_in_numeric_order(capsys):
+    code, out, _ = run(capsys, "diff", H100, LORA, "--format", "json")
+    added = [g for g in json.loads(out)["added"] if g.startswith("FULL") and g.endswith("lora 9")]
+    tokens = [int(g.split()[1]) for g in added]
+    assert tokens[:6] == [1, 2, 4, 8, 16, 24] and tokens == sorted(tokens)
+
+
+@pytest.mark.parametrize("args,exit_code,kind", [
+    (["compile", "nope.yaml"], 2, "PlanError"),
+    (["compile"], 1, "UsageError"),
+    (["explain", H100, "--tokens", "100000"], 1, "BatchError"),
+])
+def test_format_json_prints_a_json_error_object_on_stdout(capsys, args, exit_code, kind):
+    code, out, err = run(capsys, *args, "--format", "json")
+    assert code == exit_code and err  # the message still goes to stderr
+    e = json.loads(out)
+    assert e["ok"] is False and (e["error"]["kind"], e["error"]["exit_code"]) == (kind, exit_code)
+    assert e["error"]["message"] in err
+    if kind == "PlanError":
+        assert e["error"]["diagnostics"][0]["code"] == "not-found"
+
+
+def test_the_readme_documents_every_cli_option_and_names_every_shipped_plan():
+    from graphplan.compiler.cli import build_parser
+    readme = (ROOT / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    missing = [f"{name} {o}" for name, sp in sub.choices.items() for a in sp._actions
+               for o in a.option_strings
+               if o.startswith("--") and o not in ("--help", "--output") and o not in readme]
+    assert missing == [] and "plan --version" in readme
+    # the plan the README's own commands run is in its list of shipped plans
+    assert "`plans/tiny-llama.yaml`, the plan the examples" in " ".join(readme.split())

@@ -190,6 +190,15 @@ def test_vllm_preset_with_q3_adds_every_request_count_times_q():
     assert list(t.settings.capture_sizes) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48]
 
 
+def test_spec_decode_rounding_of_the_vllm_preset_keeps_sizes_up_to_the_computed_max():
+    # max = min(2 * q * seqs, 512) = 6; generated 1 2 3 4 round to 3 3 3 6: 6 is kept (vLLM
+    # replays a 6-token batch), though the largest generated size is 4
+    t = compile_(scheduler={"max_num_seqs": 1, "decode_query_len": 3},
+                 cudagraph={"mode": "FULL_AND_PIECEWISE", "attention_support": "UNIFORM_BATCH"})
+    assert list(t.settings.capture_sizes) == [3, 6]
+    assert t.route(6, 1, 6).mode is RuntimeMode.PIECEWISE  # a 6-token batch replays, as in vLLM
+
+
 def test_spec_decode_rounds_sizes_up_to_multiples_of_q():
     t = compile_(scheduler={"decode_query_len": 3},
                  cudagraph={"attention_support": "UNIFORM_BATCH",

@@ -51,6 +51,44 @@ def test_an_idle_rank_is_neutral_for_the_mode_but_calls_off_ubatching():
     assert agree([[0, 0], [0, 0], [0, 0], [2, 2]], 2).idle
 
 
+def _no_twins_plan():
+    """SEMANTICS section 6's example: FULL_AND_PIECEWISE, sizes 16-128, DP 2, k=2, decode
+    threshold 32, no plain twins (sizes >= 32 have only ubatched FULL decode graphs)."""
+    return compile_plan({
+        "version": 1, "name": "no-twins",
+        "scheduler": {"max_num_seqs": 128, "max_num_batched_tokens": 256},
+        "cudagraph": {"mode": "FULL_AND_PIECEWISE", "attention_support": "ALWAYS",
+                      "splitting_ops": ["attention"], "capture_sizes": [16, 32, 64, 128]},
+        "parallel": {"data_parallel_size": 2,
+                     "ubatch": {"enabled": True, "num_ubatches": 2, "decode_token_threshold": 32,
+                                "plain_twins": False}}})
+
+
+def test_a_rank_wanting_to_ubatch_at_a_ubatched_graph_size_contributes_full_without_twins():
+    table = _no_twins_plan()
+    cols = [contribution(n, table.route(n, n, 1)) for n in (64, 48)]  # uniform decode, q = 1
+    assert cols == [(64, 64, 1, 2), (48, 64, 1, 2)]
+    d = agree(list(zip(*cols)), 2)
+    assert (d.mode, d.ubatch, d.pad_to) == (RuntimeMode.FULL, True, 64)
+    for n in (64, 48):  # every rank re-dispatches onto the ubatched FULL graph at 64 tokens
+        route = table.route(n, n, 1, allow=d.mode, pad_to=d.pad_to, ubatched=d.ubatch)
+        assert (route.mode, route.padded_tokens) == (RuntimeMode.FULL, 64)
+        assert route.graph.num_ubatches == 2 and route.graph.num_tokens == 64
+
+
+def test_an_aborted_ubatch_without_twins_falls_back_after_agreement():
+    table = _no_twins_plan()
+    cols = [contribution(n, table.route(n, n, 1)) for n in (64, 32)]
+    d = agree(list(zip(*cols)), 2)  # (64 // 2) * 1 >= 32: the last ubatch would be empty
+    assert (d.mode, d.ubatch, d.ubatch_aborted, d.pad_to) == (RuntimeMode.FULL, False, True, 64)
+    route = table.route(32, 32, 1, allow=d.mode, pad_to=d.pad_to)
+    assert (route.mode, route.padded_tokens) == (RuntimeMode.NONE, 64)  # no plain twin: eager at 64
+    # below the threshold nothing changes: the plain route (a 16-token FULL decode graph)
+    assert contribution(16, table.route(16, 16, 1)) == (16, 16, 0, 2)
+    # a mixed batch has no ubatched graph: it keeps its PIECEWISE contribution
+    assert contribution(64, table.route(64, 8, 8))[3] == 1
+
+
 def test_dummy_batches_are_uniform_decode_when_they_can_be():
     assert dummy_shape(48, 2, 256) == (24, 2)
     assert dummy_shape(47, 2, 256) == (47, 1)  # odd: mixed, one token per request

@@ -320,6 +320,7 @@ def _props(path: str) -> dict:
 @pytest.mark.parametrize("cls,path", [
     (S.PlanSpec, ""), (S.SchedulerSpec, "scheduler"), (S.CudagraphSpec, "cudagraph"),
     (S.LoraSpec, "lora"), (S.ParallelSpec, "parallel"), (S.UbatchSpec, "parallel/ubatch"),
+    (S.LimitsSpec, "limits"),
 ])
 def test_every_schema_property_is_a_dataclass_field_and_back(cls, path):
     assert set(_props(path)) == _fields(cls)
@@ -393,12 +394,13 @@ def test_a_minimal_plan_gets_every_default_from_the_schema():
     assert s.parallel.ubatch == S.UbatchSpec(enabled=False, num_ubatches=2,
                                              decode_token_threshold=32,
                                              prefill_token_threshold=512, plain_twins=True)
+    assert s.limits == S.LimitsSpec(max_graphs=4096)
     assert jsonschema.Draft202012Validator(SCHEMA).is_valid(loaded.plan)
 
 
 def test_filled_defaults_are_the_schema_defaults():
     plan = load_plan({"version": 1, "name": "m"}).plan
-    for section in ("scheduler", "lora"):
+    for section in ("scheduler", "lora", "limits"):
         assert plan[section] == {k: v["default"] for k, v in _props(section).items()}
     assert plan["parallel"]["ubatch"] == {k: v["default"]
                                           for k, v in _props("parallel/ubatch").items()}

@@ -390,3 +390,19 @@ def test_the_benchmark_program_runs_and_passes_its_bars(capsys):
     import optimize_bench
     assert optimize_bench.main(["--steps", "20000"]) == 0
     assert "overall: PASS" in capsys.readouterr().out
+
+
+def test_the_cli_keeps_small_sizes_the_trace_never_saw_unless_told_not_to(capsys):
+    chat = str(TRACES / "chat.jsonl")  # smallest step: 64 tokens
+    assert main(["optimize", str(H100), "--trace", chat, "--format", "json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["after"]["sizes"][:10] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]
+    assert kept["outside_trace"]["smallest_size"] == {"before": 1, "after": 1}
+    assert any("below the trace's smallest step (64 tokens)" in n for n in kept["notes"])
+    assert kept["after"]["padded_tokens"] <= 0.7 * kept["before"]["padded_tokens"]
+    # --no-small: the user excludes them on purpose, and is told what a lone decode then costs
+    assert main(["optimize", str(H100), "--trace", chat, "--no-small"]) == 0
+    out = capsys.readouterr().out
+    dropped = [s for s in out.splitlines() if s.startswith("  smallest size")][0]
+    assert dropped.startswith("  smallest size 1 -> ") and "(a 1-token step pads to" in dropped
+    assert "worst padding, decode FULL: 7 @ 9 -> " in out and "eager above 512 -> 512" in out

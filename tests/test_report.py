@@ -1,6 +1,7 @@
 """plan report: a self-contained page whose figures are the compiler's, rendered by a real browser."""
 
 import html
+import json
 import os
 import re
 import shutil
@@ -138,9 +139,44 @@ def test_trace_section_shows_the_padding_the_router_gives_each_step(tmp_path):
     assert re.search(r'id="trace-padded">(\d+)<', page).group(1) == str(padded)
     assert re.search(r'id="trace-graphed">(\d+)<', page).group(1) == str(graphed)
     assert re.search(r'id="trace-eager">(\d+)<', page).group(1) == str(eager)
-    assert f'id="trace-per-step">{padded / 3000:.3f}<' in page
+    assert f'id="trace-per-graph-step">{padded / graphed:.3f}<' in page
+    assert f'id="trace-graphed-share">{100 * graphed / 3000:.1f} %<' in page
     by_size = svg(page, "trace-by-size")
     assert len(re.findall(r'<rect class="spike"', by_size)) >= 10
+
+
+def test_the_trace_headline_does_not_reward_running_eager(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(CHAT.read_text().splitlines()[:3000]) + "\n")
+    page = report(tmp_path, PLANS / "eager.yaml", "--trace", str(trace))
+    assert 'id="trace-graphed-share">0.0 %<' in page
+    assert 'id="trace-eager-steps" class="warning">3000<' in page
+    assert "padding tokens per step (trace)" not in page and "trace-per-step" not in page
+    assert "0.0 % of steps on graphs" in capsys.readouterr().out
+
+
+def test_a_trace_that_does_not_fit_the_plan_gets_warnings(tmp_path, capsys):
+    # the chat trace has steps of 130+ requests and was recorded without speculative decoding;
+    # the eagle3 plan allows 128 requests and has decode_query_len 3
+    out = tmp_path / "r.html"
+    assert main(["report", str(PLANS / "llama3-8b-eagle3.yaml"), "-o", str(out), "--trace",
+                 str(CHAT), "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)["trace"]
+    w = got["warnings"]
+    assert len(w) == 2 and got["steps"] < 20000
+    assert re.search(r"chat.jsonl:\d+: num_reqs 130 exceeds scheduler.max_num_seqs=128", w[0])
+    assert "every request at 1 token (0 at 3)" in w[1] and "decode_query_len=1" in w[1]
+    page = out.read_text()
+    assert page.count('class="warning trace-warning"') == 2
+
+
+def test_the_trace_histogram_covers_every_step(tmp_path):
+    long = ROOT / "bench" / "traces" / "long_prompt.jsonl"  # steps up to 8192 tokens
+    page = report(tmp_path, H100, "--trace", str(long))
+    hist = svg(page, "trace-histogram")
+    x_max = float(re.search(r'data-x-max="([\d.]+)"', hist).group(1))
+    assert x_max >= 8192
+    assert "above 512: eager" in hist
 
 
 def test_a_report_from_a_compiled_table_matches_the_plans(tmp_path):

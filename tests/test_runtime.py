@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
+from tiny_llama import (TinyLlama, TinyLlamaConfig, greedy, greedy_mismatch, make_batch,
+                        reference_generate, static_inputs)
 
 from graphplan.compiler import compile_plan
 from graphplan.runtime import (BatchError, CaptureError, GraphRunner, RunnerStateError, StaticInput,
@@ -55,12 +56,47 @@ def test_generation_through_graphs_equals_eager_generation():
     model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
     runner.capture()
     prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
-    with_graphs = reference_generate(model, prompts, 6, step=lambda b, r, q: runner.step(b, r, q))
+    with_graphs, got = greedy(model, prompts, 6, step=lambda b, r, q: runner.step(b, r, q))
     eager = reference_generate(TinyLlama(CFG, seed=0), prompts, 6)
     assert with_graphs == eager
+    _, want = greedy(TinyLlama(CFG, seed=0), prompts, 6, forced=with_graphs)
+    assert greedy_mismatch(with_graphs, got, want, torch.float32) is None  # logits, not only tokens
     s = runner.stats()
     assert s["replays_by_mode"] == {"FULL": 5, "PIECEWISE": 1}  # 5 decodes; the mixed prefill
     assert s["eager_steps"] == {}
+
+
+def context_checks(model, runner, tol):
+    """A request's logits through the runner change when its own earlier tokens change and do not
+    change when its batch neighbours change. Returns the logits of the probe request."""
+    gen = torch.Generator().manual_seed(11)
+
+    def rand(n):
+        return torch.randint(1, model.cfg.vocab_size, (n,), generator=gen).tolist()
+    probe, other_past = rand(9), rand(9)
+    neighbours = [[rand(12), rand(5)], [rand(3), rand(15)]]  # two different sets of neighbours
+    out = {}
+    for name, past, nbrs in (("a", probe, neighbours[0]), ("b", probe, neighbours[1]),
+                             ("changed", other_past[:-1] + probe[-1:], neighbours[0])):
+        model.kv_cache.zero_()
+        prefill = make_batch(model, [(0, 0, past[:-1]), *((r + 1, 0, p[:-1])
+                                                            for r, p in enumerate(nbrs))])
+        runner.step(prefill, num_reqs=3, max_query_len=max(len(past), *map(len, nbrs)) - 1)
+        decode = make_batch(model, [(0, len(past) - 1, past[-1:]),
+                                    *((r + 1, len(p) - 1, p[-1:]) for r, p in enumerate(nbrs))])
+        out[name] = runner.step(decode, num_reqs=3, max_query_len=1)[0].float().cpu().clone()
+    torch.testing.assert_close(out["a"], out["b"], atol=tol, rtol=tol)  # neighbours: no effect
+    moved = (out["a"] - out["changed"]).abs().max().item()
+    assert moved > 100 * tol, moved  # its own earlier tokens: a clear effect (same last token)
+    assert out["a"].argmax() != out["changed"].argmax()
+    return out
+
+
+def test_a_requests_outputs_follow_its_own_context_and_ignore_its_neighbours():
+    model, runner = runner_for(plan("FULL_AND_PIECEWISE"))
+    runner.capture()
+    context_checks(model, runner, 1e-4)
+    assert set(runner.stats()["replays_by_mode"]) == {"FULL", "PIECEWISE"}
 
 
 def test_padding_rows_hold_safe_values_after_a_larger_step():

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, reference_generate, static_inputs
+from test_runtime import context_checks
+from tiny_llama import (LOGIT_TOL, TinyLlama, TinyLlamaConfig, greedy, greedy_mismatch,
+                        make_batch, static_inputs)
 
 from graphplan.compiler import compile_plan
 from graphplan.runtime import CaptureError, GraphRunner
@@ -58,9 +60,17 @@ def test_greedy_generation_with_graphs_is_identical_to_eager():
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, CFG.vocab_size, (int(k),), generator=gen).tolist()
                for k in torch.randint(1, 20, (12,), generator=gen)]
-    graphs = reference_generate(m, prompts, 24, step=lambda b, r, q: runner.step(b, r, q))
-    eager = reference_generate(model(), prompts, 24)
-    assert graphs == eager
+    graphs, got = greedy(m, prompts, 24, step=lambda b, r, q: runner.step(b, r, q))
+    _, want = greedy(model(), prompts, 24, forced=graphs)  # eager over the graphs' tokens
+    assert greedy_mismatch(graphs, got, want, torch.bfloat16) is None
+
+
+def test_a_requests_outputs_follow_its_own_context_and_ignore_its_neighbours_on_the_gpu():
+    m = model()
+    runner = GraphRunner(m, compile_plan(PLAN), static_inputs(m), progress=False)
+    runner.capture()
+    context_checks(m, runner, LOGIT_TOL[torch.bfloat16])
+    assert runner.stats()["replays_by_mode"]["FULL"] == 6 and runner.stats()["eager_steps"] == {}
 
 
 def test_capture_that_syncs_the_host_fails_cleanly_and_frees_its_memory():

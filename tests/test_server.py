@@ -20,13 +20,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tiny_llama import reference_generate  # noqa: E402
+from tiny_llama import greedy, greedy_mismatch, reference_generate  # noqa: E402
 
 from examples.server import ModelSpec, Server, build_model, load_table  # noqa: E402
 from examples.server import engine as engine_mod  # noqa: E402
 
 SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
 SPEC_ARGS = ["--layers", "2", "--hidden", "64", "--vocab-size", "128", "--max-model-len", "48"]
+TOKEN = "test-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def plan_text(name="t", sizes=(1, 2, 4, 8), mode="FULL_AND_PIECEWISE", seqs=8) -> str:
@@ -45,7 +47,8 @@ def plan_file(tmp_path):
 
 @pytest.fixture
 def server(plan_file):
-    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096).start()
+    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096,
+               admin_token=TOKEN).start()
     assert s.wait_ready(30)
     yield s
     s.stop()
@@ -139,11 +142,40 @@ def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkey
         s.stop()
 
 
+def record_logits(server) -> dict:
+    """Wraps the engine's batcher: request -> the logits rows its tokens were picked from."""
+    rows: dict = {}
+    batcher = server.engine.batcher
+    commit = batcher.commit
+
+    def recording(batch, logits):
+        for rid, i in zip(batch.request_ids, batch.sample_rows):
+            if i >= 0:
+                rows.setdefault(rid, []).append(logits[i].to("cpu", torch.float32, copy=True))
+        return commit(batch, logits)
+    batcher.commit = recording
+    return rows
+
+
+def assert_logits_equal_offline(rows: dict, device: str = "cpu") -> None:
+    """Each request's logits equal those of offline greedy decoding of its prompt alone, fed the
+    same tokens (teacher forcing), within tiny_llama.LOGIT_TOL of the model dtype."""
+    ref = _ref_model(device)
+    assert rows
+    for r, got in rows.items():
+        _, want = greedy(ref, [r.prompt], len(r.out), forced=[r.out])
+        bad = greedy_mismatch([r.out], [torch.stack(got)], want, ref.kv_cache.dtype)
+        assert bad is None, (r.prompt, bad)
+
+
 def test_concurrent_generates_equal_offline_greedy_for_each_prompt_alone(server):
+    rows = record_logits(server)
     work = random_prompts(20, seed=1)  # more requests than KV rows (8): queueing and row reuse
     outs = run_concurrently([lambda p=p, n=n, i=i: generate(server, p, n, stream=i % 3 == 0)
                              for i, (p, n) in enumerate(work)])
     assert outs == [_reference(tuple(p), n) for p, n in work]
+    assert len(rows) == 20
+    assert_logits_equal_offline(rows)  # logits too, not only tokens
     status, body = request(server, "POST", "/generate",
                            {"prompts": [p for p, _ in work[:3]], "max_tokens": 5})
     assert status == 200
@@ -224,7 +256,8 @@ def test_metrics_expose_the_runner_and_server_series(server):
     fp, stats = server.engine.table.fingerprint, server.engine.runner.stats()
     assert stats["replays"] + sum(stats["eager_steps"].values()) == 4  # 1 prefill + 3 decodes
     for series in (f'graphplan_plan_info{{plan="t",fingerprint="{fp}",backend="cpu-stand-in"}} 1',
-                   'graphplan_graph_replays_total{graph=', 'graphplan_graph_padding_tokens_total{',
+                   f'graphplan_graph_replays_total{{fingerprint="{fp}",graph=',
+                   'graphplan_graph_padding_tokens_total{',
                    "# TYPE graphplan_eager_steps_total counter",
                    "graphplan_capture_seconds ", "graphplan_capture_bytes ",
                    f"graphplan_captured_graphs {stats['capture']['graphs']}",
@@ -238,6 +271,56 @@ def test_metrics_expose_the_runner_and_server_series(server):
                    "graphplan_server_step_seconds_count 4",
                    'graphplan_server_request_seconds_bucket{le="+Inf"} 1'):
         assert series in text, series
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """{labels: value} of one Prometheus series."""
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+
+
+def test_metrics_count_every_response_by_code(server):
+    generate(server, [1, 2], 2)
+    assert request(server, "POST", "/generate", {"prompt": [], "max_tokens": 2})[0] == 422
+    assert request(server, "GET", "/nowhere")[0] == 404
+    assert request(server, "GET", "/healthz")[0] == 200
+    text = request(server, "GET", "/metrics")[1]
+    got = _series(text, "graphplan_server_http_responses_total")
+    assert got == {'code="200",endpoint="/generate"': 1, 'code="422",endpoint="/generate"': 1,
+                   'code="404",endpoint="other"': 1, 'code="200",endpoint="/healthz"': 1}
+    text = request(server, "GET", "/metrics")[1]  # the first scrape is counted by the next
+    assert _series(text, "graphplan_server_http_responses_total")[
+        'code="200",endpoint="/metrics"'] == 1
+
+
+def test_replay_counters_stay_cumulative_per_plan_fingerprint_across_reloads(server, plan_file,
+                                                                             tmp_path):
+    other = plan_file.parent / "other-cumulative.yaml"  # inside the reload directory
+    other.write_text(plan_text(name="t2", sizes=(1, 2, 4), mode="FULL"))
+    fp_a = server.engine.table.fingerprint
+
+    def replays(fp):
+        text = request(server, "GET", "/metrics")[1]
+        return sum(v for k, v in _series(text, "graphplan_graph_replays_total").items()
+                   if f'fingerprint="{fp}"' in k)
+    generate(server, [1, 2, 3], 4)
+    a1 = replays(fp_a)
+    assert a1 > 0
+    status, body = request(server, "POST", "/admin/reload", {"path": str(other)}, ADMIN)
+    assert status == 200 and body["previous"] == fp_a
+    fp_b = body["fingerprint"]
+    assert replays(fp_a) == a1  # the swapped-out plan's counters are kept, not reset
+    generate(server, [4, 5], 3)
+    b1 = replays(fp_b)
+    assert b1 > 0 and replays(fp_a) == a1
+    status, body = request(server, "POST", "/admin/reload", {"path": str(plan_file)}, ADMIN)
+    assert status == 200 and body["fingerprint"] == fp_a
+    generate(server, [1, 2, 3], 4)
+    assert replays(fp_a) == 2 * a1 and replays(fp_b) == b1  # A continues from its total
+    text = request(server, "GET", "/metrics")[1]
+    eager = sum(_series(text, "graphplan_eager_steps_total").values())
+    steps = sum(_series(text, "graphplan_server_steps_total").values())
+    assert replays(fp_a) + replays(fp_b) + eager == steps  # every step of every plan counted
 
 
 def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_finish(server,
@@ -255,7 +338,7 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
     while server.engine.num_running() <= 4 and time.monotonic() < deadline:
         time.sleep(0.002)
     assert server.engine.num_running() > 4  # more than the new plan seats: the switch waits
-    status, body = request(server, "POST", "/admin/reload", {"path": str(new)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(new)}, ADMIN)
     in_flight = server.engine.num_running()
     clients.join(60)
     assert status == 200 and body["previous"] == old_fp and body["plan"] == "t2", body
@@ -264,14 +347,14 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
     assert request(server, "GET", "/healthz")[1]["fingerprint"] == body["fingerprint"]
     assert results == [_reference(tuple(p), n) for p, n in work]
     assert server.engine.runner.stats()["replays"] > 0  # the new runner served the tail
-    status, body = request(server, "POST", "/admin/reload", {"path": str(new)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(new)}, ADMIN)
     assert status == 200 and body["unchanged"]
     table = tmp_path / "table.json"  # a compiled table loads without the YAML stack
     load_table_from_text(plan_text(name="t3", sizes=(1, 8), mode="FULL")).save(table)
-    status, body = request(server, "POST", "/admin/reload", {"path": str(table)})
+    status, body = request(server, "POST", "/admin/reload", {"path": str(table)}, ADMIN)
     assert status == 200 and body["plan"] == "t3" and body["capture"]["graphs"] == 2
     status, body = request(server, "POST", "/admin/reload",
-                           {"path": str(table), "set": {"cudagraph.mode": "NONE"}})
+                           {"path": str(table), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
     assert status == 422 and "apply to plans, not to a compiled table" in body["error"]
     assert generate(server, [8, 1], 4) == _reference((8, 1), 4)
 
@@ -290,12 +373,12 @@ def test_reload_with_a_bad_plan_is_rejected_and_the_old_plan_kept(server, tmp_pa
             ({"set": ["x"]}, 400, "'set' must be an object"),
             (None, 400, "malformed JSON")]:
         raw = b"{" if body is None else None
-        got, reply = request(server, "POST", "/admin/reload", body, raw=raw)
+        got, reply = request(server, "POST", "/admin/reload", body, ADMIN, raw=raw)
         assert got == status and re.search(message, reply["error"]), reply
         assert status == 400 or f"still serving {fp[:19]}" in reply["error"]
         assert server.engine.table.fingerprint == fp
     got, reply = request(server, "POST", "/admin/reload",  # the bad plan, fixed by an override
-                         {"path": str(bad), "set": {"cudagraph.mode": "NONE"}})
+                         {"path": str(bad), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
     assert got == 200 and server.engine.runner.stats()["capture"]["graphs"] == 0, reply
     assert server.engine.metrics.reloads == {"rejected": 3, "ok": 1}
     assert generate(server, [9, 9], 4) == _reference((9, 9), 4)
@@ -390,10 +473,12 @@ def test_server_on_cuda_generates_offline_greedy_tokens_with_graphs():
     s = Server(ROOT / "plans" / "tiny-llama.yaml", device="cuda", progress=False).start()
     try:
         assert s.wait_ready(120), s.engine.error
+        rows = record_logits(s)
         rng = random.Random(3)
         work = [([rng.randrange(2048) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
                 for _ in range(24)]
         outs = run_concurrently([lambda p=p, n=n: generate(s, p, n) for p, n in work])
+        assert_logits_equal_offline(rows, "cuda")  # float32: LOGIT_TOL 1e-3
         assert outs == [_reference(tuple(p), n, "cuda") for p, n in work]
         stats = s.engine.runner.stats()
         assert stats["backend"] == "cuda" and stats["replays"] > 0

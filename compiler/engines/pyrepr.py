@@ -169,7 +169,7 @@ class _Reader:
             self.i = start
             self.fail(f"{text!r} is not a number")
 
-    def _dotted(self) -> str:
+    def dotted(self) -> str:
         self.ws()
         start = self.i
         while self.i < len(self.s) and (self.s[self.i].isalnum() or self.s[self.i] in "_."):
@@ -180,7 +180,7 @@ class _Reader:
 
     def _enum(self) -> Enum:
         self.expect("<")
-        dotted = self._dotted()
+        dotted = self.dotted()
         cls, _, member = dotted.rpartition(".")
         self.expect(":")
         value = self.value()
@@ -188,7 +188,7 @@ class _Reader:
         return Enum(cls, member, value)
 
     def _name_or_call(self):
-        name = self._dotted()
+        name = self.dotted()
         if name in _CONST:
             return _CONST[name]
         if self.i < len(self.s) and self.s[self.i] == "(":
@@ -197,7 +197,7 @@ class _Reader:
             while self.peek() != ")":
                 save = self.i
                 if self.peek().isalpha() or self.peek() == "_":
-                    key = self._dotted()
+                    key = self.dotted()
                     if self.peek() == "=":
                         self.i += 1
                         kwargs[key] = self.value()
@@ -225,7 +225,7 @@ def parse_kwargs(text: str, pos: int = 0) -> dict:
     """Read ``name=value, name=value, ...`` up to the end of the text (an engine-config line)."""
     r, out = _Reader(text, pos), {}
     while r.peek():
-        key = r._dotted()
+        key = r.dotted()
         r.expect("=")
         out[key] = r.value()
         if r.peek() == ",":

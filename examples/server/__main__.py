@@ -2,8 +2,10 @@
 
 Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
 to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
-swaps it in between steps; SIGTERM / SIGINT drain and stop. Exit codes: 0 after a clean stop,
-2 for an invalid plan, 1 for any other start-up failure.
+swaps it in between steps; SIGTERM / SIGINT drain and stop. ``/admin/reload`` is off unless an admin
+token is given (``GRAPHPLAN_ADMIN_TOKEN``, or ``--admin-token``, which other users can see in the
+process list), and reloads only files inside ``--reload-dir`` (default: the plan's folder).
+Exit codes: 0 after a clean stop, 2 for an invalid plan, 1 for any other start-up failure.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from graphplan.compiler.errors import GraphplanError
 from examples.server.app import Server
 from examples.server.model import DTYPES, ModelSpec, parse_sets
+from examples.server.security import TOKEN_ENV, admin_token
 
 log = logging.getLogger("graphplan.server")
 
@@ -44,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests")
+    p.add_argument("--admin-token", metavar="TOKEN",
+                   help=f"bearer token for /admin/ routes (default: ${TOKEN_ENV}; "
+                   "without one they are off). Prefer the environment variable: a flag is "
+                   "visible in the process list")
+    p.add_argument("--reload-dir", metavar="DIR",
+                   help="/admin/reload reads plans and tables only inside this directory "
+                   "(default: the folder of --plan)")
+    p.add_argument("--idle-timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection that sends nothing for this many seconds")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -57,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(a.plan, overrides=parse_sets(a.set) or None, host=a.host, port=a.port,
                         device=a.device, spec=spec, progress=not a.no_progress,
-                        max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout)
+                        max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
+                        admin_token=admin_token(a.admin_token), reload_dir=a.reload_dir,
+                        idle_timeout=a.idle_timeout)
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)
         return e.exit_code

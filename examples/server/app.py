@@ -5,6 +5,11 @@ keep-alive, chunked NDJSON streams) in front of the single engine thread.
     GET  /metrics        Prometheus text: the runner's series and the server's
     POST /generate       {"prompt": [ids], "max_tokens": N, "stream": false} or {"prompts": [...]}
     POST /admin/reload   {} (re-read the start-up plan) or {"path": ..., "set": {...}}
+
+Every answer is JSON (errors too: 4xx for the client's mistakes, 405 for a known path with the
+wrong method, 501 for an unknown method, 5xx only for server faults). ``/admin/`` routes need
+``Authorization: Bearer <token>`` (examples/server/security.py) and are off without a token;
+reload paths stay inside the reload directory. Idle and slow connections time out.
 """
 
 from __future__ import annotations
@@ -15,20 +20,26 @@ import queue
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from examples.server.engine import Engine
 from examples.server.metrics import render_metrics
 from examples.server.model import ModelSpec, load_table
 from examples.server.protocol import RequestError, parse_generate, parse_reload
+from examples.server.security import AdminGate, GuardedHandler, ReloadDir
 
 log = logging.getLogger("graphplan.server")
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(GuardedHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "graphplan-server/0.1"
     server: "_HTTPServer"
+
+    def send_response(self, code, message=None):  # every response, counted by code
+        self.server.app.engine.metrics.response(code, urlsplit(getattr(self, "path", "")).path)
+        super().send_response(code, message)
 
     def log_message(self, fmt, *args):  # access log at debug level; errors are logged by us
         log.debug("%s %s", self.address_string(), fmt % args)
@@ -36,6 +47,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes -----------------------------------------------------------------------------
     def do_GET(self):
         app, path = self.server.app, urlsplit(self.path).path
+        if self._admin(path):
+            return
         if path == "/healthz":
             e = app.engine
             body = {"status": e.state, "plan": e.table.settings.name,
@@ -46,17 +59,23 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._send(200, render_metrics(app.engine).encode(),
                        "text/plain; version=0.0.4; charset=utf-8")
-        else:
+        elif not self._wrong_method(path):
             self._error(RequestError(404, f"no such endpoint: GET {path}"))
 
     def do_POST(self):
         path = urlsplit(self.path).path
+        if self._admin(path):
+            return
         try:
             if path == "/generate":
                 self._generate()
             elif path == "/admin/reload":
                 path_, sets = parse_reload(self._body())
+                if path_ is not None:
+                    path_ = self.server.app.reload_dir.confine(path_)
                 self._json(200, self.server.app.engine.reload(path_, sets))
+            elif self._wrong_method(path):
+                pass
             else:
                 self.close_connection = True  # the body was not read
                 raise RequestError(404, f"no such endpoint: POST {path}")
@@ -76,7 +95,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(events, reqs, g.batch)
             else:
                 self._collect(events, reqs, g.batch)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
         finally:
             for r in reqs:  # a timed-out or disconnected client frees its rows
@@ -194,7 +213,12 @@ class Server:
     def __init__(self, source, *, overrides: dict | None = None, host: str = "127.0.0.1",
                  port: int = 0, device: str = "cpu", spec: ModelSpec = ModelSpec(),
                  progress: bool = True, max_body_bytes: int = 1 << 20,
-                 request_timeout: float = 300.0, drain_timeout: float = 30.0):
+                 request_timeout: float = 300.0, drain_timeout: float = 30.0,
+                 admin_token: str | None = None, reload_dir=None, idle_timeout: float = 30.0):
+        self.admin = AdminGate(admin_token)  # no token: admin routes are off
+        self.reload_dir = ReloadDir(reload_dir if reload_dir is not None
+                                    else Path(source).resolve().parent)
+        self.idle_timeout = idle_timeout
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
         self.engine = Engine(table, str(source), overrides, spec=spec, device=device,
                              progress=progress)

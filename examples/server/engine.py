@@ -121,7 +121,7 @@ class Engine:
             try:
                 table = load_table(src, ov)
                 check_fits(table, self.model)
-            except GraphplanError as e:
+            except (GraphplanError, RecursionError, ValueError) as e:  # the file's fault
                 self.metrics.reload("rejected")
                 raise RequestError(422, f"plan rejected, still serving {old[:19]}: {e}") from None
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
@@ -248,7 +248,9 @@ class Engine:
         if self.num_running() > swap.table.max_num_seqs:
             return
         self._pending = None
-        old, self.runner = self.runner, swap.runner
+        with self.metrics.lock:  # /metrics sees the old counters or the new runner plus them
+            self.metrics.retire(self.runner.stats())
+            old, self.runner = self.runner, swap.runner
         prev = self.table.fingerprint
         self.table, self.source, self.overrides = swap.table, swap.source, swap.overrides
         self.batcher.max_num_seqs = swap.table.max_num_seqs

@@ -6,6 +6,7 @@ Counters are plain ints bumped by the engine thread; /metrics reads them from a 
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 
 from graphplan.runtime import render_prometheus
@@ -37,9 +38,15 @@ class Histogram:
         return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
+ENDPOINTS = ("/healthz", "/metrics", "/generate", "/admin/reload")  # others: endpoint="other"
+
+
 class ServerMetrics:
     def __init__(self):
-        self.requests: dict[int, int] = {}  # finished requests by HTTP status
+        self.lock = threading.Lock()  # HTTP threads count responses; runner swaps vs. /metrics
+        self.responses: dict[tuple[int, str], int] = {}  # every HTTP response by code, endpoint
+        self.retired: dict[str, dict] = {}  # fingerprint -> counters of runners swapped out
+        self.requests: dict[int, int] = {}  # finished generate requests by HTTP status
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.steps = {"decode": 0, "mixed": 0}  # mixed: at least one prefill in the step
@@ -63,13 +70,59 @@ class ServerMetrics:
     def reload(self, result: str) -> None:
         self.reloads[result] = self.reloads.get(result, 0) + 1
 
+    def response(self, code: int, path: str) -> None:
+        """One HTTP response (any endpoint, any code: 2xx, 4xx, 5xx); called by every handler
+        thread."""
+        key = (int(code), path if path in ENDPOINTS else "other")
+        with self.lock:
+            self.responses[key] = self.responses.get(key, 0) + 1
+
+    def retire(self, stats: dict) -> None:
+        """Keep a swapped-out runner's replay, padding and eager counters (call under ``lock``,
+        with the swap), so /metrics stays cumulative per plan fingerprint across reloads."""
+        r = self.retired.setdefault(stats["fingerprint"], {"graphs": {}, "eager": {}})
+        for g in stats["graphs"]:
+            acc = r["graphs"].setdefault(g["id"], {**g, "replays": 0, "padding_tokens": 0})
+            acc["replays"] += g["replays"]
+            acc["padding_tokens"] += g["padding_tokens"]
+        for reason, n in stats["eager_steps"].items():
+            r["eager"][reason] = r["eager"].get(reason, 0) + n
+
+    def cumulative(self, stats: dict | None) -> dict | None:
+        """``stats`` (the running runner's) with every retired runner's counters added: graphs of
+        every plan this server ran, labelled by fingerprint; eager steps summed over them."""
+        if stats is None and not self.retired:
+            return None
+        out = dict(stats) if stats else {"plan": "", "fingerprint": "", "backend": "",
+                                         "capture": {}, "graphs": [], "eager_steps": {}}
+        graphs, eager = {}, {}
+        for fp, r in self.retired.items():
+            for gid, g in r["graphs"].items():
+                graphs[fp, gid] = {**g, "fingerprint": fp}
+            for reason, n in r["eager"].items():
+                eager[reason] = eager.get(reason, 0) + n
+        for g in (stats or {}).get("graphs", ()):
+            acc = graphs.setdefault((stats["fingerprint"], g["id"]),
+                                    {**g, "fingerprint": stats["fingerprint"], "replays": 0,
+                                     "padding_tokens": 0})
+            acc["replays"] += g["replays"]
+            acc["padding_tokens"] += g["padding_tokens"]
+        for reason, n in (stats or {}).get("eager_steps", {}).items():
+            eager[reason] = eager.get(reason, 0) + n
+        out["graphs"] = [graphs[k] for k in sorted(graphs)]
+        out["eager_steps"] = eager
+        return out
+
 
 def render_metrics(engine) -> str:
     """The runner's series (plan fingerprint, replays per graph, eager steps by reason, padding,
     capture time and memory) followed by the server's."""
     m: ServerMetrics = engine.metrics
-    runner = engine.runner
-    text = render_prometheus(runner.stats()) if runner is not None else ""
+    with m.lock:  # the running runner and the retired counters of one moment
+        runner = engine.runner
+        stats = m.cumulative(runner.stats() if runner is not None else None)
+        responses = sorted(m.responses.items())
+    text = render_prometheus(stats) if stats is not None and runner is not None else ""
     lines: list[str] = []
 
     def metric(name, kind, help_, samples):
@@ -79,7 +132,9 @@ def render_metrics(engine) -> str:
 
     metric("ready", "gauge", "1 once the graphs are captured and the server serves.",
            [f" {int(engine.state == 'ready')}"])
-    metric("requests_total", "counter", "Finished requests by HTTP status.",
+    metric("http_responses_total", "counter", "Every HTTP response, by status code and endpoint.",
+           [f'{{code="{c}",endpoint="{p}"}} {n}' for (c, p), n in responses])
+    metric("requests_total", "counter", "Finished generate requests by HTTP status.",
            [f'{{code="{c}"}} {n}' for c, n in sorted(m.requests.items())])
     metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [f" {m.prompt_tokens}"])
     metric("generated_tokens_total", "counter", "Tokens generated.", [f" {m.generated_tokens}"])

@@ -56,6 +56,8 @@ def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
         if overrides:
             raise UsageError(f"{path}: overrides (--set) apply to plans, not to a compiled "
                              "table; compile the plan with them instead")
+        from graphplan.compiler.limits import require_regular_file  # a FIFO would block the reader
+        require_regular_file(path, TableError, "table")
         return DispatchTable.load(path)
     from graphplan.compiler import compile_plan  # the YAML stack only when a plan is given
     return compile_plan(path, overrides or None)
@@ -63,7 +65,7 @@ def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
 
 def parse_sets(pairs: list[str] | None) -> dict:
     """``["cudagraph.mode=NONE", ...]`` -> overrides, exactly as ``plan --set`` reads them."""
-    from graphplan.compiler.cli import parse_overrides  # the YAML stack only when overrides are given
+    from graphplan.compiler.cli_inputs import parse_overrides  # the YAML stack only when overrides are given
     return parse_overrides(pairs or [])
 
 

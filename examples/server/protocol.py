@@ -38,6 +38,8 @@ def _object(body: bytes, fields: tuple[str, ...], allow_empty: bool = False) -> 
         obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(obj).__name__}")
     for key in obj:
