@@ -22,6 +22,7 @@ for step in "$@"; do
     generate)  python -m graphplan.compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
     capture)   timeout 300 python bench/capture_bench.py --out "$OUT/capture_bench.md" 2>&1 | tail -14 ;;
     piecewise) timeout 400 python bench/piecewise_bench.py --out "$OUT/piecewise_bench.md" 2>&1 | tail -30 ;;
+    pwtests)   timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests/test_breakable_gpu.py tests/test_piecewise_gpu.py 2>&1 | tee "$OUT/piecewise_gpu_tests.log" | tail -15 ;;
     server)    timeout 400 python bench/server_load.py --device cuda --clients 32 --requests 16 --max-tokens 64 --prompt-len 64 --time-limit 120 --out "$OUT/server_load.md" 2>&1 | tail -25 ;;
     dptests)   nvidia-smi topo -m > "$OUT/topo.txt"; timeout 420 python -m pytest -q -p no:cacheprovider tests/test_dp_gpu.py 2>&1 | tee "$OUT/dp_gpu_tests.log" | tail -15 ;;
     dpsync)    timeout 120 python bench/dp_sync_bench.py --out "$OUT/dp_sync_bench.md" 2>&1 | tail -12 ;;

@@ -1,8 +1,14 @@
-"""Mixed-batch steps of the tiny Llama: eager vs piecewise graphs vs FULL graphs; and what capturing
-a FULL_AND_PIECEWISE plan costs (time, graphs, memory).
+"""Mixed-batch steps of the tiny Llama: eager vs piecewise graphs (torch.fx split and run-time split,
+side by side) vs FULL graphs; and what capturing a FULL_AND_PIECEWISE plan costs with each split
+(time, graphs, memory).
 
-    python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16
+    python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16, both splits
+    python bench/piecewise_bench.py --mechanism runtime                      # one split only
     python bench/piecewise_bench.py --device cpu --quick                     # smoke run, tiny sizes
+
+The run-time split can be the default only if its step time is within 5% of the fx split's on
+every mixed step of 16-256 tokens (the last line says whether it is). Only CUDA timings count: on
+the CPU the two stand-ins differ (the run-time split's segments replay as aten tapes).
 
 A mixed step at T tokens is chunked prefill plus decodes in one batch: min(T // 4, 32) decodes with
 context, the rest prefill chunks of up to 128 tokens each continuing a prompt. Every mode runs the
@@ -31,6 +37,7 @@ from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # 
 from graphplan.runtime import DispatchTable, GraphRunner  # noqa: E402
 
 BAR, BAR_TOKENS = 2.0, 256
+SAME, MIN_SAME_TOKENS = 0.05, 16  # the run-time split is "as fast" within 5% on 16-256 tokens
 TABLES = ROOT / "bench" / "tables"
 DEFAULT_TOKENS = [16, 64, 128, 256, 512]  # the sizes of bench/tables/mixed-*.json
 MiB = 1 << 20
@@ -68,7 +75,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", help="mixed-step token counts")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--out", type=Path, help="also write the report to this file")
+    p.add_argument("--mechanism", choices=("both", "fx", "runtime"), default="both",
+                   help="how piecewise graphs split the model: the torch.fx trace, the run-time "
+                        "split, or both side by side (default)")
     a = p.parse_args(argv)
+    mechs = ("fx", "runtime") if a.mechanism == "both" else (a.mechanism,)
+    both = len(mechs) == 2
     device = torch.device(a.device)
     if a.quick:
         cfg = TinyLlamaConfig(vocab_size=512, hidden=128, layers=2, heads=2, kv_heads=1,
@@ -94,28 +106,37 @@ def main(argv=None) -> int:
              f"intermediate {cfg.intermediate}, vocab {cfg.vocab_size}, max_model_len "
              f"{cfg.max_model_len}"]
 
-    # capture cost of a FULL_AND_PIECEWISE plan with vLLM's default sizes
+    # capture cost of a FULL_AND_PIECEWISE plan with vLLM's default sizes, per split mechanism
     table = load("full-and-piecewise-51", fp)
-    runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False)
-    s = runner.capture()
-    pw = s["piecewise"]
-    lines.append(f"# FULL_AND_PIECEWISE capture (vllm preset, max_num_seqs {table.max_num_seqs}): "
-                 f"{s['graphs']} graphs ({pw['piece_graphs']} piece graphs of {pw['pieces']} "
-                 f"pieces, {pw['split_ops']} eager split ops per step) in {s['seconds']:.2f} s; "
-                 f"graph pool {s['bytes'] / MiB:.1f} MiB; static buffers "
-                 f"{(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
-    runner.release()
-    del runner
+    capture_s = {}
+    for mech in mechs:
+        runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False,
+                             piecewise=mech)
+        s = runner.capture()
+        pw = s["piecewise"]
+        capture_s[mech] = s["seconds"]
+        lines.append(f"# FULL_AND_PIECEWISE capture, {mech} split (vllm preset, max_num_seqs "
+                     f"{table.max_num_seqs}): {s['graphs']} graphs ({pw['piece_graphs']} piece "
+                     f"graphs of {pw['pieces']} pieces, {pw['split_ops']} eager split ops per step) "
+                     f"in {s['seconds']:.2f} s; graph pool {s['bytes'] / MiB:.1f} MiB; static "
+                     f"buffers {(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
+        runner.release()
+        del runner
 
-    runners = {m: GraphRunner(model, load(f"mixed-{m.lower()}", mixed), static_inputs(model),
-                              device=device, progress=False) for m in ("PIECEWISE", "FULL")}
+    runners = {f"pw-{m}": GraphRunner(model, load("mixed-piecewise", mixed), static_inputs(model),
+                                      device=device, progress=False, piecewise=m) for m in mechs}
+    runners["FULL"] = GraphRunner(model, load("mixed-full", mixed), static_inputs(model),
+                                  device=device, progress=False)
     for runner in runners.values():
         runner.capture()
-    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} {'piecewise ms':>12} {'FULL ms':>8} "
-            f"{'pw speedup':>10} {'FULL speedup':>12} {'pw err':>8}  bar (piecewise >= {BAR:g}x "
+    pws = [k for k in runners if k != "FULL"]
+    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} "
+            + "".join(f"{k + ' ms':>14}" for k in pws) + f" {'FULL ms':>8} "
+            + "".join(f"{k + ' x':>14}" for k in pws) + f" {'FULL x':>7}"
+            + (f" {'rt/fx':>7}" if both else "") + f" {'pw err':>8}  bar (piecewise >= {BAR:g}x "
             f"eager, <= {BAR_TOKENS} tokens)")
     lines += [head, "-" * len(head)]
-    failed = False
+    failed, ratios = False, {}
     with torch.no_grad():
         for t in tokens:
             reqs = mixed_reqs(t, max_chunk, cfg.max_model_len // 4)
@@ -125,23 +146,39 @@ def main(argv=None) -> int:
             ms = {"eager": time_per_call(eager_fn, device, iters, 3) * 1e3}
             ref = eager_fn().clone()
             err = 0.0
-            for mode, runner in runners.items():
+            # both splits are timed twice, in opposite orders (fx, runtime ... runtime, fx), and
+            # keep their better time, so neither gains from running first or last
+            for mode in [*runners, *reversed(pws)] if both else runners:
+                runner = runners[mode]
                 step = lambda runner=runner: runner.step(batch, num_reqs=r, max_query_len=q)  # noqa: E731
-                ms[mode] = time_per_call(step, device, iters, 3) * 1e3
-                if mode == "PIECEWISE":
-                    err = rel_err(step(), ref)
-            sp, sf = ms["eager"] / ms["PIECEWISE"], ms["eager"] / ms["FULL"]
+                ms[mode] = min(ms.get(mode, float("inf")), time_per_call(step, device, iters, 3) * 1e3)
+                if mode != "FULL":
+                    err = max(err, rel_err(step(), ref))
+            if both and MIN_SAME_TOKENS <= t <= BAR_TOKENS:
+                ratios[t] = ms["pw-runtime"] / ms["pw-fx"]
             if t > BAR_TOKENS:
                 verdict = "n/a"
             else:
-                ok = sp >= BAR
+                ok = all(ms["eager"] / ms[k] >= BAR for k in pws)
                 failed |= not ok
                 verdict = "PASS" if ok else "FAIL"
-            lines.append(f"{t:>6} {r:>4} {ms['eager']:>9.3f} {ms['PIECEWISE']:>12.3f} "
-                         f"{ms['FULL']:>8.3f} {sp:>9.2f}x {sf:>11.2f}x {err:>8.1e}  {verdict}")
+            rt_fx = f" {ms['pw-runtime'] / ms['pw-fx']:>7.3f}" if both else ""
+            lines.append(f"{t:>6} {r:>4} {ms['eager']:>9.3f} "
+                         + "".join(f"{ms[k]:>14.3f}" for k in pws) + f" {ms['FULL']:>8.3f} "
+                         + "".join(f"{ms['eager'] / ms[k]:>13.2f}x" for k in pws)
+                         + f" {ms['eager'] / ms['FULL']:>6.2f}x{rt_fx} {err:>8.1e}  {verdict}")
     stats = {m: r.stats() for m, r in runners.items()}
     assert all(s["eager_steps"] == {} for s in stats.values()), "a timed step ran eagerly"
-    assert stats["PIECEWISE"]["replays_by_mode"]["PIECEWISE"] > 0
+    assert all(stats[k]["replays_by_mode"]["PIECEWISE"] > 0 for k in pws)
+    if both and ratios:
+        worst = max(ratios, key=ratios.get)
+        within = ratios[worst] <= 1 + SAME
+        lines.append(f"# run-time split vs fx split, mixed steps {MIN_SAME_TOKENS}-{BAR_TOKENS} "
+                     f"tokens: step time {ratios[worst] - 1:+.1%} at worst ({worst} tokens); "
+                     f"capture {capture_s['runtime'] / capture_s['fx'] - 1:+.1%} "
+                     f"({capture_s['runtime']:.2f} s vs {capture_s['fx']:.2f} s). Within "
+                     f"{SAME:.0%}: {'YES' if within else 'NO'} (docs/semantics.md: choosing the "
+                     "piecewise split)")
     enforce = device.type == "cuda"
     lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
                  + ("" if enforce else " (informational: the bar applies on CUDA)"))

@@ -7,6 +7,7 @@ not plans). The table format is ``compiler.table``, the one module both halves s
 from graphplan.compiler.errors import BatchError, GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode, TableSettings, Why
 from graphplan.compiler.table import DispatchTable, Route
+from graphplan.runtime.breakable import split_point
 from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.capture import CaptureError
 from graphplan.runtime.metrics import render_prometheus
@@ -15,7 +16,7 @@ from graphplan.runtime.runner import GraphRunner, RunnerStateError
 
 __all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "TableSettings", "Why", "BatchError",
            "CaptureError", "GraphplanError", "RunnerStateError", "SplitError", "TableError",
-           "render_prometheus", "load_table"]
+           "render_prometheus", "load_table", "split_point"]
 
 
 def load_table(path) -> DispatchTable:

@@ -52,6 +52,8 @@ class CaptureJob:
     rank: int = 0
     progress: bool = True
     splitting_ops: dict = field(default_factory=dict)
+    piecewise: str = "auto"
+    """How PIECEWISE graphs split the model: "fx", "runtime" or "auto" (see _split)."""
     ubatch_body: object = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
     warmup_each: bool = False
@@ -165,9 +167,7 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
     summary["graphs"] = len(ids)
     summary["bytes"] = backend.memory_used() - start  # the pool, static outputs included
     if done.piecewise is not None:
-        pw = done.piecewise
-        summary["piecewise"] = {"pieces": len(pw.split.pieces), "split_ops": len(pw.split.split_ops),
-                                "piece_graphs": pw.num_graphs(), "static_bytes": pw.crossing_bytes()}
+        summary["piecewise"] = done.piecewise.summary()
     if summary["estimate_bytes"] and summary["bytes"]:
         summary["estimate_error"] = summary["estimate_bytes"] / summary["bytes"] - 1
     if job.rank == 0:
@@ -193,26 +193,60 @@ def _capture_error(e: Exception, gid: int, key) -> CaptureError:
 
 
 def _split(job: CaptureJob):
-    """The model cut at the plan's splitting ops, ready to capture (runtime/piecewise.py)."""
+    """The model's piecewise state, ready to capture: cut by torch.fx (runtime/piecewise.py), or
+    at run time (runtime/breakable_graphs.py); "auto" takes fx when the model can be fx-split."""
+    from graphplan.runtime.piecewise import SplitError
+    if job.piecewise == "runtime":
+        return _runtime_split(job)
+    try:
+        return _fx_split(job)
+    except SplitError as e:
+        if job.piecewise == "fx":
+            raise
+        log.info("piecewise: the fx split does not apply (%s); splitting at run time",
+                 str(e).split(". ")[0])
+        return _runtime_split(job)
+
+
+def _max_piecewise_tokens(table) -> int:
+    return max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
+
+
+def _model_static(job: CaptureJob) -> list:
+    """Tensors at fixed addresses: the runner's inputs, the model's parameters and buffers."""
+    static = [*job.buffers.buffers.values()]
+    if isinstance(job.model, torch.nn.Module):
+        static += [*job.model.parameters(), *job.model.buffers()]
+    return static
+
+
+def _runtime_split(job: CaptureJob):
+    from graphplan.runtime.breakable_graphs import BreakableGraphs
+    table = job.table
+    return BreakableGraphs(job.model, table.settings.splitting_ops, job.splitting_ops,
+                           backend=job.backend, buffers=job.buffers,
+                           max_tokens=_max_piecewise_tokens(table), max_reqs=table.max_num_seqs,
+                           static=_model_static(job), warmups=job.warmups)
+
+
+def _fx_split(job: CaptureJob):
     from graphplan.runtime.piecewise import split_model
     from graphplan.runtime.piecewise_graphs import PiecewiseGraphs
     table, model = job.table, job.model
     split = split_model(model, table.settings.splitting_ops, job.splitting_ops)
-    static = [*job.buffers.buffers.values()]
-    if isinstance(model, torch.nn.Module):
-        static += [*model.parameters(), *model.buffers()]
+    static = _model_static(job)
     static += [*split.module.parameters(), *split.module.buffers()]
     for m in split.module.modules():  # constants the tracer baked in (e.g. a view of the cache)
         static += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    max_tokens = max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
     return PiecewiseGraphs(split, backend=job.backend, buffers=job.buffers,
-                           max_tokens=max_tokens, max_reqs=table.max_num_seqs, static=static,
-                           warmups=job.warmups)
+                           max_tokens=_max_piecewise_tokens(table), max_reqs=table.max_num_seqs,
+                           static=static, warmups=job.warmups)
 
 
 def capture_line(s: dict) -> str:
     pw = s.get("piecewise")
-    pieces = f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops)" if pw else ""
+    pieces = (f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops, "
+              f"{pw['mechanism']} split)" if pw else "")
     line = (f"captured {s['graphs']} graphs{pieces} in {s['seconds']:.2f} s, "
             f"{s['bytes'] / GiB:.3f} GiB ({s['backend']})")
     if s["estimate_bytes"] is not None and s["bytes"]:

@@ -35,6 +35,8 @@ def _output_names(module: torch.fx.GraphModule) -> list[str]:
 class PiecewiseGraphs:
     """The runner's piecewise state: the glue module, the call objects and the crossing buffers."""
 
+    mechanism = "fx"
+
     def __init__(self, split: SplitModel, *, backend, buffers, max_tokens: int, max_reqs: int,
                  static: list[torch.Tensor], warmups: int = 1):
         self.split, self.backend, self.buffers = split, backend, buffers
@@ -78,6 +80,11 @@ class PiecewiseGraphs:
 
     def crossing_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.crossing.values())
+
+    def summary(self) -> dict:
+        return {"mechanism": self.mechanism, "pieces": len(self.split.pieces),
+                "split_ops": len(self.split.split_ops), "piece_graphs": self.num_graphs(),
+                "static_bytes": self.crossing_bytes()}
 
     def bind(self, call, out) -> tuple[object, tuple[tuple[int, torch.Tensor], ...]]:
         """What a part hands on at this size: its outputs with every token tensor replaced by a view

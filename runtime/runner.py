@@ -25,6 +25,9 @@ from graphplan.runtime.metrics import RunnerStats
 __all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
 
 
+PIECEWISE_MECHANISMS = ("auto", "fx", "runtime")
+
+
 class RunnerStateError(GraphplanError):
     """The runner was used out of order (e.g. capture() twice)."""
 
@@ -36,9 +39,13 @@ class GraphRunner:
     (or tuple of tensors) whose first dimension is the token count. ``inputs`` names those inputs;
     the runner owns one buffer per input, allocated once at the largest graph's size.
 
-    PIECEWISE graphs need a model that torch.fx can split at the plan's ``splitting_ops``
-    (``runtime/piecewise.py`` says what that takes); ``splitting_ops`` binds a plan op name to the
-    op explicitly (``{"attention": torch.ops.my_ns.attention.default}``) instead of the name rule.
+    PIECEWISE graphs cut the model at the plan's ``splitting_ops``. ``piecewise`` picks how:
+    ``"fx"`` splits a torch.fx trace (``runtime/piecewise.py`` says what that takes), ``"runtime"``
+    ends a graph segment at each call of a splitting op while capturing (any model;
+    ``runtime/breakable.py``), ``"auto"`` (default) takes fx when the model can be fx-split and the
+    run-time split otherwise. ``splitting_ops`` binds a plan op name to the op explicitly
+    (``{"attention": torch.ops.my_ns.attention.default}``; the run-time split also takes a
+    function or an ``nn.Module``) instead of the name rule.
 
     Capture runs ``warmups`` eager passes before the first FULL graph (``warmup_each``: before
     every graph, for models that initialise lazily per shape), then captures back to back; memory
@@ -49,7 +56,9 @@ class GraphRunner:
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
                  warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
                  progress: bool = True,
-                 splitting_ops: Mapping[str, object] | None = None):
+                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "auto"):
+        if piecewise not in PIECEWISE_MECHANISMS:
+            raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
             table = DispatchTable.load(Path(table))
         if expected_fingerprint is not None and table.content_fingerprint != expected_fingerprint:
@@ -63,6 +72,7 @@ class GraphRunner:
         self.backend = graph_backend(self.device)
         self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
         self.splitting_ops = dict(splitting_ops or {})
+        self.piecewise = piecewise
         self.rank = rank if rank is not None else _default_rank()
         graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
         self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
@@ -94,8 +104,8 @@ class GraphRunner:
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
-                         ubatch_body=self.ubatch_body, warmup_each=self.warmup_each,
-                         measure_each=measure_each)
+                         piecewise=self.piecewise, ubatch_body=self.ubatch_body,
+                         warmup_each=self.warmup_each, measure_each=measure_each)
         done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
                                          for m in modes), only)
         self._graphs, self._outputs = done.graphs, done.outputs

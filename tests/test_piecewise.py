@@ -187,7 +187,7 @@ class WeightAcrossSplits(TinyLlama):
 ])
 def test_a_model_that_cannot_be_split_gives_an_error_naming_the_problem(model, match):
     runner = GraphRunner(model, compile_plan(plan()), static_inputs(TinyLlama(CFG)), device="cpu",
-                         progress=False)
+                         progress=False, piecewise="fx")
     with pytest.raises(SplitError, match=match):
         runner.capture()
     assert runner.captured_graph_ids() == [] and not runner.captured
