@@ -17,7 +17,8 @@ python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypoth
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -c "import torch;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; date -u; } | tee "$OUT/device.txt"
 for step in "$@"; do
   case "$step" in
-    tests)     timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests)     timeout 520 python -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -45 ;;
+    calibrate) python -m graphplan.compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && timeout 200 python examples/calibrate_memory.py --table /tmp/tiny.json -o "$OUT/tiny-llama.profile.json" 2>&1 | tee "$OUT/calibrate.log" && python -m graphplan.compiler.cli compile plans/tiny-llama.yaml --memory --profile "$OUT/tiny-llama.profile.json" 2>&1 | tail -8 | tee -a "$OUT/calibrate.log" ;;
     runtime)   timeout 500 python bench/runtime_bench.py --out "$OUT/runtime_bench.md" 2>&1 | tail -40 ;;
     generate)  python -m graphplan.compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
     capture)   timeout 300 python bench/capture_bench.py --out "$OUT/capture_bench.md" 2>&1 | tail -14 ;;
