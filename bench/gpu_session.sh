@@ -13,7 +13,7 @@ export PYTHONPATH="/tmp/gp:$PWD/examples" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis openai >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -c "import torch;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; date -u; } | tee "$OUT/device.txt"
 for step in "$@"; do
   case "$step" in

@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTN_IMPLEMENTATION = "graphplan_paged"
+PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels for prefill chunks. Not cuDNN: it builds an execution plan per new shape (~29 ms
+of host time per call on an H100, measured), and every prompt length is a new shape."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +133,13 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if b.rows.numel():
         out[b.rows] = _gathered(q[b.rows], cache, b.key_slots, b.future,
                                 scaling).reshape(-1, num_heads, head_dim)
-    for p in b.prefill:  # [1, heads, n or S, D] per request; K/V heads shared by query groups
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, p.start:p.end], cache[0][p.slots].transpose(0, 1)[None],
-            cache[1][p.slots].transpose(0, 1)[None], attn_mask=p.allowed, scale=scaling,
-            enable_gqa=True)
-        out[p.start:p.end] = o[0].transpose(0, 1)
+    with sdpa_kernel(PREFILL_BACKENDS):
+        for p in b.prefill:  # [1, heads, n or S, D] per request; K/V heads shared by query groups
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, p.start:p.end], cache[0][p.slots].transpose(0, 1)[None],
+                cache[1][p.slots].transpose(0, 1)[None], attn_mask=p.allowed, scale=scaling,
+                enable_gqa=True)
+            out[p.start:p.end] = o[0].transpose(0, 1)
     return out[None], None
 
 
