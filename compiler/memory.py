@@ -119,12 +119,16 @@ def check_profile(data, source: str = "<profile>") -> dict:
     for key in ("model_fingerprint", "device"):
         if not isinstance(data.get(key), str):
             raise ProfileError(f"{source}: {key}: expected a string, got {data.get(key)!r}")
-    return {"format": FORMAT, "version": VERSION, "model_fingerprint": data["model_fingerprint"],
-            "device": data["device"],
-            "per_graph_bytes": _number(data.get("per_graph_bytes"), "per_graph_bytes", source),
-            "per_token_bytes": _number(data.get("per_token_bytes"), "per_token_bytes", source),
-            "base_bytes": _number(data.get("base_bytes", 0.0), "base_bytes", source),
-            "samples": _samples(data.get("samples", []), source)}
+    out = {"format": FORMAT, "version": VERSION, "model_fingerprint": data["model_fingerprint"],
+           "device": data["device"],
+           "per_graph_bytes": _number(data.get("per_graph_bytes"), "per_graph_bytes", source),
+           "per_token_bytes": _number(data.get("per_token_bytes"), "per_token_bytes", source),
+           "base_bytes": _number(data.get("base_bytes", 0.0), "base_bytes", source),
+           "samples": _samples(data.get("samples", []), source)}
+    if "piecewise_per_token_bytes" in data:  # optional: a table with PIECEWISE graphs measured it
+        out["piecewise_per_token_bytes"] = _number(data["piecewise_per_token_bytes"],
+                                                   "piecewise_per_token_bytes", source)
+    return out
 
 
 def load_profile(path: str | os.PathLike) -> dict:
@@ -148,12 +152,22 @@ def save_profile(path: str | os.PathLike, profile: dict) -> None:
     write_atomic(path, (json.dumps(clean, indent=1, sort_keys=True) + "\n").encode())
 
 
-def pool_bytes(profile: dict, num_graphs: int, largest_tokens: int) -> float:
-    """The model itself: per-graph overhead for every graph + the largest graph's activations."""
+def activation_bytes(profile: dict, largest: dict) -> float:
+    """The pool's activation blocks: the largest need of any mode (``largest``: mode name ->
+    its largest graph's tokens). A PIECEWISE graph holds one piece's activations at a time, so
+    its per-token cost is its own (``piecewise_per_token_bytes``; the FULL cost when absent)."""
+    per_token = {"FULL": profile["per_token_bytes"],
+                 "PIECEWISE": profile.get("piecewise_per_token_bytes", profile["per_token_bytes"])}
+    return max((per_token[m] * t for m, t in largest.items()), default=0.0)
+
+
+def pool_bytes(profile: dict, num_graphs: int, largest: dict) -> float:
+    """The model itself: one-time cost + per-graph overhead for every graph + the activations
+    of the largest graph (per mode, see activation_bytes)."""
     if num_graphs <= 0:
         return 0.0
     return profile.get("base_bytes", 0.0) + profile["per_graph_bytes"] * num_graphs \
-        + profile["per_token_bytes"] * largest_tokens
+        + activation_bytes(profile, largest)
 
 
 def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
@@ -169,13 +183,18 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
         m = per_mode.setdefault(g.mode.name, {"graphs": 0, "largest_tokens": 0})
         m["graphs"] += 1
         m["largest_tokens"] = max(m["largest_tokens"], g.key.num_tokens)
-    for m in per_mode.values():
-        m["bytes"] = int(round(pool_bytes(prof, m["graphs"], m["largest_tokens"])))
+    for name, m in per_mode.items():
+        m["bytes"] = int(round(pool_bytes(prof, m["graphs"], {name: m["largest_tokens"]})))
     n = len(table.graphs)
-    largest = max((g.key.num_tokens for g in table.graphs), default=0)
+    largest_of = {name: m["largest_tokens"] for name, m in per_mode.items()}
+    top_mode = max(largest_of, key=lambda k: activation_bytes(prof, {k: largest_of[k]}),
+                   default="FULL")
+    largest = largest_of.get(top_mode, 0)
+    per_token = prof["per_token_bytes"] if top_mode == "FULL" else \
+        prof.get("piecewise_per_token_bytes", prof["per_token_bytes"])
     overhead = prof["per_graph_bytes"] * n
-    activations = prof["per_token_bytes"] * largest if n else 0.0
-    total = int(round(pool_bytes(prof, n, largest)))
+    activations = activation_bytes(prof, largest_of) if n else 0.0
+    total = int(round(pool_bytes(prof, n, largest_of)))
     source = (profile or {}).get("source", "the given profile")
     where = ("the built-in default profile (an 8B-class bf16 guess; calibrate with the runtime "
              "and pass --profile for real numbers)" if default else
@@ -185,8 +204,8 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
         (f"{base / MIB:.1f} MiB once per pool, + " if base else "")
         + f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = "
         f"{overhead / MIB:.1f} MiB, "
-        f"+ activations of the largest graph only ({largest} tokens x "
-        f"{prof['per_token_bytes'] / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
+        f"+ activations of the largest graph only ({largest} tokens {top_mode} x "
+        f"{per_token / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
         f"because every graph shares one pool captured largest first and smaller graphs reuse "
         f"its blocks; total {total / MIB:.1f} MiB, from {where}.")
     return {"total_bytes": total, "total_mib": total / MIB, "num_graphs": n,

@@ -11,7 +11,9 @@ first growth by its tokens instead charged the one-time cost per token: 1.30x th
 tiny Llama's table on an H200. Fitting graphs captured into fresh pools counts a whole pool's
 fixed cost per graph: 10x.) The profile it saves is what ``plan compile --memory --profile P`` and
 ``plan report`` read; its ``samples`` are the shared pool's [num_tokens, growth] pairs, largest
-first, then the smallest graph alone."""
+first, then the largest PIECEWISE graph alone (if the table has one: its per-token cost,
+``piecewise_per_token_bytes``, is its own, since a piece graph holds one piece's activations at a
+time), then the smallest FULL graph alone."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import hashlib
 import torch
 
 from graphplan.compiler import memory
+from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.runner import GraphRunner
@@ -50,6 +53,23 @@ def calibration_sizes(table: DispatchTable, count: int = 4) -> list[int]:
     return sorted(picks)
 
 
+def _piecewise_alone(model, table: DispatchTable, inputs, device) -> tuple[int, float] | None:
+    """(tokens, pool growth) of the table's largest PIECEWISE graph captured alone in a fresh
+    pool; None when the table has none or the model cannot be split."""
+    pw = [g for g in table.graphs if g.mode is RuntimeMode.PIECEWISE]
+    if not pw:
+        return None
+    top = max(pw, key=lambda g: g.key.num_tokens)
+    runner = GraphRunner(model, table, inputs, device=device, progress=False)
+    try:
+        return top.key.num_tokens, float(runner.capture((RuntimeMode.PIECEWISE,),
+                                                        only={top.id})["bytes"])
+    except GraphplanError:
+        return None
+    finally:
+        runner.release()
+
+
 def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count: int = 4,
                      path=None) -> dict:
     """Measure, return (and with ``path``, save atomically) a memory profile for this model."""
@@ -68,11 +88,17 @@ def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count:
     per_graph = max(0.0, sum(b for _, b in later) / len(later))
     per_token = max(0.0, (first - alone) / (top_tokens - small_tokens))
     base = max(0.0, first - per_graph - per_token * top_tokens)
+    extra = {}
+    pw = _piecewise_alone(model, table, inputs, device)
+    if pw is not None:  # a PIECEWISE graph holds one piece's activations at a time: its own cost
+        pw_tokens, pw_growth = pw
+        extra["piecewise_per_token_bytes"] = max(0.0, (pw_growth - base - per_graph) / pw_tokens)
+        samples.append([pw_tokens, pw_growth])
     profile = memory.check_profile({
         "format": memory.FORMAT, "version": memory.VERSION,
         "model_fingerprint": model_fingerprint(model), "device": device_name(runner.device),
         "per_graph_bytes": float(per_graph), "per_token_bytes": float(per_token),
-        "base_bytes": float(base), "samples": samples + [[small_tokens, alone]]})
+        "base_bytes": float(base), **extra, "samples": samples + [[small_tokens, alone]]})
     if path is not None:
         memory.save_profile(path, profile)
     return profile

@@ -170,3 +170,21 @@ def test_default_profile_is_itself_a_valid_profile(tmp_path):
     save_profile(tmp_path / "d.json", DEFAULT_PROFILE)
     loaded = load_profile(tmp_path / "d.json")
     assert math.isclose(loaded["per_token_bytes"], DEFAULT_PROFILE["per_token_bytes"])
+
+
+def test_piecewise_graphs_use_their_own_per_token_cost_and_the_largest_need_wins():
+    """A PIECEWISE graph holds one piece's activations at a time: with a measured
+    piecewise_per_token_bytes the pool's activations are the larger of the FULL and PIECEWISE
+    needs, not the largest graph's tokens at the FULL rate."""
+    t = compile_plan({"version": 1, "name": "m", "scheduler": {"max_num_seqs": 64,
+                      "max_num_batched_tokens": 1024},
+                      "cudagraph": {"mode": "FULL_AND_PIECEWISE", "attention_support": "ALWAYS",
+                                    "capture_sizes": [8, 64, 128]}})
+    prof = {"format": FORMAT, "version": 1, "model_fingerprint": "m", "device": "d",
+            "per_graph_bytes": 0.0, "per_token_bytes": 1000.0, "base_bytes": 5000.0,
+            "piecewise_per_token_bytes": 100.0, "samples": []}
+    est = estimate(t, prof)
+    assert est["activation_bytes"] == 64 * 1000  # FULL 64 tokens beats PIECEWISE 128 x 100
+    assert est["total_bytes"] == 5000 + 64 * 1000
+    del prof["piecewise_per_token_bytes"]  # an older profile: the FULL rate for every graph
+    assert estimate(t, prof)["activation_bytes"] == 128 * 1000
