@@ -52,7 +52,7 @@ class CaptureJob:
     rank: int = 0
     progress: bool = True
     splitting_ops: dict = field(default_factory=dict)
-    piecewise: str = "auto"
+    piecewise: str = "runtime"
     """How PIECEWISE graphs split the model: "fx", "runtime" or "auto" (see _split)."""
     ubatch_body: object = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""

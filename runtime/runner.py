@@ -42,7 +42,7 @@ class GraphRunner:
     PIECEWISE graphs cut the model at the plan's ``splitting_ops``. ``piecewise`` picks how:
     ``"fx"`` splits a torch.fx trace (``runtime/piecewise.py`` says what that takes), ``"runtime"``
     ends a graph segment at each call of a splitting op while capturing (any model;
-    ``runtime/breakable.py``), ``"auto"`` (default) takes fx when the model can be fx-split and the
+    ``runtime/breakable.py``, the default: as fast as fx, measured), ``"auto"`` takes fx when the model can be fx-split and the
     run-time split otherwise. ``splitting_ops`` binds a plan op name to the op explicitly
     (``{"attention": torch.ops.my_ns.attention.default}``; the run-time split also takes a
     function or an ``nn.Module``) instead of the name rule.
@@ -56,7 +56,7 @@ class GraphRunner:
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
                  warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
                  progress: bool = True,
-                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "auto"):
+                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime"):
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
