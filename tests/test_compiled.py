@@ -136,3 +136,43 @@ def test_a_model_that_cannot_compile_names_the_fix():
     with pytest.raises(ModelCompileError, match="dynamic token dimension failed.*Fix: the forward "
                                                 "must not branch on the token or request count"):
         runner.capture()
+
+
+def test_server_compile_flag_serves_greedy_tokens_and_compiles_once_across_a_reload(tmp_path):
+    import http.client
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.server import ModelSpec, Server, build_model, load_table
+    from examples.server.__main__ import build_parser
+
+    assert build_parser().parse_args(["--plan", "p.yaml", "--compile"]).compile == "inductor"
+    assert build_parser().parse_args(["--plan", "p.yaml"]).compile == ""
+    text = ("version: 1\nname: {}\nscheduler: {{max_num_seqs: 8, max_num_batched_tokens: 64}}\n"
+            "cudagraph: {{mode: FULL, attention_support: ALWAYS, capture_sizes: {}}}\n")
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(text.format("a", [1, 2, 4, 8]))
+    second.write_text(text.format("b", [1, 4]))
+    spec = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, compile="eager")
+    server = Server(first, spec=spec, progress=False).start()
+    try:
+        assert server.wait_ready(60), server.engine.error
+        host, port = server.httpd.server_address[:2]
+
+        def generate(prompt, n):
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            conn.request("POST", "/generate", body=json.dumps({"prompt": prompt, "max_tokens": n}))
+            body = json.loads(conn.getresponse().read())
+            conn.close()
+            return body["tokens"]
+
+        reference = build_model(spec, load_table(str(first)), "cpu")
+        assert generate([5, 6, 7], 4) == reference_generate(reference, [[5, 6, 7]], 4)[0]
+        server.engine.reload(str(second))
+        assert generate([9], 3) == reference_generate(reference, [[9]], 3)[0]
+        assert server.engine.runner.stats()["compile"] == {
+            "backend": "eager", "compiles": 1, "recompiles": 0,
+            "seconds": server.engine.compiled.seconds}
+    finally:
+        server.stop()
