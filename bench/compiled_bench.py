@@ -124,8 +124,10 @@ def main(argv=None) -> int:
     # the runner over the plain model (context for the step table)
     plain = GraphRunner(model, table, static_inputs(model), device=device, progress=False)
     plain.capture(only=only)
-    t_plain = {n: time_per_call(lambda: plain.step(decode_batch(model, n), n, 1), device,
-                                a.iters, a.repeats) for n in batches}
+    t_plain = {}
+    for n in batches:
+        batch = decode_batch(model, n)
+        t_plain[n] = time_per_call(lambda: plain.step(batch, n, 1), device, a.iters, a.repeats)
     plain.release()
     del plain
 

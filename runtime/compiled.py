@@ -95,11 +95,9 @@ class CompiledModel:
         self.compiles += 1
         if self.warm:
             self.recompiles += 1
-            sizes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)][:4]
-            log.warning("the compiled model (%s) compiled again after its warm-up (recompile %d; "
-                        "first input shapes %s): a guard failed, so this step pays a compile. "
-                        "Run with TORCH_LOGS=recompiles to see which guard", self.backend,
-                        self.recompiles, sizes)
+            log.warning("the compiled model (%s) compiled again after its warm-up (recompile "
+                        "%d): a guard failed, so this call pays a compile. Run with "
+                        "TORCH_LOGS=recompiles to see which guard", self.backend, self.recompiles)
         if self._options:
             return self._inner(gm, example_inputs, config_patches=self._options)
         return self._inner(gm, example_inputs)
@@ -121,9 +119,10 @@ class CompiledModel:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ModelCompileError(
                 f"compiling the model with backend {self.backend!r} and a dynamic token dimension "
-                f"failed: {type(e).__name__}: {msg}. Fix: the forward must not branch on the "
-                "token or request count (e.g. `if x.shape[0] == 1`; TORCH_LOGS=dynamic names the "
-                "specialisation), or run without compile") from e
+                f"failed: {type(e).__name__}: {msg}. Fix: check that the model runs eagerly at "
+                "this size; a forward that fixes the token or request count to a constant (e.g. "
+                "`x.view(16, -1)`) cannot compile once for every size (TORCH_LOGS=dynamic names "
+                "the specialisation); or run without compile") from e
         self.seconds = time.perf_counter() - t0
         if self.compiles == 0:  # dynamo ran the frame eagerly instead (a warning says why)
             raise ModelCompileError(
