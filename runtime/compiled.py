@@ -12,8 +12,9 @@ How one compile serves every size, 1 included (``warm_up``):
 - during that compile, sizes are *size-oblivious* (``backed_size_oblivious``): a symbol ranges over
   [0, inf) instead of [2, inf), so no guard excludes a batch of one token (by default torch
   specialises sizes 0 and 1, and a decode step of one request would compile again);
-- and sizes are not *duck-shaped* (``use_duck_shape=False``): a token count and a request count that
-  happen to be equal at warm-up get separate symbols, so a mixed batch does not compile again;
+- and sizes are not *duck-shaped* (``use_duck_shape=False``), a safeguard: a token count and a
+  request count that happen to be equal at warm-up never share a symbol (torch 2.13 already keeps
+  dimensions marked dynamic apart), so a mixed batch does not compile again;
 - every call runs under ``torch.no_grad()``, as capture does (grad mode is part of the guards).
 
 Every compilation goes through a counting backend: ``compiles`` counts them all, ``recompiles``

@@ -176,3 +176,16 @@ def test_server_compile_flag_serves_greedy_tokens_and_compiles_once_across_a_rel
             "seconds": server.engine.compiled.seconds}
     finally:
         server.stop()
+
+
+def test_token_and_request_counts_stay_independent_and_one_is_not_special():
+    def model(input_ids, seq_lens):  # uses both counts, equal at warm-up
+        return input_ids.float()[:, None] + seq_lens.float().sum()
+
+    compiled = CompiledModel(model, "eager")
+    compiled.warm_up({"input_ids": torch.ones(8, dtype=torch.long),
+                      "seq_lens": torch.ones(8, dtype=torch.int32)})
+    for tokens, reqs in ((8, 3), (5, 1), (1, 1), (0, 0)):
+        out = compiled(input_ids=torch.arange(tokens), seq_lens=torch.ones(reqs, dtype=torch.int32))
+        assert out.shape == (tokens, 1) and (tokens == 0 or out[0, 0] == reqs)
+    assert (compiled.compiles, compiled.recompiles) == (1, 0)
