@@ -63,14 +63,15 @@ def runner_warmup(model, table, device, backend, options, only):
     return runner, time.perf_counter() - t0
 
 
-def baseline_warmup(model, sizes, device, mode, backend, budget_s):
+def baseline_warmup(model, sizes, device, mode, backend, options, budget_s):
     """torch.compile ready for every size: three calls per size, largest first (cudagraph trees
     record on the 2nd-3rd call of a shape). Returns (compiled, seconds, sizes done)."""
     import torch._dynamo as dynamo
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(dynamo.config, name):
             setattr(dynamo.config, name, 1024)
-    compiled = torch.compile(model, mode=mode) if mode else torch.compile(model, backend=backend)
+    compiled = (torch.compile(model, mode=mode) if mode else
+                torch.compile(model, backend=backend, options=options))
     sync(device)
     t0, done = time.perf_counter(), 0
     with torch.no_grad():
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     # torch.compile(mode="reduce-overhead") for the same sizes
     mode = "reduce-overhead" if cuda else None
     label = "reduce-overhead" if cuda else f"torch.compile({backend})"
-    ro, warm_ro, done = baseline_warmup(model, sizes, device, mode, backend, a.budget)
+    ro, warm_ro, done = baseline_warmup(model, sizes, device, mode, backend, options, a.budget)
     if done < len(sizes):
         warm_ro = warm_ro / done * len(sizes)
     t_ro, d_ro = {}, {}
