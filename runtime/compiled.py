@@ -23,10 +23,13 @@ failed). A model that branches on the token count (``if x.shape[0] == 1``) still
 at the size that takes the other branch: counted and logged, never silent. A model that fixes the
 token count to a constant fails the warm-up with ModelCompileError.
 
-PIECEWISE graphs split the model with torch.fx, which cannot trace a ``torch.compile``'d callable:
-they run the uncompiled model (``CompiledModel.model``) for now; compile applies to FULL graphs and
-to eager steps. The hook for compiled pieces is the runner's ``piecewise_model`` (capture.py): a
-run-time split (runtime/breakable.py, in progress) can hand it compiled pieces instead.
+Compile applies to FULL graphs. Eager steps run the model as written (``CompiledModel.model``):
+they are the shapes no graph covers (mixed batches of a FULL_DECODE_ONLY plan, sizes above the
+largest graph), where a model may read the batch on the host (the HF adapter's prefill attention
+does), which would compile again per shape. PIECEWISE graphs split the model with torch.fx, which
+cannot trace a ``torch.compile``'d callable: they run the uncompiled model too, for now. The hook
+for compiled pieces is ``CaptureJob.piecewise_model`` (capture.py): a run-time split
+(runtime/breakable.py, in progress) can hand it compiled pieces instead.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class GraphRunner:
 
     ``compile`` (off by default): True or a backend ("inductor", "aot_eager", a callable, or a
     shared ``CompiledModel``) compiles the model once with a dynamic token dimension before FULL
-    graphs are captured of it; eager steps run it too, PIECEWISE graphs the uncompiled model
+    graphs are captured of it; eager steps and PIECEWISE graphs run the model as written
     (``runtime/compiled.py``). ``stats()['compile']`` counts compilations and recompiles.
     """
 
@@ -145,8 +145,9 @@ class GraphRunner:
         graph = self._graphs[gid] if gid >= 0 else None
         if graph is None:
             self._stats.eager(route, gid)
+            model = self.model if self.compiled is None else self.compiled.model  # compile: graphs
             with torch.no_grad():
-                return self.model(**inputs)
+                return model(**inputs)
         reqs = num_reqs or 0
         if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)

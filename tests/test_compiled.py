@@ -65,7 +65,7 @@ def test_inductor_compiled_full_graphs_match_eager_at_every_size_with_one_compil
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
 
 
-def test_one_compile_serves_every_capture_size_including_one_and_eager_steps():
+def test_one_compile_serves_every_capture_size_including_one_and_eager_steps_run_uncompiled():
     model = TinyLlama(CFG, seed=0)
     runner = GraphRunner(model, compile_plan(plan(sizes=(1, 2, 3, 4, 6, 8, 12, 16))),
                          static_inputs(model), progress=False, compile="aot_eager")
@@ -76,7 +76,7 @@ def test_one_compile_serves_every_capture_size_including_one_and_eager_steps():
     prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
     with_graphs = reference_generate(model, prompts, 5, step=lambda b, r, q: runner.step(b, r, q))
     assert with_graphs == reference_generate(TinyLlama(CFG, seed=0), prompts, 5)
-    big = make_batch(model, [(5, 0, list(range(1, 21)))])  # 20 tokens: past every graph, eager
+    big = make_batch(model, [(5, 0, list(range(1, 21)))])  # 20 tokens: past every graph
     torch.testing.assert_close(runner.step(big, num_reqs=1, max_query_len=20),
                                TinyLlama(CFG, seed=0)(**big), rtol=1e-5, atol=1e-5)
     s = runner.stats()
@@ -189,3 +189,24 @@ def test_token_and_request_counts_stay_independent_and_one_is_not_special():
         out = compiled(input_ids=torch.arange(tokens), seq_lens=torch.ones(reqs, dtype=torch.int32))
         assert out.shape == (tokens, 1) and (tokens == 0 or out[0, 0] == reqs)
     assert (compiled.compiles, compiled.recompiles) == (1, 0)
+
+
+def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
+    pytest.importorskip("transformers")
+    from hf_models import LENS, STEPS, plan as hf_plan, reference_logits, reference_model, \
+        run_schedule, small_config, tokens
+
+    from graphplan.runtime.hf import PagedCausalLM
+    model = PagedCausalLM.load(small_config("llama"), max_num_seqs=4, max_model_len=32,
+                               block_size=4, seed=0)
+    runner = GraphRunner(model, compile_plan(hf_plan()), model.static_inputs(), progress=False,
+                         compile="eager")
+    runner.capture()
+    seqs = [tokens(n, seed=10 + i) for i, n in enumerate(LENS)]
+    got = run_schedule(model, runner, seqs, STEPS)  # prefill chunks eager, decodes FULL graphs
+    ref = reference_model(model)
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(got[i], reference_logits(ref, seq), atol=1e-4, rtol=1e-4)
+    s = runner.stats()
+    assert s["replays_by_mode"]["FULL"] == 6 and sum(s["eager_steps"].values()) == 2
+    assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
