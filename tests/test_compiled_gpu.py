@@ -51,3 +51,36 @@ def test_inductor_graphs_match_eager_in_bf16_at_every_size_with_zero_recompiles(
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
     runner.release()
     torch._dynamo.reset()
+
+
+def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error():
+    """The HF adapter (tests/test_hf_gpu.py's bound: twice transformers' own bf16 error against
+    its float32 forward, or 2% of the largest logit), decodes replaying compiled FULL graphs."""
+    pytest.importorskip("transformers")
+    from hf_models import LENS, STEPS, plan, reference_logits, reference_model, run_schedule, \
+        small_config, tokens
+
+    from graphplan.runtime.hf import PagedCausalLM
+    torch._dynamo.reset()
+    vocab, table = 1024, compile_plan(plan())
+    model = PagedCausalLM.load(small_config("llama", vocab=vocab, hidden=256, layers=4, heads=8,
+                                            kv_heads=2),
+                               max_num_seqs=table.max_num_seqs, max_model_len=32, block_size=4,
+                               dtype=torch.bfloat16, device="cuda", seed=0)
+    runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=True)
+    runner.capture()
+    seqs = [tokens(n, seed=10 + i, vocab=vocab) for i, n in enumerate(LENS)]
+    got = run_schedule(model, runner, seqs, STEPS)
+    ref16, ref32 = reference_model(model), reference_model(model).float()
+    for i, seq in enumerate(seqs):
+        truth = reference_logits(ref32, seq)
+        err = (got[i] - truth).abs().max().item()
+        err_hf = (reference_logits(ref16, seq) - truth).abs().max().item()
+        bound = max(2 * err_hf, 0.02 * truth.abs().max().item())
+        print(f"request {i}: compiled {err:.4f}, transformers bf16 {err_hf:.4f}, bound {bound:.4f}")
+        assert err <= bound, f"request {i}"
+    s = runner.stats()
+    assert s["replays_by_mode"]["FULL"] == 6
+    assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
+    runner.release()
+    torch._dynamo.reset()
