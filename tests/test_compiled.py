@@ -210,3 +210,19 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
     s = runner.stats()
     assert s["replays_by_mode"]["FULL"] == 6 and sum(s["eager_steps"].values()) == 2
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
+
+
+@pytest.mark.parametrize("split", ["fx", "runtime"])
+def test_piecewise_graphs_under_either_split_run_the_uncompiled_model_next_to_compiled_full(split):
+    model = TinyLlama(CFG, seed=0)
+    p = plan("FULL_AND_PIECEWISE")
+    p["cudagraph"]["splitting_ops"] = ["attention"]
+    runner = GraphRunner(model, compile_plan(p), static_inputs(model), progress=False,
+                         compile="eager", piecewise=split)
+    runner.capture()
+    prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
+    got = reference_generate(model, prompts, 5, step=lambda b, r, q: runner.step(b, r, q))
+    assert got == reference_generate(TinyLlama(CFG, seed=0), prompts, 5)
+    s = runner.stats()
+    assert s["replays_by_mode"] == {"PIECEWISE": 1, "FULL": 4} and s["eager_steps"] == {}
+    assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
