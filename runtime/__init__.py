@@ -10,13 +10,15 @@ from graphplan.compiler.table import DispatchTable, Route
 from graphplan.runtime.breakable import split_point
 from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.capture import CaptureError
+from graphplan.runtime.compiled import CompiledModel, ModelCompileError
 from graphplan.runtime.metrics import render_prometheus
 from graphplan.runtime.piecewise import SplitError
 from graphplan.runtime.runner import GraphRunner, RunnerStateError
 
 __all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "TableSettings", "Why", "BatchError",
-           "CaptureError", "GraphplanError", "RunnerStateError", "SplitError", "TableError",
-           "render_prometheus", "load_table", "split_point"]
+           "CaptureError", "CompiledModel", "GraphplanError", "ModelCompileError",
+           "RunnerStateError", "SplitError", "TableError", "render_prometheus", "load_table",
+           "split_point"]
 
 
 def load_table(path) -> DispatchTable:

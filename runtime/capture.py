@@ -62,6 +62,10 @@ class CaptureJob:
     measure_each: bool = False
     """Measure every graph's memory (memory calibration); otherwise the first two (the
     estimate's inputs) and the whole capture, which costs no per-graph synchronisation."""
+    piecewise_model: object = None
+    """What PIECEWISE graphs run (either split); None: ``model``. The compiled path passes the
+    uncompiled model here: torch.fx cannot trace a torch.compile'd one, and the run-time split's
+    capture-time hooks would change what the compiled code was guarded on (runtime/compiled.py)."""
 
 
 def _progress(items: list, job: CaptureJob, desc: str):
@@ -212,18 +216,23 @@ def _max_piecewise_tokens(table) -> int:
     return max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
 
 
+def _piecewise_model(job: CaptureJob):
+    return job.model if job.piecewise_model is None else job.piecewise_model
+
+
 def _model_static(job: CaptureJob) -> list:
     """Tensors at fixed addresses: the runner's inputs, the model's parameters and buffers."""
     static = [*job.buffers.buffers.values()]
-    if isinstance(job.model, torch.nn.Module):
-        static += [*job.model.parameters(), *job.model.buffers()]
+    model = _piecewise_model(job)
+    if isinstance(model, torch.nn.Module):
+        static += [*model.parameters(), *model.buffers()]
     return static
 
 
 def _runtime_split(job: CaptureJob):
     from graphplan.runtime.breakable_graphs import BreakableGraphs
     table = job.table
-    return BreakableGraphs(job.model, table.settings.splitting_ops, job.splitting_ops,
+    return BreakableGraphs(_piecewise_model(job), table.settings.splitting_ops, job.splitting_ops,
                            backend=job.backend, buffers=job.buffers,
                            max_tokens=_max_piecewise_tokens(table), max_reqs=table.max_num_seqs,
                            static=_model_static(job), warmups=job.warmups)
@@ -232,8 +241,8 @@ def _runtime_split(job: CaptureJob):
 def _fx_split(job: CaptureJob):
     from graphplan.runtime.piecewise import split_model
     from graphplan.runtime.piecewise_graphs import PiecewiseGraphs
-    table, model = job.table, job.model
-    split = split_model(model, table.settings.splitting_ops, job.splitting_ops)
+    table = job.table
+    split = split_model(_piecewise_model(job), table.settings.splitting_ops, job.splitting_ops)
     static = _model_static(job)
     static += [*split.module.parameters(), *split.module.buffers()]
     for m in split.module.modules():  # constants the tracer baked in (e.g. a view of the cache)

@@ -78,4 +78,14 @@ def render_prometheus(stats: dict, prefix: str = "graphplan") -> str:
     metric("capture_bytes", "gauge", "Device memory the captured graphs took.",
            [({}, cap.get("bytes", 0))])
     metric("captured_graphs", "gauge", "Graphs captured.", [({}, cap.get("graphs", 0))])
+    comp = stats.get("compile")  # the compiled path (runtime/compiled.py)
+    if comp:
+        lab = {"backend": comp["backend"]}
+        metric("model_compiles_total", "counter", "Compilations of the compiled model.",
+               [(lab, comp["compiles"])])
+        metric("model_recompiles_total", "counter",
+               "Compilations after the compile warm-up (0 when the token dimension is dynamic).",
+               [(lab, comp["recompiles"])])
+        metric("model_compile_seconds", "gauge", "Time the compile warm-up took.",
+               [(lab, round(comp["seconds"], 3))])
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.buffers import StaticBuffers, StaticInput
 from graphplan.runtime.capture import CaptureError, CaptureJob, capture_graphs
+from graphplan.runtime.compiled import compiled_model
 from graphplan.runtime.graphs import graph_backend
 from graphplan.runtime.metrics import RunnerStats
 
@@ -50,13 +51,19 @@ class GraphRunner:
     Capture runs ``warmups`` eager passes before the first FULL graph (``warmup_each``: before
     every graph, for models that initialise lazily per shape), then captures back to back; memory
     is read around the first two graphs (the estimate) and the whole capture only.
+
+    ``compile`` (off by default): True or a backend ("inductor", "aot_eager", a callable, or a
+    shared ``CompiledModel``) compiles the model once with a dynamic token dimension before FULL
+    graphs are captured of it; eager steps and PIECEWISE graphs run the model as written
+    (``runtime/compiled.py``). ``stats()['compile']`` counts compilations and recompiles.
     """
 
     def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
                  *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
                  warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
                  progress: bool = True,
-                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime"):
+                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime",
+                 compile=False):
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
@@ -67,7 +74,8 @@ class GraphRunner:
                              "this server was built for, or build the runner for the new table")
         if device is None:
             device = _model_device(model)
-        self.model, self.table = model, table
+        self.compiled = compiled_model(model, compile)  # None unless compile is on
+        self.model, self.table = model if self.compiled is None else self.compiled, table
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
         self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
@@ -101,11 +109,17 @@ class GraphRunner:
         if self.captured:
             raise RunnerStateError("capture() already ran for this runner; graphs are captured "
                                    "once — build a new GraphRunner to capture another table")
+        if self.compiled is not None:  # one compile, at the largest size, before any graph
+            tokens = self.buffers.max_tokens
+            reqs = min(tokens, self.buffers.max_reqs)
+            self.buffers.reset(tokens, reqs)
+            self.compiled.warm_up(self.buffers.views(tokens, reqs))
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
                          piecewise=self.piecewise, ubatch_body=self.ubatch_body,
-                         warmup_each=self.warmup_each, measure_each=measure_each)
+                         warmup_each=self.warmup_each, measure_each=measure_each,
+                         piecewise_model=None if self.compiled is None else self.compiled.model)
         done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
                                          for m in modes), only)
         self._graphs, self._outputs = done.graphs, done.outputs
@@ -131,8 +145,9 @@ class GraphRunner:
         graph = self._graphs[gid] if gid >= 0 else None
         if graph is None:
             self._stats.eager(route, gid)
+            model = self.model if self.compiled is None else self.compiled.model  # compile: graphs
             with torch.no_grad():
-                return self.model(**inputs)
+                return model(**inputs)
         reqs = num_reqs or 0
         if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)
@@ -148,7 +163,10 @@ class GraphRunner:
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        return self._stats.as_dict()
+        s = self._stats.as_dict()
+        if self.compiled is not None:
+            s["compile"] = self.compiled.stats()
+        return s
 
     def record_eager(self, route) -> None:
         """Count an eager step that a caller ran itself (DP runs padded or ubatched eager steps)."""

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help=f"default {d.dtype} (--model: bfloat16 on CUDA)")
+    p.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
+                   help="compile the model once (torch.compile, dynamic token dimension) and "
+                        "capture graphs of the compiled model; BACKEND defaults to inductor")
     p.add_argument("--no-progress", action="store_true", help="no capture progress bar")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -82,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.model:
         spec = HFSpec(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype, seed=a.seed,
                       kv_cache_tokens=a.kv_cache_tokens, kv_memory_fraction=a.kv_memory_fraction,
-                      served_model_name=a.served_model_name)
+                      served_model_name=a.served_model_name, compile=a.compile)
     else:
         spec = ModelSpec(layers=a.layers, hidden=a.hidden, vocab_size=a.vocab_size,
                          max_model_len=a.max_model_len or d.max_model_len, seed=a.seed,
-                         dtype=a.dtype or d.dtype)
+                         dtype=a.dtype or d.dtype, compile=a.compile)
     try:
         if a.model:
             spec.check()  # an unsupported or missing checkpoint fails here, before capture

@@ -17,8 +17,8 @@ from batching import ContinuousBatcher
 
 from graphplan.compiler.errors import GraphplanError
 from examples.server.metrics import ServerMetrics
-from examples.server.model import (ModelSpec, build_model, check_fits, load_table, model_batch,
-                                   model_inputs)
+from examples.server.model import (ModelSpec, build_model, check_fits, compiled_model, load_table,
+                                   model_batch, model_inputs)
 from examples.server.protocol import RequestError
 from graphplan.runtime import GraphRunner
 
@@ -64,7 +64,7 @@ class Engine:
         self.metrics = ServerMetrics()
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
-        self.model = self.runner = self.batcher = None
+        self.model = self.runner = self.batcher = self.compiled = None
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()  # submitted, not yet handed to the batcher
         self._swaps: deque[_Swap] = deque()
@@ -174,6 +174,7 @@ class Engine:
     def _main(self) -> None:
         try:
             self.model = build_model(self.spec, self.table, self.device)
+            self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
             self.runner = self._capture(self.table)
         except BaseException as e:  # noqa: BLE001 - reported on /healthz and by the CLI
             log.error("start-up failed: %s: %s", type(e).__name__, e)
@@ -199,7 +200,7 @@ class Engine:
         log.info("capturing %d graphs of plan %r (fingerprint %s) on %s", len(table.graphs),
                  table.settings.name, table.fingerprint[:19], self.device)
         runner = GraphRunner(self.model, table, model_inputs(self.model), device=self.device,
-                             progress=self.progress)
+                             progress=self.progress, compile=self.compiled)
         runner.capture()
         return runner
 

@@ -30,6 +30,8 @@ class HFSpec:
     """Neither: the KV cache holds exactly max_num_seqs sequences of max_model_len tokens."""
     served_model_name: str | None = None
     """The ``model`` clients name on /v1 (default: the directory's name)."""
+    compile: str = ""
+    """torch.compile backend of the compiled path (``--compile``); "" runs the model as written."""
 
     @property
     def name(self) -> str:

@@ -35,6 +35,9 @@ class ModelSpec:
     """float32 by default, also on CUDA: exact equality with a per-prompt reference needs
     kernels whose rounding does not depend on the batch size; bfloat16 is faster but near-tie
     argmaxes can flip when a request is batched with others."""
+    compile: str = ""
+    """torch.compile backend of the compiled path (``--compile``, e.g. "inductor"): the model is
+    compiled once, and graphs are captured of the compiled model; "" runs it as written."""
 
     name = "tiny-llama"
 
@@ -66,6 +69,15 @@ def model_batch(model, reqs) -> dict:
 
 def model_inputs(model) -> list:
     return model.static_inputs() if hasattr(model, "static_inputs") else static_inputs(model)
+
+
+def compiled_model(spec, model):
+    """One CompiledModel for the server's life (table swaps reuse it: one compile), or None;
+    ``spec`` is a ModelSpec or an HFSpec (both carry ``compile``)."""
+    if not spec.compile:
+        return None
+    from graphplan.runtime import CompiledModel
+    return CompiledModel(model, spec.compile)
 
 
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:

@@ -1,0 +1,193 @@
+"""Compiled-path benchmark (issue 15): the runner over the model compiled once with a dynamic token
+dimension (GraphRunner(compile=...)) against torch.compile(mode="reduce-overhead"), side by side in
+one run, on the tiny Llama in bf16 with the 51 vLLM-default decode sizes (bench/tables/decode-51.json).
+
+Per batch: step time of the runner over the compiled model, of reduce-overhead, and of the runner
+over the plain model (context); then the total warm-up of each for the 51 sizes (the runner: one
+compile + capture; reduce-overhead: its compiles + one cudagraph-tree recording per size), and the
+largest |output - eager| of each, relative to the largest |eager| logit.
+
+Fairness: the inductor and Triton caches start empty (fresh folders, unless TORCHINDUCTOR_CACHE_DIR
+/ TRITON_CACHE_DIR are set), and a trivial function is compiled first so that neither side pays the
+compiler's own start-up; the runner goes first, so reduce-overhead may reuse kernels it compiled
+(which can only help reduce-overhead). Between the two, the runner's graphs are released and dynamo
+reset, so reduce-overhead's guards are checked alone.
+
+    python bench/compiled_bench.py --out bench/results/compiled_bench.md      # GPU
+    python bench/compiled_bench.py --device cpu --quick                       # smoke run
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+for _var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # before torch reads them
+    os.environ.setdefault(_var, tempfile.mkdtemp(prefix=f"gp-{_var.lower()}-"))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
+
+from graphplan.compiler.table import DispatchTable  # noqa: E402
+from graphplan.runtime import CompiledModel, GraphRunner  # noqa: E402
+from runtime_bench import DECODE_TABLE, decode_batch  # noqa: E402  (bench/ is the script's folder)
+from timing import sync, time_per_call  # noqa: E402
+
+TOLERANCE = 3e-2
+"""Bar on max |output - eager| / max |eager| in bf16 (tests/test_compiled_gpu.py uses the same)."""
+
+
+def rel_diff(out, ref) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def runner_warmup(model, table, device, backend, options, only):
+    """Seconds from nothing to every graph captured: one compile, then the capture."""
+    sync(device)
+    t0 = time.perf_counter()
+    compiled = CompiledModel(model, backend, options=options)
+    runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False,
+                         compile=compiled)
+    runner.capture(only=only)
+    sync(device)
+    return runner, time.perf_counter() - t0
+
+
+def baseline_warmup(model, sizes, device, mode, backend, options, budget_s):
+    """torch.compile ready for every size: three calls per size, largest first (cudagraph trees
+    record on the 2nd-3rd call of a shape). Returns (compiled, seconds, sizes done)."""
+    import torch._dynamo as dynamo
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, 1024)
+    compiled = (torch.compile(model, mode=mode) if mode else
+                torch.compile(model, backend=backend, options=options))
+    sync(device)
+    t0, done = time.perf_counter(), 0
+    with torch.no_grad():
+        for s in sorted(sizes, reverse=True):
+            b = decode_batch(model, s)
+            for _ in range(3):
+                compiled(**b)
+            sync(device)
+            done += 1
+            if time.perf_counter() - t0 > budget_s:
+                break
+    return compiled, time.perf_counter() - t0, done
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny model, sizes <= 8 (smoke run)")
+    p.add_argument("--batches", default="1,8,32,128,256")
+    p.add_argument("--backend", help="the runner's compile backend (default: inductor on a GPU, "
+                                     "eager, dynamo alone, on the CPU)")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--budget", type=float, default=300.0,
+                   help="seconds reduce-overhead's warm-up may take before it is extrapolated")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    backend = a.backend or ("inductor" if cuda else "eager")
+    options = {"cpp.vec_isa_ok": False} if backend == "inductor" and not cuda else None
+    cfg = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
+                          intermediate=2816, max_model_len=256, num_cache_rows=512)
+    batches = [int(b) for b in a.batches.split(",")]
+    table = DispatchTable.load(DECODE_TABLE)
+    only = None
+    if a.quick:
+        cfg = TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2,
+                              intermediate=128, max_model_len=64, num_cache_rows=16)
+        batches, a.iters, a.repeats = [1, 8], 5, 2
+        only = {g.id for g in table.graphs if g.key.num_tokens <= 8}
+    sizes = [g.key.num_tokens for g in table.graphs if only is None or g.id in only]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = TinyLlama(cfg, seed=0, device=device, dtype=dtype)
+    eager = {}
+    with torch.no_grad():
+        for n in batches:
+            eager[n] = model(**decode_batch(model, n)).float().clone()
+        torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.ones(8, device=device))
+
+    # the runner over the plain model (context for the step table)
+    plain = GraphRunner(model, table, static_inputs(model), device=device, progress=False)
+    plain.capture(only=only)
+    t_plain = {}
+    for n in batches:
+        batch = decode_batch(model, n)
+        t_plain[n] = time_per_call(lambda: plain.step(batch, n, 1), device, a.iters, a.repeats)
+    plain.release()
+    del plain
+
+    # the runner over the compiled model
+    runner, warm_ours = runner_warmup(model, table, device, backend, options, only)
+    comp, cap = runner.stats()["compile"], runner.stats()["capture"]
+    t_ours, d_ours = {}, {}
+    for n in batches:
+        batch = decode_batch(model, n)
+        d_ours[n] = rel_diff(runner.step(batch, n, 1), eager[n])
+        t_ours[n] = time_per_call(lambda: runner.step(batch, n, 1), device, a.iters, a.repeats)
+    comp = runner.stats()["compile"]  # after the steps: recompiles during them count too
+    runner.release()
+    del runner
+    torch._dynamo.reset()
+
+    # torch.compile(mode="reduce-overhead") for the same sizes
+    mode = "reduce-overhead" if cuda else None
+    label = "reduce-overhead" if cuda else f"torch.compile({backend})"
+    ro, warm_ro, done = baseline_warmup(model, sizes, device, mode, backend, options, a.budget)
+    if done < len(sizes):
+        warm_ro = warm_ro / done * len(sizes)
+    t_ro, d_ro = {}, {}
+    with torch.no_grad():
+        for n in batches:
+            batch = decode_batch(model, n)
+            d_ro[n] = rel_diff(ro(**batch), eager[n])
+            t_ro[n] = time_per_call(lambda: ro(**batch), device, a.iters, a.repeats)
+
+    ok = comp["recompiles"] == 0
+    lines = [f"# compiled_bench — {datetime.date.today()}",
+             f"device: {torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}"
+             f"; torch {torch.__version__}; model: tiny Llama {str(dtype).split('.')[-1]}, "
+             f"{cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab_size}; uniform decode "
+             f"steps; runner compile backend: {backend}",
+             f"command: python bench/compiled_bench.py {' '.join(sys.argv[1:])}", "",
+             f"| batch | runner (plain) us | runner (compiled) us | {label} us | compiled/{label} "
+             f"| max rel diff vs eager: compiled | {label} |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for n in batches:
+        ratio = t_ours[n] / t_ro[n]
+        ok &= ratio <= 1.0 and d_ours[n] <= TOLERANCE
+        lines.append(f"| {n} | {t_plain[n] * 1e6:.1f} | {t_ours[n] * 1e6:.1f} | "
+                     f"{t_ro[n] * 1e6:.1f} | {ratio:.3f} | {d_ours[n]:.2e} | {d_ro[n]:.2e} |")
+    note = "" if done == len(sizes) else f" (stopped after {done} sizes; extrapolated)"
+    warm_ratio = warm_ours / warm_ro
+    ok &= warm_ratio <= 1 / 3
+    lines += ["", f"warm-up for {len(sizes)} sizes: runner (compiled) {warm_ours:.1f} s (compile "
+              f"{comp['seconds']:.1f} s, {comp['compiles']} compilation(s), {comp['recompiles']} "
+              f"recompiles; capture of {cap['graphs']} graphs {cap['seconds']:.2f} s); {label} "
+              f"{warm_ro:.1f} s{note}; ratio {warm_ratio:.3f}",
+              "", f"bars (GPU): runner (compiled) <= 1.0 x {label} at every batch; warm-up <= 1/3 "
+              f"of {label}'s; max |compiled - eager| <= {TOLERANCE} x max |eager|; zero "
+              "recompiles", f"result: {('PASS' if ok else 'FAIL') if cuda else 'smoke run (the bars apply on a GPU)'}"]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The compiled path: the model compiled once by ``torch.compile`` with a dynamic token dimension,
+then captured per size by the runner (vLLM's recipe: compile once with a symbolic token count,
+capture a graph per size). The graphs then replay fused kernels instead of the model's own.
+
+    runner = GraphRunner(model, table, inputs, compile=True)     # or "inductor", "aot_eager", a
+    runner.capture()                                             # backend callable, a CompiledModel
+    runner.stats()["compile"]  # {'backend': 'inductor', 'compiles': 1, 'recompiles': 0, ...}
+
+How one compile serves every size, 1 included (``warm_up``):
+- it runs at the largest graph's size, with dimension 0 of every input (tokens, requests) marked
+  dynamic, so the compiled code takes the token count as a symbol instead of a constant;
+- during that compile, sizes are *size-oblivious* (``backed_size_oblivious``): a symbol ranges over
+  [0, inf) instead of [2, inf), so no guard excludes a batch of one token (by default torch
+  specialises sizes 0 and 1, and a decode step of one request would compile again);
+- and sizes are not *duck-shaped* (``use_duck_shape=False``), a safeguard: a token count and a
+  request count that happen to be equal at warm-up never share a symbol (torch 2.13 already keeps
+  dimensions marked dynamic apart), so a mixed batch does not compile again;
+- every call runs under ``torch.no_grad()``, as capture does (grad mode is part of the guards).
+
+Every compilation goes through a counting backend: ``compiles`` counts them all, ``recompiles``
+those after the warm-up, each logged as a warning (``TORCH_LOGS=recompiles`` names the guard that
+failed). A model that branches on the token count (``if x.shape[0] == 1``) still compiles again
+at the size that takes the other branch: counted and logged, never silent. A model that fixes the
+token count to a constant fails the warm-up with ModelCompileError.
+
+Compile applies to FULL graphs. Eager steps run the model as written (``CompiledModel.model``):
+they are the shapes no graph covers (mixed batches of a FULL_DECODE_ONLY plan, sizes above the
+largest graph), where a model may read the batch on the host (the HF adapter's prefill attention
+does), which would compile again per shape. PIECEWISE graphs run the uncompiled model too, for now,
+under either split: torch.fx cannot trace a ``torch.compile``'d callable, and the run-time split's
+capture-time hooks (runtime/breakable.py) would change what the compiled code was guarded on. The
+hook for compiled pieces is ``CaptureJob.piecewise_model`` (capture.py): the model both splits run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import torch
+
+from graphplan.compiler.errors import GraphplanError
+
+__all__ = ["CompiledModel", "ModelCompileError", "compiled_model"]
+
+log = logging.getLogger("graphplan.runtime")
+
+
+class ModelCompileError(GraphplanError):
+    """The model could not be compiled once for every token count."""
+
+
+def _shape_config():
+    """The compile's shape settings (see the module docstring). torch has no public API for them:
+    ``torch.fx.experimental._config`` is where torch 2.7-2.13 keep them; a torch without one of
+    them compiles without it (size 1 then recompiles, which is counted and logged)."""
+    from torch.fx.experimental import _config as fx_config
+    want = {"backed_size_oblivious": True, "use_duck_shape": False}
+    return fx_config.patch(**{k: v for k, v in want.items() if hasattr(fx_config, k)})
+
+
+def _lookup(backend: str):
+    # torch._dynamo.lookup_backend: torch.compile's own name -> backend table; torch.compiler only
+    # lists the names (list_backends), and a counting wrapper needs the callable itself.
+    return torch._dynamo.lookup_backend(backend)
+
+
+class CompiledModel:
+    """``model`` compiled once for every token count; call it like the model (keyword tensors).
+
+    ``backend``: a torch.compile backend name ("inductor", "aot_eager", "eager") or a backend
+    callable ``(GraphModule, example_inputs) -> callable``. ``options``: inductor config patches
+    (e.g. ``{"cpp.vec_isa_ok": False}``), for the "inductor" backend only. Share one instance
+    between runners of the same model (a server swapping tables) to compile once.
+    """
+
+    def __init__(self, model, backend="inductor", *, options: dict | None = None,
+                 fullgraph: bool = False):
+        if options and backend != "inductor":
+            raise ValueError(f"options are inductor config patches; backend is {backend!r}")
+        self.model = model
+        self.backend = backend if isinstance(backend, str) else getattr(
+            backend, "__name__", type(backend).__name__)
+        self._inner = _lookup(backend) if isinstance(backend, str) else backend
+        self._options = dict(options or {})
+        self.compiles = 0
+        """Compilations (backend calls; a graph break makes two per compile)."""
+        self.recompiles = 0
+        """Compilations after the warm-up: zero when the token dimension is fully dynamic."""
+        self.seconds = 0.0
+        """Warm-up wall time: tracing, compiling and one run at the warm-up size."""
+        self.warm = False
+        # a plain callable object compiles through its __call__ (torch.compile takes functions)
+        fn = model if isinstance(model, torch.nn.Module) or inspect.isroutine(model) else model.__call__
+        self._fn = torch.compile(fn, backend=self._compile, fullgraph=fullgraph, dynamic=None)
+
+    def _compile(self, gm, example_inputs):
+        self.compiles += 1
+        if self.warm:
+            self.recompiles += 1
+            log.warning("the compiled model (%s) compiled again after its warm-up (recompile "
+                        "%d): a guard failed, so this call pays a compile. Run with "
+                        "TORCH_LOGS=recompiles to see which guard", self.backend, self.recompiles)
+        if self._options:
+            return self._inner(gm, example_inputs, config_patches=self._options)
+        return self._inner(gm, example_inputs)
+
+    def warm_up(self, inputs: dict[str, torch.Tensor]):
+        """Compile at these inputs' sizes (use the largest), dimension 0 of each marked dynamic.
+        Returns the model's output. Raises ModelCompileError if the model cannot be compiled for
+        a symbolic token count. A no-op once warm."""
+        if self.warm:
+            return None
+        for t in inputs.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                torch._dynamo.mark_dynamic(t, 0)
+        t0 = time.perf_counter()
+        try:
+            with _shape_config(), torch.no_grad():
+                out = self._fn(**inputs)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ModelCompileError(
+                f"compiling the model with backend {self.backend!r} and a dynamic token dimension "
+                f"failed: {type(e).__name__}: {msg}. Fix: check that the model runs eagerly at "
+                "this size; a forward that fixes the token or request count to a constant (e.g. "
+                "`x.view(16, -1)`) cannot compile once for every size (TORCH_LOGS=dynamic names "
+                "the specialisation); or run without compile") from e
+        self.seconds = time.perf_counter() - t0
+        if self.compiles == 0:  # dynamo ran the frame eagerly instead (a warning says why)
+            raise ModelCompileError(
+                f"torch.compile ran the model without compiling it (backend {self.backend!r}), "
+                "most likely because torch._dynamo.config.recompile_limit compilations of its "
+                "forward exist already (one per CompiledModel). Fix: share one CompiledModel "
+                "between runners of a model (GraphRunner(..., compile=compiled)), or raise "
+                "torch._dynamo.config.recompile_limit")
+        self.warm = True
+        log.info("compiled the model once (%s, dynamic token dimension) in %.1f s: %d "
+                 "compilation(s)", self.backend, self.seconds, self.compiles)
+        return out
+
+    def __call__(self, **inputs):
+        if not self.warm:  # called before any capture: compile at this size, still dynamic
+            return self.warm_up(inputs)
+        with torch.no_grad():
+            return self._fn(**inputs)
+
+    def stats(self) -> dict:
+        return {"backend": self.backend, "compiles": self.compiles,
+                "recompiles": self.recompiles, "seconds": self.seconds}
+
+
+def compiled_model(model, compile) -> CompiledModel | None:
+    """The runner's ``compile`` option -> a CompiledModel, or None when off (False / None).
+    True is inductor; a string names a backend; a CompiledModel is used as is (it must wrap this
+    model); any other callable is a backend."""
+    if compile is None or compile is False:
+        return None
+    if isinstance(compile, CompiledModel):
+        if compile.model is not model:
+            raise ValueError("the CompiledModel passed as compile= wraps another model")
+        return compile
+    return CompiledModel(model, "inductor" if compile is True else compile)
+
