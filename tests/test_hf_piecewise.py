@@ -97,3 +97,15 @@ def test_the_shipped_hf_mixed_plan_splits_mixed_steps_at_attention():
     assert table.route(40, 3, 32, 0).mode.name == "PIECEWISE"
     assert table.route(2048, 10, 2000, 0).mode.name == "PIECEWISE"
     assert table.route(8, 8, 1, 0).mode.name == "FULL"
+
+
+def test_the_piecewise_benchmark_runs_the_hf_llama_on_the_cpu(tmp_path):
+    """bench/piecewise_bench.py --model hf at smoke size (the bar is enforced on CUDA only)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import piecewise_bench
+    out = tmp_path / "pw.txt"
+    assert piecewise_bench.main(["--model", "hf", "--device", "cpu", "--quick", "--tokens", "8",
+                                 "16", "--iters", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "LlamaForCausalLM" in text and "runtime split" in text and "# bar:" in text
