@@ -109,3 +109,20 @@ def test_the_piecewise_benchmark_runs_the_hf_llama_on_the_cpu(tmp_path):
                                  "16", "--iters", "1", "--out", str(out)]) == 0
     text = out.read_text()
     assert "LlamaForCausalLM" in text and "runtime split" in text and "# bar:" in text
+
+
+def test_the_server_benchmark_serves_both_hf_plans_on_the_cpu(tmp_path):
+    """bench/hf_server_bench.py --smoke: the server (a subprocess) with plans/hf-decode.yaml and
+    plans/hf-mixed.yaml; under the latter chunked prefills replay PIECEWISE graphs, none eager."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hf_server_bench
+    out = tmp_path / "srv.md"
+    assert hf_server_bench.main(["--device", "cpu", "--smoke", "--clients", "2", "--requests",
+                                 "2", "--out", str(out)]) == 0
+    rows = {ln.split()[0]: ln.split() for ln in out.read_text().splitlines()
+            if ln.startswith("FULL_")}
+    *_, full, piecewise, eager, lost = rows["FULL_AND_PIECEWISE"]
+    assert int(piecewise) > 0 and int(eager) == 0 and int(lost) == 0
+    assert int(rows["FULL_DECODE_ONLY"][-3]) == 0 and int(rows["FULL_DECODE_ONLY"][-2]) > 0
+    assert "identical outputs 4/4" in out.read_text()
