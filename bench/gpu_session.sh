@@ -33,6 +33,9 @@ for step in "$@"; do
     probe)     timeout 240 python bench/overlap_probe.py --ranks 2 --out "$OUT/overlap_probe.md" 2>&1 | tail -60 ;;
     hftests)   timeout 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_gpu.py 2>&1 | tee "$OUT/hf_gpu_tests.log" | tail -40 ;;
     hf)        timeout 580 python bench/hf_bench.py --out "$OUT/hf_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
+    hfpw)      timeout 500 python bench/piecewise_bench.py --model hf --out "$OUT/piecewise_hf_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    hfpwtests) timeout 400 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_piecewise_gpu.py 2>&1 | tee "$OUT/hf_piecewise_gpu_tests.log" | tail -25 ;;
+    hfserver)  timeout 580 python bench/hf_server_bench.py --device cuda --out "$OUT/hf_server_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -15 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

@@ -5,6 +5,15 @@ side by side) vs FULL graphs; and what capturing a FULL_AND_PIECEWISE plan costs
     python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16, both splits
     python bench/piecewise_bench.py --mechanism runtime                      # one split only
     python bench/piecewise_bench.py --device cpu --quick                     # smoke run, tiny sizes
+    python bench/piecewise_bench.py --model hf --out bench/results/piecewise-hf-h100.txt
+    python bench/piecewise_bench.py --model hf --device cpu --quick          # smoke run
+
+``--model hf``: the stock transformers LlamaForCausalLM of the HF issue (vocab 32000, hidden 1024,
+intermediate 2816, 8 layers, 16 heads / 4 KV heads, bf16, random weights) behind graphplan's paged
+adapter (runtime/hf): the same mixed steps, eager (the adapter's own eager path: prefill chunks
+attend over their real lengths) vs PIECEWISE graphs split at run time around its attention (the
+only split a transformers model takes), with the FULL_AND_PIECEWISE capture cost of the vLLM-default
+plan. Same bar: piecewise >= 2x eager for mixed steps of <= 256 tokens on CUDA.
 
 The run-time split can be the default only if its step time is within 5% of the fx split's on
 every mixed step of 16-256 tokens (the last line says whether it is). Only CUDA timings count: on
@@ -78,7 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--mechanism", choices=("both", "fx", "runtime"), default="both",
                    help="how piecewise graphs split the model: the torch.fx trace, the run-time "
                         "split, or both side by side (default)")
+    p.add_argument("--model", choices=("tiny", "hf"), default="tiny",
+                   help="tiny: the tiny Llama, fx vs run-time split (default); hf: a stock "
+                        "transformers Llama through runtime/hf, run-time split")
     a = p.parse_args(argv)
+    if a.model == "hf":
+        return hf_main(a)
     mechs = ("fx", "runtime") if a.mechanism == "both" else (a.mechanism,)
     both = len(mechs) == 2
     device = torch.device(a.device)
@@ -179,6 +193,92 @@ def main(argv=None) -> int:
                      f"({capture_s['runtime']:.2f} s vs {capture_s['fx']:.2f} s). Within "
                      f"{SAME:.0%}: {'YES' if within else 'NO'} (docs/semantics.md: choosing the "
                      "piecewise split)")
+    enforce = device.type == "cuda"
+    lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
+                 + ("" if enforce else " (informational: the bar applies on CUDA)"))
+    report = "\n".join(lines) + "\n"
+    print(report, end="")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(report)
+    return 1 if failed and enforce else 0
+
+
+def hf_main(a) -> int:
+    """``--model hf``: a stock transformers Llama, eager vs PIECEWISE (run-time split)."""
+    from transformers import LlamaConfig
+
+    from graphplan.runtime.hf import PagedCausalLM
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if a.quick:
+        size = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+        tokens, iters, max_chunk, max_len, seqs = a.tokens or [8, 16, 32], a.iters or 5, 16, 128, 16
+    else:
+        size = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+        tokens, iters, max_chunk = a.tokens or DEFAULT_TOKENS, a.iters or 50, 128
+        max_len, seqs = 256, 256
+    cfg = LlamaConfig(**size, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None, tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    stock = tokens == DEFAULT_TOKENS and not a.quick
+    mixed = None if stock else {"cudagraph.capture_sizes": sorted(set(tokens)),
+                                "scheduler.max_num_batched_tokens": max(64, *tokens)}
+    fp = None if not a.quick else {"scheduler.max_num_seqs": seqs,
+                                   "scheduler.max_num_batched_tokens": 32}
+    model = PagedCausalLM.load(cfg, max_num_seqs=seqs, max_model_len=max_len, dtype=dtype,
+                               device=device, seed=0)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        platform.processor() or "cpu")
+    lines = [f"# piecewise_bench: python bench/piecewise_bench.py {' '.join(sys.argv[1:])}",
+             f"# date {datetime.datetime.now().isoformat(timespec='seconds')}, device {name}, "
+             f"torch {torch.__version__}, {dtype}",
+             f"# model: transformers LlamaForCausalLM (runtime/hf paged adapter), layers "
+             f"{cfg.num_hidden_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+             f"{cfg.num_key_value_heads}, intermediate {cfg.intermediate_size}, vocab "
+             f"{cfg.vocab_size}, max_model_len {max_len}, block_size 16"]
+    table = load("full-and-piecewise-51", fp)
+    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False,
+                         piecewise="runtime")
+    s = runner.capture()
+    pw = s["piecewise"]
+    lines.append(f"# FULL_AND_PIECEWISE capture, runtime split (vllm preset, max_num_seqs "
+                 f"{table.max_num_seqs}): {s['graphs']} graphs ({pw['piece_graphs']} piece graphs "
+                 f"of {pw['pieces']} pieces, {pw['split_ops']} eager split ops per step) in "
+                 f"{s['seconds']:.2f} s; graph pool {s['bytes'] / MiB:.1f} MiB; static buffers "
+                 f"{(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
+    runner.release()
+    del runner
+    runner = GraphRunner(model, load("mixed-piecewise", mixed), model.static_inputs(),
+                         device=device, progress=False, piecewise="runtime")
+    runner.capture()
+    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} {'pw ms':>9} {'pw x':>7} {'pw err':>8}  "
+            f"bar (piecewise >= {BAR:g}x eager, <= {BAR_TOKENS} tokens)")
+    lines += [head, "-" * len(head)]
+    failed = False
+    with torch.no_grad():
+        for t in tokens:
+            reqs = mixed_reqs(t, max_chunk, max_len // 4)
+            batch = model.make_batch(reqs)
+            r, q = len(reqs), max(len(x) for _, _, x in reqs)
+            eager_fn = lambda: model(**batch)  # noqa: E731
+            step = lambda: runner.step(batch, num_reqs=r, max_query_len=q)  # noqa: E731
+            eager = time_per_call(eager_fn, device, iters, 3) * 1e3
+            ref = eager_fn().clone()
+            pw_ms = time_per_call(step, device, iters, 3) * 1e3
+            err = rel_err(step(), ref)
+            if t > BAR_TOKENS:
+                verdict = "n/a"
+            else:
+                ok = eager / pw_ms >= BAR
+                failed |= not ok
+                verdict = "PASS" if ok else "FAIL"
+            lines.append(f"{t:>6} {r:>4} {eager:>9.3f} {pw_ms:>9.3f} {eager / pw_ms:>6.2f}x "
+                         f"{err:>8.1e}  {verdict}")
+    st = runner.stats()
+    assert st["eager_steps"] == {} and st["replays_by_mode"]["PIECEWISE"] > 0, st["eager_steps"]
     enforce = device.type == "cuda"
     lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
                  + ("" if enforce else " (informational: the bar applies on CUDA)"))

@@ -110,3 +110,41 @@ def write_model_dir(path: Path, **config) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
                             eos_token="<eos>").save_pretrained(path)
     return path
+
+
+def mixed_plan(mode: str = "FULL_AND_PIECEWISE", max_num_seqs: int = 4, max_tokens: int = 32,
+               sizes=(1, 2, 4, 8, 16, 24, 32)) -> dict:
+    """Piecewise graphs split at the adapter's attention (what plans/hf-mixed.yaml ships)."""
+    return {"version": 1, "name": "hf-test-mixed",
+            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
+            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
+                          "splitting_ops": ["attention"], "capture_sizes": list(sizes)}}
+
+
+def mixed_schedule(lens, *, prompts, budget: int, seed: int):
+    """Continuous batching with chunked prefill, teacher-forced: request i's first ``prompts[i]``
+    tokens are its prompt, prefilled in random chunks (1..budget), the rest decode one at a time;
+    requests join at staggered steps, so new prompts arrive while others decode. Returns the steps
+    (``run_schedule``'s format) and whether each is a uniform decode."""
+    gen = torch.Generator().manual_seed(seed)
+    done, steps, joined = [0] * len(lens), [], 0
+    while any(d < n for d, n in zip(done, lens)):
+        joined = min(len(lens), joined + int(torch.randint(0, 2, (1,), generator=gen)) + (
+            joined == 0))
+        step, left = [], budget
+        order = torch.randperm(joined, generator=gen).tolist()
+        for i in order:
+            if done[i] >= lens[i] or left == 0:
+                continue
+            if done[i] < prompts[i]:
+                want = int(torch.randint(1, budget + 1, (1,), generator=gen))
+                n = min(want, prompts[i] - done[i], left)
+            else:
+                n = 1
+            step.append((i, n))
+            done[i] += n
+            left -= n
+        if step:
+            steps.append(step)
+    uniform = [all(n == 1 for _, n in s) for s in steps]
+    return steps, uniform

@@ -1,5 +1,6 @@
 """python -m examples.server --plan plans/tiny-llama.yaml [--port 8000] [--device cuda]
-   python -m examples.server --model DIR --plan plans/hf-decode.yaml   (a Hugging Face decoder)
+   python -m examples.server --model DIR --plan plans/hf-mixed.yaml    (a Hugging Face decoder;
+                            plans/hf-decode.yaml: FULL graphs for decodes only, mixed steps eager)
 
 Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
 to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and

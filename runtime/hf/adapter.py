@@ -11,6 +11,9 @@ requests (prefill chunks and decodes mixed) is the forward's input, all fixed-sh
 A token attends to the slots of its request's block table at positions <= its own; eager batches
 with prefill chunks read ``seq_lens`` and ``query_start_loc`` on the host to attend each prompt
 chunk over its real length (graphs never read them back: see ``attention.make_paged_batch``).
+Piecewise graphs (PIECEWISE, FULL_AND_PIECEWISE) split at the attention function, which runs
+eagerly between the segments and reads the step's inputs from the runner's static buffers and the
+real counts from ``breakable.current_step()`` (``attention.StepInputs``).
 ``make_batch`` turns a batcher's ``(seat, start_pos, token_ids)`` requests into those inputs,
 allocating blocks as sequences grow.
 """
@@ -21,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from graphplan.runtime.breakable import current_step
 from graphplan.runtime.buffers import StaticInput
-from graphplan.runtime.hf.attention import ATTN_IMPLEMENTATION, make_paged_batch, register
+from graphplan.runtime.hf.attention import (ATTN_IMPLEMENTATION, StepInputs, make_paged_batch,
+                                            register)
 from graphplan.runtime.hf.load import load_model
 from graphplan.runtime.paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 
@@ -83,8 +88,12 @@ class PagedCausalLM(torch.nn.Module):
         return self.cache.kv.device
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
-        meta = make_paged_batch(self.cache.kv, positions, slot_mapping, block_tables, seq_lens,
-                                query_start_loc)
+        if current_step() is not None:  # a piecewise capture or replay: attention runs eagerly
+            meta = StepInputs(self.cache.kv, positions, slot_mapping, block_tables, seq_lens,
+                              query_start_loc)
+        else:
+            meta = make_paged_batch(self.cache.kv, positions, slot_mapping, block_tables,
+                                    seq_lens, query_start_loc)
         out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                       graphplan=meta)
         return out.logits[0].float()

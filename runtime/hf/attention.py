@@ -8,14 +8,23 @@ q/k norms already applied) and expect ``(out [1, T, H, D], weights)``. The per-s
 arrives as the ``graphplan`` keyword (a ``PagedBatch``), which the model's forward hands down to
 every attention call. Shapes depend only on the token and request counts and nothing reads a value
 back to the host, so a step can be captured in a CUDA graph.
+
+Piecewise graphs (the run-time split, ``runtime/breakable_graphs.py``): the registered function is
+the ``attention`` split point, so it runs eagerly between the graph segments. The forward then
+hands it a ``StepInputs`` (the runner's static input buffers, nothing derived from them) and the
+first attention call of each step builds the ``PagedBatch`` from what the buffers hold now and from
+``breakable.current_step()`` (the real token and request counts): nothing of the step is baked in
+at capture, and prefill chunks attend over their real lengths.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from graphplan.runtime.breakable import current_step, split_point
 
 ATTN_IMPLEMENTATION = "graphplan_paged"
 PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -57,6 +66,8 @@ class PagedBatch:
     rows: torch.Tensor | None = None
     """[T'] token rows that ``key_slots`` covers; None: all T rows."""
     prefill: tuple[PrefillSpan, ...] = ()
+    padded: bool = False
+    """Some token rows belong to no request (their output is zeros)."""
 
 
 def _capturing() -> bool:
@@ -80,7 +91,8 @@ def make_paged_batch(kv: torch.Tensor, positions: torch.Tensor, slot_mapping: to
         blocks = block_tables.long()[req]                                     # [T, B]
         key_slots = blocks[:, span // block_size] * block_size + span % block_size  # [T, L]
         return PagedBatch(kv, slot_mapping, key_slots, span[None, :] > positions[:, None])
-    # eager with prefill chunks: host offsets are free here (nothing is being recorded)
+    # eager with prefill chunks: host offsets are free here (nothing is being recorded); tokens past
+    # the last offset (a padded piecewise step) belong to no request and get zeros
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     single, single_reqs, spans = [], [], []
     for r in range(num_reqs):
@@ -98,7 +110,36 @@ def make_paged_batch(kv: torch.Tensor, positions: torch.Tensor, slot_mapping: to
     blocks = block_tables.long()[torch.tensor(single_reqs, dtype=torch.long, device=device)]
     key_slots = blocks[:, span // block_size] * block_size + span % block_size  # [T', L]
     future = span[None, :] > positions[rows][:, None]
-    return PagedBatch(kv, slot_mapping, key_slots, future, rows, tuple(spans))
+    return PagedBatch(kv, slot_mapping, key_slots, future, rows, tuple(spans),
+                      padded=starts[num_reqs] < num_tokens)
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """What a piecewise step's attention reads: the runner's static input views at the graph's
+    padded counts (token rows, and ``min(tokens, max_num_seqs)`` request rows). ``batch()`` slices
+    them at the real request count of ``current_step()`` and builds the step's ``PagedBatch`` once
+    per step (every layer shares it)."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    _memo: tuple = field(default=(None, None), repr=False)
+
+    def batch(self) -> PagedBatch:
+        step = current_step()
+        if step is not None and self._memo[0] is step:
+            return self._memo[1]
+        reqs = self.block_tables.shape[0] if step is None else min(step.num_reqs,
+                                                                   self.block_tables.shape[0])
+        made = make_paged_batch(self.kv, self.positions, self.slot_mapping,
+                                self.block_tables[:reqs], self.seq_lens[:reqs],
+                                self.query_start_loc[:reqs + 1])
+        self._memo = (step, made)
+        return made
 
 
 def _gathered(q, cache, key_slots, future, scaling):
@@ -112,7 +153,7 @@ def _gathered(q, cache, key_slots, future, scaling):
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask, scaling: float | None = None, dropout: float = 0.0,
-                    graphplan: PagedBatch | None = None, **kwargs):
+                    graphplan: "PagedBatch | StepInputs | None" = None, **kwargs):
     if graphplan is None:
         raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs the step's "
                            "paged metadata: run the model through "
@@ -121,7 +162,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     kv_heads = key.shape[1]
     if scaling is None:
         scaling = head_dim ** -0.5
-    b = graphplan
+    b = graphplan.batch() if isinstance(graphplan, StepInputs) else graphplan
     cache = b.kv[module.layer_idx].view(2, -1, kv_heads, head_dim)         # [2, slots, KvH, D]
     cache[0].index_copy_(0, b.slot_mapping, key[0].transpose(0, 1))
     cache[1].index_copy_(0, b.slot_mapping, value[0].transpose(0, 1))
@@ -129,7 +170,7 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if b.rows is None:
         out = _gathered(q, cache, b.key_slots, b.future, scaling)
         return out.reshape(1, num_tokens, num_heads, head_dim), None
-    out = q.new_empty(num_tokens, num_heads, head_dim)
+    out = (q.new_zeros if b.padded else q.new_empty)(num_tokens, num_heads, head_dim)
     if b.rows.numel():
         out[b.rows] = _gathered(q[b.rows], cache, b.key_slots, b.future,
                                 scaling).reshape(-1, num_heads, head_dim)
@@ -144,6 +185,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def register() -> None:
-    """Make ``ATTN_IMPLEMENTATION`` a valid ``attn_implementation`` (idempotent)."""
+    """Make ``ATTN_IMPLEMENTATION`` a valid ``attn_implementation`` (idempotent), marked as the
+    ``attention`` splitting op of piecewise plans."""
     from transformers import AttentionInterface
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, split_paged_attention)
+
+
+split_paged_attention = split_point("attention", paged_attention)
