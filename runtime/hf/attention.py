@@ -27,6 +27,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from graphplan.runtime.breakable import current_step, split_point
 
 ATTN_IMPLEMENTATION = "graphplan_paged"
+GATHER_BUDGET = 1 << 26
+"""Largest K (and V) gather, in elements, that an eager step with prefill chunks still attends
+in one batched kernel (128 MiB in bf16); above it each prefill chunk attends over its own
+sequence (a loop over requests, with host reads of the offsets)."""
 PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """SDPA kernels for prefill chunks. Not cuDNN: it builds an execution plan per new shape (~29 ms
 of host time per call on an H100, measured), and every prompt length is a new shape."""
@@ -83,7 +87,9 @@ def make_paged_batch(kv: torch.Tensor, positions: torch.Tensor, slot_mapping: to
     num_tokens, num_reqs = positions.shape[0], block_tables.shape[0]
     device = positions.device
     span = torch.arange(block_tables.shape[1] * block_size, device=device)    # [L]
-    if num_tokens == num_reqs or _capturing():  # no host reads: a graph may record this
+    gathered = num_tokens * span.numel() * kv.shape[-2] * kv.shape[-1]   # elements of K gathered
+    if num_tokens == num_reqs or _capturing() or gathered <= GATHER_BUDGET:
+        # no host reads (a graph may record this), one kernel per layer for every request
         token = torch.arange(num_tokens, device=device, dtype=query_start_loc.dtype)
         # request of each token; padded tokens past the last offset land on the last row
         req = torch.searchsorted(query_start_loc[1:].contiguous(), token, right=True)
