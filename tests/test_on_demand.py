@@ -139,14 +139,18 @@ def test_the_runner_argument_overrides_the_table_setting():
     assert runner.capture()["graphs"] == 1
 
 
-def test_the_server_is_ready_after_the_start_set_and_captures_on_first_use(tmp_path):
+@pytest.mark.parametrize("by", ["plan", "flag"])
+def test_the_server_is_ready_after_the_start_set_and_captures_on_first_use(tmp_path, by):
     from test_server import SPEC, plan_text, request
 
     from examples.server import Server
     p = tmp_path / "plan.yaml"
-    p.write_text(plan_text().replace("capture_sizes: [1, 2, 4, 8]",
-                                     "capture_sizes: [1, 2, 4, 8], on_demand: {enabled: true}"))
-    s = Server(p, spec=SPEC, progress=False).start()
+    text = plan_text()
+    if by == "plan":
+        text = text.replace("capture_sizes: [1, 2, 4, 8]",
+                            "capture_sizes: [1, 2, 4, 8], on_demand: {enabled: true}")
+    p.write_text(text)
+    s = Server(p, spec=SPEC, progress=False, on_demand=True if by == "flag" else None).start()
     try:
         assert s.wait_ready(30)
         status, body = request(s, "GET", "/healthz")
