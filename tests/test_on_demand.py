@@ -162,3 +162,26 @@ def test_the_server_is_ready_after_the_start_set_and_captures_on_first_use(tmp_p
         assert od["captured_on_demand"] >= 1
     finally:
         s.stop()
+
+
+def test_plan_optimize_start_graphs_writes_the_k_most_used_sizes_and_the_largest(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from graphplan.compiler.cli import main
+    from graphplan.compiler.optimize import rank_start_sizes
+    from graphplan.compiler.trace import aggregate, load_trace, padding
+    root = Path(__file__).resolve().parents[1]
+    plan_path, trace = root / "plans" / "llama3-8b-h100.yaml", root / "bench" / "traces" / "chat.jsonl"
+    out = tmp_path / "tuned.yaml"
+    assert main(["optimize", str(plan_path), "--trace", str(trace), "--start-graphs", "3",
+                 "-o", str(out), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    t = compile_plan(out)
+    assert t.settings.on_demand and list(t.settings.start_sizes) == report["start_sizes"]
+    assert t.capture_sizes[-1] in t.settings.start_sizes and len(t.settings.start_sizes) <= 4
+    used = padding(t, aggregate(load_trace(trace), t.q)).by_size
+    top3 = sorted(used, key=lambda s: (-used[s][0], -s))[:3]
+    assert set(top3) <= set(t.settings.start_sizes)
+    assert rank_start_sizes(padding(t, aggregate(load_trace(trace), t.q)), t.capture_sizes, 0) \
+        == (t.capture_sizes[-1],)
