@@ -31,6 +31,7 @@ for step in "$@"; do
     probe)     timeout 240 python bench/overlap_probe.py --ranks 2 --out "$OUT/overlap_probe.md" 2>&1 | tail -60 ;;
     hftests)   timeout 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_gpu.py 2>&1 | tee "$OUT/hf_gpu_tests.log" | tail -40 ;;
     hf)        timeout 580 python bench/hf_bench.py --out "$OUT/hf_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
+    ondemand)  timeout 400 python bench/ondemand_bench.py --out "$OUT/ondemand_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     *)         echo "unknown step $step" ;;
   esac
 done
