@@ -198,10 +198,11 @@ class Engine:
             self._fail_all(RequestError(503, "server is shutting down"))
 
     def _capture(self, table) -> GraphRunner:
-        log.info("capturing %d graphs of plan %r (fingerprint %s) on %s", len(table.graphs),
-                 table.settings.name, table.fingerprint[:19], self.device)
         runner = GraphRunner(self.model, table, model_inputs(self.model), device=self.device,
                              progress=self.progress, on_demand=self.on_demand)
+        log.info("capturing %d graphs%s of plan %r (fingerprint %s) on %s", len(table.graphs),
+                 " on demand (the start set now, the rest on first use)" if runner.on_demand
+                 else "", table.settings.name, table.fingerprint[:19], self.device)
         runner.capture()
         return runner
 
