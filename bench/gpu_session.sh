@@ -36,6 +36,7 @@ for step in "$@"; do
     hfpw)      timeout 500 python bench/piecewise_bench.py --model hf --out "$OUT/piecewise_hf_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     hfpwtests) timeout 400 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_piecewise_gpu.py 2>&1 | tee "$OUT/hf_piecewise_gpu_tests.log" | tail -25 ;;
     hfserver)  timeout 580 python bench/hf_server_bench.py --device cuda --out "$OUT/hf_server_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -15 ;;
+    ondemand)  timeout 400 python bench/ondemand_bench.py --out "$OUT/ondemand_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

@@ -64,6 +64,14 @@ class Result:
     notes: tuple[str, ...]
 
 
+def rank_start_sizes(after: Padding, sizes, k: int) -> tuple[int, ...]:
+    """The ``k`` capture sizes most steps of a trace land on (ties: the larger size), plus the
+    largest size: what ``cudagraph.on_demand.start_sizes`` captures at start."""
+    ranked = sorted(after.by_size.items(), key=lambda kv: (-kv[1][0], -kv[0]))
+    return tuple(sorted({int(s) for s, _ in ranked[:max(k, 0)]} | ({int(sizes[-1])} if sizes
+                                                                    else set())))
+
+
 def _ceil_to(x, step):
     return -(-np.asarray(x) // step) * step
 

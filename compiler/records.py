@@ -178,6 +178,12 @@ class TableSettings:
     """torch.distributed backend of the per-step exchange: gloo | nccl | auto."""
     sync_timeout_s: float
     """Seconds a rank waits for the others at the per-step exchange before failing."""
+    on_demand: bool
+    """Capture at start only the largest graph of each routine and the graphs of ``start_sizes``;
+    every other graph on its first use (runtime/on_demand.py)."""
+    start_sizes: tuple[int, ...]
+    """Capture sizes whose graphs are captured at start with on_demand, ascending (the largest
+    capture size always among them); empty without on_demand."""
 
     @property
     def decode_mode(self) -> RuntimeMode:

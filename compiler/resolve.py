@@ -181,10 +181,31 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
                               prefill_token_threshold=ub.prefill_token_threshold,
                               plain_twins=ub.plain_twins),
         data_parallel_size=spec.parallel.data_parallel_size, dp_backend=spec.parallel.backend,
-        sync_timeout_s=float(spec.parallel.sync_timeout_s))
+        sync_timeout_s=float(spec.parallel.sync_timeout_s), on_demand=spec.cudagraph.on_demand.enabled,
+        start_sizes=start_sizes(spec.cudagraph.on_demand, sizes, diags))
     parts = dict(plan=plan, settings=settings, graphs=graphs, routes=routes,
                  diagnostics=tuple(d.to_json() for d in diags))
     return parts, diags
+
+
+def start_sizes(on_demand, sizes: list[int], diags: list[Diagnostic]) -> tuple[int, ...]:
+    """The capture sizes captured at start with on-demand capture: the largest, and the size each
+    start size pads to (a start size above the largest is dropped, with a warning)."""
+    if not on_demand.enabled or not sizes:
+        return ()
+    out, above = {sizes[-1]}, []
+    for s in on_demand.start_sizes:
+        if s > sizes[-1]:
+            above.append(s)
+        else:
+            out.add(next(c for c in sizes if c >= s))
+    if above:
+        diags.append(Diagnostic(
+            code="start-size-dropped", path="cudagraph.on_demand.start_sizes",
+            message=f"{len(above)} start size(s) above the largest capture size {sizes[-1]} "
+                    f"run eager and capture nothing: {sorted(above)}",
+            hint="list sizes up to the largest capture size"))
+    return tuple(sorted(out))
 
 
 def resolve_plan_dict(plan: dict) -> dict:

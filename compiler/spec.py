@@ -46,12 +46,21 @@ class CaptureSizesSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OnDemandSpec:
+    enabled: bool
+    """Capture only the start set at start, every other graph on its first use."""
+    start_sizes: tuple[int, ...]
+    """Token counts whose graphs are captured at start besides the largest of each routine."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CudagraphSpec:
     mode: CudagraphMode
     attention_support: AttentionSupport
     splitting_ops: tuple[str, ...]
     capture_sizes: CaptureSizesSpec
     strict: bool
+    on_demand: OnDemandSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +130,8 @@ def plan_from_dict(d: dict) -> PlanSpec:
             splitting_ops=tuple(cg["splitting_ops"]),
             capture_sizes=_sizes_from_dict(cg["capture_sizes"]),
             strict=cg["strict"],
+            on_demand=OnDemandSpec(enabled=cg["on_demand"]["enabled"],
+                                   start_sizes=tuple(cg["on_demand"]["start_sizes"])),
         ),
         lora=LoraSpec(**d["lora"]),
         parallel=ParallelSpec(

@@ -57,7 +57,8 @@ def settings_json(s: TableSettings) -> dict:
                    "prefill_token_threshold": s.ubatch.prefill_token_threshold,
                    "plain_twins": s.ubatch.plain_twins},
         "data_parallel_size": s.data_parallel_size, "dp_backend": s.dp_backend,
-        "sync_timeout_s": s.sync_timeout_s,
+        "sync_timeout_s": s.sync_timeout_s, "on_demand": s.on_demand,
+        "start_sizes": list(s.start_sizes),
     }
 
 
@@ -104,7 +105,8 @@ _SETTINGS = {"name": str, "mode": str, "requested_mode": str, "attention_support
              "splitting_ops": list, "decode_query_len": int, "max_num_seqs": int,
              "max_num_batched_tokens": int, "capture_sizes": list, "lora_enabled": bool,
              "lora_cases": list, "lora_case_of_count": list, "ubatch": dict,
-             "data_parallel_size": int, "dp_backend": str, "sync_timeout_s": (int, float)}
+             "data_parallel_size": int, "dp_backend": str, "sync_timeout_s": (int, float),
+             "on_demand": bool, "start_sizes": list}
 _UBATCH = {"enabled": bool, "num_ubatches": int, "decode_token_threshold": int,
            "prefill_token_threshold": int, "plain_twins": bool}
 _GRAPH = {"id": int, "mode": str, "routine": str, "num_tokens": int, "num_reqs": (int, type(None)),
@@ -165,6 +167,8 @@ def settings_from_json(d: dict, source: str, where: str = "settings") -> TableSe
         raise TableError(f"{source}: {where}.splitting_ops: expected strings; {_RECOMPILE}")
     sizes = _int_list(d["capture_sizes"], f"{where}.capture_sizes", source, 1,
                       d["max_num_batched_tokens"], ascending=True)
+    start = _int_list(d["start_sizes"], f"{where}.start_sizes", source, 1,
+                      d["max_num_batched_tokens"], ascending=True)
     cases = _int_list(d["lora_cases"], f"{where}.lora_cases", source, 0, 1025, ascending=True)
     if not cases:
         raise TableError(f"{source}: {where}.lora_cases: empty; {_RECOMPILE}")
@@ -183,7 +187,7 @@ def settings_from_json(d: dict, source: str, where: str = "settings") -> TableSe
         capture_sizes=sizes, lora_enabled=d["lora_enabled"], lora_cases=cases,
         lora_case_of_count=of_count, ubatch=UbatchSettings(**ub),
         data_parallel_size=d["data_parallel_size"], dp_backend=d["dp_backend"],
-        sync_timeout_s=float(t))
+        sync_timeout_s=float(t), on_demand=d["on_demand"], start_sizes=start)
 
 
 def _graph_from_json(g, i: int, source: str) -> Graph:

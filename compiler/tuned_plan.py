@@ -33,12 +33,17 @@ def lists_sizes(plan: dict) -> bool:
     return isinstance(plan["cudagraph"]["capture_sizes"], list)
 
 
-def tuned_plan_text(data: dict, sizes, header: list[str], comments: list[str]) -> str:
-    """``data`` with ``cudagraph.capture_sizes`` set to ``sizes``, every other field as written."""
+def tuned_plan_text(data: dict, sizes, header: list[str], comments: list[str],
+                    start_sizes=None) -> str:
+    """``data`` with ``cudagraph.capture_sizes`` set to ``sizes``, every other field as written;
+    with ``start_sizes``, on-demand capture turned on with those sizes captured at start."""
     out = copy.deepcopy(data)
     cg = out.get("cudagraph")
     out["cudagraph"] = dict(cg) if isinstance(cg, dict) else {}
     out["cudagraph"]["capture_sizes"] = [int(s) for s in sizes]
+    if start_sizes is not None:
+        out["cudagraph"]["on_demand"] = {"enabled": True,
+                                         "start_sizes": [int(s) for s in start_sizes]}
     body = yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=100,
                           allow_unicode=True)
     kept, in_old_header = [], False  # drop the header of an earlier run, keep the author's lines

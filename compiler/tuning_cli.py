@@ -92,7 +92,7 @@ def _cut(before: int, after: int) -> float:
 def cmd_optimize(a) -> int:
     from graphplan.compiler.cli_inputs import load_any, parse_overrides
     from graphplan.compiler.memory import estimate, load_profile
-    from graphplan.compiler.optimize import optimize
+    from graphplan.compiler.optimize import optimize, rank_start_sizes
     from graphplan.compiler.summary import compact_sizes
     from graphplan.compiler.fileio import write_atomic
     from graphplan.compiler.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
@@ -111,9 +111,17 @@ def cmd_optimize(a) -> int:
     outside = outside_trace(table, res.table, res.top)
     above = int(work.count[work.tokens > res.top].sum())
     header = _header(a, res, work.steps, above, len(table.graphs))
+    if a.start_graphs is not None and a.start_graphs < 0:
+        from graphplan.compiler.optimize import OptimizeError
+        raise OptimizeError(f"--start-graphs {a.start_graphs}: give a count >= 0")
+    start = (rank_start_sizes(res.after, res.sizes, a.start_graphs)
+             if a.start_graphs is not None else None)
+    if start is not None:
+        header.append(f"#   on-demand capture: at start sizes {list(start)} (the "
+                      f"{a.start_graphs} most used by the trace and the largest)")
     if a.output:
         data, comments = raw_plan(a.plan, parse_overrides(a.set))
-        text = tuned_plan_text(data, res.sizes, header, comments)
+        text = tuned_plan_text(data, res.sizes, header, comments, start)
         check_tuned(text, res.sizes)
         write_atomic(a.output, text.encode("utf-8"))
     mem_before, mem_after = estimate(table, profile), estimate(res.table, profile)
@@ -126,6 +134,7 @@ def cmd_optimize(a) -> int:
                           "after": side(res.table, res.after, mem_after),
                           "reduction_pct": _cut(res.before.padded_tokens, res.after.padded_tokens),
                           "notes": list(res.notes), "outside_trace": outside,
+                          "start_sizes": list(start) if start is not None else None,
                           "output": a.output}, sort_keys=True))
         return 0
     decode = int(work.count[work.uniform].sum())
@@ -146,6 +155,9 @@ def cmd_optimize(a) -> int:
               f"{p.per_step:>9.3f} {p.eager_steps:>12} {m['total_mib']:>7.1f} MiB")
     print(f"\npadded tokens: {0.0 - _cut(res.before.padded_tokens, res.after.padded_tokens):+.1f} %")
     print(f"sizes: {compact_sizes(res.sizes)}")
+    if start is not None:
+        print(f"on-demand capture: at start sizes {list(start)} (the {a.start_graphs} most used "
+              "by the trace and the largest); the rest on first use")
     print("\n".join(outside_lines(outside)))
     print(f"wrote {a.output}" if a.output else "(no plan written; add -o tuned.yaml)")
     return 0
@@ -205,6 +217,9 @@ def add_tuning_commands(sub, common) -> None:
     sp.add_argument("--no-small", action="store_true",
                     help="let the plan's sizes below the trace's smallest step go (by default "
                     "they are kept, so batches smaller than any in the trace still pad little)")
+    sp.add_argument("--start-graphs", type=int, metavar="K",
+                    help="turn on on-demand capture in the tuned plan: capture at start the K "
+                    "sizes most steps of the trace land on, and the largest; the rest on first use")
     sp.add_argument("-o", "--output", help="where to write the tuned plan YAML (atomically)")
     common(sp)
     sp.set_defaults(fn=cmd_optimize)

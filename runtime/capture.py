@@ -179,6 +179,40 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
     return done
 
 
+def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
+    """Capture graph ``gid`` into ``done`` (its pool, its static outputs), after the rest: what
+    on-demand capture runs between steps. Memory is not measured (no synchronisation beyond the
+    capture's own). On failure the error propagates and nothing captured before is touched."""
+    table, buffers, model = job.table, job.buffers, job.model
+    g = table.graphs[gid]
+    tokens = g.key.num_tokens
+    reqs = g.key.num_reqs if g.key.num_reqs is not None else min(tokens, table.max_num_seqs)
+    if g.key.num_ubatches > 1 and job.ubatch_body is None:
+        raise CaptureError(f"graph #{gid} is micro-batched and this runner has no ubatch body")
+    buffers.reset(tokens, reqs)
+    views = buffers.views(tokens, reqs)
+    with torch.no_grad():
+        if g.mode is RuntimeMode.PIECEWISE:
+            if done.piecewise is None:
+                raise CaptureError(f"graph #{gid} is PIECEWISE and no PIECEWISE graph was "
+                                   "captured at start (the start set holds the largest)")
+            done.graphs[gid], _ = done.piecewise.capture(views, tokens)
+            return
+        first = done.outputs is None
+        for _ in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
+            out = model(**views)
+            if done.outputs is None:
+                done.outputs = _static_outputs(out, buffers.max_tokens)
+                done.single_output = not isinstance(out, (tuple, list))
+            del out
+        if g.key.num_ubatches > 1:
+            body = job.ubatch_body(g.key, views, tokens, done.outputs)
+            body()
+        else:
+            body = _graph_fn(model, done.outputs, views, tokens)
+        done.graphs[gid] = job.backend.capture(body)
+
+
 class CaptureError(GraphplanError):
     """Capturing a graph failed; everything captured so far was released."""
 

@@ -27,6 +27,9 @@ class RunnerStats:
             reason = route.why.label
         self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
 
+    def eager_because(self, reason: str) -> None:
+        self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
+
     def captured(self, summary: dict) -> None:
         self.capture = dict(summary)
 
@@ -88,4 +91,15 @@ def render_prometheus(stats: dict, prefix: str = "graphplan") -> str:
                [(lab, comp["recompiles"])])
         metric("model_compile_seconds", "gauge", "Time the compile warm-up took.",
                [(lab, round(comp["seconds"], 3))])
+    od = stats.get("on_demand")
+    if od:  # on-demand capture: what start took, what first use took, what still waits
+        metric("graphs_captured", "gauge", "Graphs captured, at start or on first use.",
+               [({"when": "start"}, od["captured_at_start"]),
+                ({"when": "on_demand"}, od["captured_on_demand"])])
+        metric("graphs_pending", "gauge", "Graphs queued for on-demand capture.",
+               [({}, od["pending"])])
+        metric("graphs_not_captured", "gauge", "Graphs not captured yet (not used so far).",
+               [({}, od["not_captured"])])
+        metric("graphs_eager_forever", "gauge", "Graphs whose on-demand capture failed.",
+               [({}, len(od["eager_forever"]))])
     return "\n".join(lines) + "\n"

@@ -8,7 +8,9 @@ and the output views.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -18,12 +20,15 @@ from graphplan.compiler.errors import GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.buffers import StaticBuffers, StaticInput
-from graphplan.runtime.capture import CaptureError, CaptureJob, capture_graphs
+from graphplan.runtime.capture import CaptureError, CaptureJob, capture_graphs, capture_one
 from graphplan.runtime.compiled import compiled_model
 from graphplan.runtime.graphs import graph_backend
 from graphplan.runtime.metrics import RunnerStats
+from graphplan.runtime.on_demand import OnDemandQueue, start_graph_ids
 
 __all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
+
+log = logging.getLogger("graphplan.runtime")
 
 
 PIECEWISE_MECHANISMS = ("auto", "fx", "runtime")
@@ -56,6 +61,11 @@ class GraphRunner:
     shared ``CompiledModel``) compiles the model once with a dynamic token dimension before FULL
     graphs are captured of it; eager steps and PIECEWISE graphs run the model as written
     (``runtime/compiled.py``). ``stats()['compile']`` counts compilations and recompiles.
+
+    ``on_demand`` (default: the table's ``on_demand`` setting) captures at start only the start
+    set (``runtime/on_demand.py``): the largest graph of each routine first, and the graphs of the
+    plan's ``start_sizes``. Any other graph is captured on its first use: that step runs eager,
+    and the graph is captured before the next step (``capture_next``), one per step.
     """
 
     def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
@@ -63,7 +73,7 @@ class GraphRunner:
                  warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
                  progress: bool = True,
                  splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime",
-                 compile=False):
+                 compile=False, on_demand: bool | None = None):
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
@@ -94,14 +104,19 @@ class GraphRunner:
         self._piecewise = None  # runtime.piecewise_graphs.PiecewiseGraphs once PIECEWISE is captured
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
+        self.on_demand = table.settings.on_demand if on_demand is None else bool(on_demand)
+        self._demand: OnDemandQueue | None = None  # graphs still to capture, with on_demand
+        self._job: CaptureJob | None = None
+        self._done = None  # the Captured record that on-demand captures add to
 
     # -- capture ----------------------------------------------------------------------------
     def capture(self, modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
                 only: set[int] | None = None, *, measure_each: bool = False) -> dict:
         """Warm up and capture the table's graphs of the given modes (by default every graph the
         table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
-        ``only`` restricts capture to those graph ids; ``measure_each`` measures every graph's
-        memory (calibration), at the price of a device synchronisation per graph.
+        ``only`` restricts capture to those graph ids (with on_demand: the start set, the rest
+        on first use); ``measure_each`` measures every graph's memory (calibration), at the price
+        of a device synchronisation per graph.
 
         Returns the capture summary (also in ``stats()['capture']``). Raises CaptureError, with
         everything it took released, if a graph cannot be captured.
@@ -120,8 +135,16 @@ class GraphRunner:
                          piecewise=self.piecewise, ubatch_body=self.ubatch_body,
                          warmup_each=self.warmup_each, measure_each=measure_each,
                          piecewise_model=None if self.compiled is None else self.compiled.model)
-        done = capture_graphs(job, tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m]
-                                         for m in modes), only)
+        modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
+        if self.on_demand and only is None:
+            only = start_graph_ids(self.table)
+        done = capture_graphs(job, modes, only)
+        if self.on_demand:
+            wanted = [g.id for g in self.table.graphs if g.mode in modes
+                      and (g.key.num_ubatches == 1 or self.ubatch_body is not None)]
+            self._demand = OnDemandQueue({g for g in wanted if done.graphs[g] is not None},
+                                         wanted)
+        self._job, self._done = job, done
         self._graphs, self._outputs = done.graphs, done.outputs
         self._single_output, self._piecewise = done.single_output, done.piecewise
         self._stats.captured(done.summary)
@@ -141,10 +164,16 @@ class GraphRunner:
 
     def execute(self, route, inputs: dict[str, torch.Tensor], n: int, num_reqs: int | None):
         """Run an already-routed batch (DP re-dispatch routes it first, then calls this)."""
+        if self._demand is not None and self._demand.waiting:
+            self.capture_next()  # between steps: the previous step's outputs are done with
         gid = route.graph_id
         graph = self._graphs[gid] if gid >= 0 else None
         if graph is None:
-            self._stats.eager(route, gid)
+            reason = self._demand.missing(gid) if self._demand is not None else None
+            if reason is None:
+                self._stats.eager(route, gid)
+            else:
+                self._stats.eager_because(reason)
             model = self.model if self.compiled is None else self.compiled.model  # compile: graphs
             with torch.no_grad():
                 return model(**inputs)
@@ -161,11 +190,34 @@ class GraphRunner:
             return self._outputs[0][:n]
         return tuple(o[:n] for o in self._outputs)
 
+    def capture_next(self) -> int | None:
+        """Capture the first graph waiting for on-demand capture (at most one); returns its id, or
+        None when none waits. A graph that fails to capture stays eager for good (logged), and
+        every other graph is kept: the server keeps serving."""
+        if self._demand is None or not self._demand.waiting:
+            return None
+        gid = self._demand.next()
+        t0 = time.perf_counter()
+        try:
+            capture_one(self._job, self._done, gid)
+        except Exception as e:  # noqa: BLE001 - this graph runs eager from now on
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self._done.graphs[gid] = None
+            self._demand.gave_up(gid, reason)
+            log.warning("on-demand capture of graph #%d (%d tokens) failed, it runs eager from "
+                        "now on: %s", gid, self.table.graphs[gid].key.num_tokens, reason)
+            return gid
+        self._outputs, self._single_output = self._done.outputs, self._done.single_output
+        self._demand.captured(time.perf_counter() - t0)
+        return gid
+
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
         s = self._stats.as_dict()
         if self.compiled is not None:
             s["compile"] = self.compiled.stats()
+        if self._demand is not None:
+            s["on_demand"] = self._demand.as_dict()
         return s
 
     def record_eager(self, route) -> None:
@@ -184,6 +236,7 @@ class GraphRunner:
         self._graphs = [None] * len(self.table.graphs)
         self._outputs = None
         self._piecewise = None
+        self._demand = self._job = self._done = None
         self.backend.release()
         self.captured = False
 

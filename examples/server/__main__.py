@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the model once (torch.compile, dynamic token dimension) and "
                         "capture graphs of the compiled model; BACKEND defaults to inductor")
     p.add_argument("--no-progress", action="store_true", help="no capture progress bar")
+    p.add_argument("--on-demand", action="store_true", default=None,
+                   help="capture at start only the largest graphs and the plan's "
+                   "cudagraph.on_demand.start_sizes, every other graph on its first use "
+                   "(/healthz turns 200 sooner); default: the plan's cudagraph.on_demand.enabled")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests")
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         device=a.device, spec=spec, progress=not a.no_progress,
                         max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
                         admin_token=admin_token(a.admin_token), reload_dir=a.reload_dir,
-                        idle_timeout=a.idle_timeout)
+                        idle_timeout=a.idle_timeout, on_demand=a.on_demand)
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)
         return e.exit_code

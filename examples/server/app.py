@@ -220,14 +220,15 @@ class Server:
                  port: int = 0, device: str = "cpu", spec: ModelSpec = ModelSpec(),
                  progress: bool = True, max_body_bytes: int = 1 << 20,
                  request_timeout: float = 300.0, drain_timeout: float = 30.0,
-                 admin_token: str | None = None, reload_dir=None, idle_timeout: float = 30.0):
+                 admin_token: str | None = None, reload_dir=None, idle_timeout: float = 30.0,
+                 on_demand: bool | None = None):
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(reload_dir if reload_dir is not None
                                     else Path(source).resolve().parent)
         self.idle_timeout = idle_timeout
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
         self.engine = Engine(table, str(source), overrides, spec=spec, device=device,
-                             progress=progress)
+                             progress=progress, on_demand=on_demand)
         self.openai = OpenAIFrontEnd(spec)
         self.max_body_bytes, self.request_timeout = max_body_bytes, request_timeout
         self.drain_timeout = drain_timeout

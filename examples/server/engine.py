@@ -2,7 +2,8 @@
 (examples/batching.py). Requests enter through a queue and join between steps: each step decodes the
 running requests and prefills prompts in chunks within the plan's token budget, in one batch; a
 finished request frees its cache row at once. Plan swaps are captured on the same thread between
-steps, so a step never sees two runners."""
+steps, so a step never sees two runners; so are on-demand captures (cudagraph.on_demand: the
+runner captures a graph first needed by a step before the next step)."""
 
 from __future__ import annotations
 
@@ -57,10 +58,11 @@ class _Swap:
 class Engine:
     def __init__(self, table, source: str, overrides: dict | None = None, *,
                  spec: ModelSpec = ModelSpec(), device: str = "cpu", progress: bool = True,
-                 max_waiting: int = 1024):
+                 max_waiting: int = 1024, on_demand: bool | None = None):
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
+        self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
@@ -197,10 +199,11 @@ class Engine:
             self._fail_all(RequestError(503, "server is shutting down"))
 
     def _capture(self, table) -> GraphRunner:
-        log.info("capturing %d graphs of plan %r (fingerprint %s) on %s", len(table.graphs),
-                 table.settings.name, table.fingerprint[:19], self.device)
         runner = GraphRunner(self.model, table, model_inputs(self.model), device=self.device,
-                             progress=self.progress, compile=self.compiled)
+                             progress=self.progress, compile=self.compiled, on_demand=self.on_demand)
+        log.info("capturing %d graphs%s of plan %r (fingerprint %s) on %s", len(table.graphs),
+                 " on demand (the start set now, the rest on first use)" if runner.on_demand
+                 else "", table.settings.name, table.fingerprint[:19], self.device)
         runner.capture()
         return runner
 
