@@ -92,8 +92,10 @@ def make_paged_batch(kv: torch.Tensor, positions: torch.Tensor, slot_mapping: to
         # no host reads (a graph may record this), one kernel per layer for every request
         token = torch.arange(num_tokens, device=device, dtype=query_start_loc.dtype)
         # request of each token; padded tokens past the last offset land on the last row
-        req = torch.searchsorted(query_start_loc[1:].contiguous(), token, right=True)
-        req = req.clamp_(max=num_reqs - 1)                                    # [T]
+        # (offsets <= token) - 1, over every offset: no slice of query_start_loc, which torch
+        # 2.11's inductor cannot lower with a size-oblivious dynamic length
+        req = torch.searchsorted(query_start_loc.contiguous(), token, right=True) - 1
+        req = req.clamp_(min=0, max=num_reqs - 1)                             # [T]
         blocks = block_tables.long()[req]                                     # [T, B]
         key_slots = blocks[:, span // block_size] * block_size + span % block_size  # [T, L]
         return PagedBatch(kv, slot_mapping, key_slots, span[None, :] > positions[:, None])
