@@ -101,19 +101,24 @@ def run_rank(rank: int, ranks: int, args) -> int:
     prompts, budget = work[rank]
     out = dp_generate(model, dp, prompts, budget, steps=max(b for _, b in work))
     s = dp.stats()
-    print(f"rank {rank}: {len(prompts)} prompts x {budget} tokens; steps {s['dp']['steps']}, "
-          f"dummy {s['dp']['dummy_steps']}, ubatched {s['dp']['ubatched_steps']}, replays "
-          f"{s['replays_by_mode']}, eager {s['eager_steps']}", flush=True)
+    say(f"rank {rank}: {len(prompts)} prompts x {budget} tokens; steps {s['dp']['steps']}, "
+        f"dummy {s['dp']['dummy_steps']}, ubatched {s['dp']['ubatched_steps']}, replays "
+        f"{s['replays_by_mode']}, eager {s['eager_steps']}")
     status = 0
     if args.check:
         model.kv_cache.zero_()
         eager = reference_generate(model, prompts, budget) if prompts else []
         ok = eager == out
-        print(f"rank {rank}: check {'tokens == single-rank eager' if ok else 'MISMATCH'}",
-              flush=True)
+        say(f"rank {rank}: check {'tokens == single-rank eager' if ok else 'MISMATCH'}")
         status = 0 if ok else 1
     dist.destroy_process_group()
     return status
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share stdout, and print() writes the text and its newline
+    separately, so two ranks' lines could run together."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
 
 
 def _spawned(rank: int, ranks: int, args) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -420,3 +421,20 @@ def test_a_dead_rank_is_an_error_within_the_timeout(tmp_path):
     r0 = _spawn(_stall_worker, 2, tmp_path, "dies")[0]
     assert r0["error"] and r0["seconds"] < 5
     assert "DP rank 0/2" in r0["error"]
+
+
+def test_dp_generate_prints_each_ranks_lines_whole():
+    """The ranks share stdout: every line must be one rank's whole line, never two run together."""
+    import subprocess
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "examples" /
+                                              "dp_generate.py"), "--ranks", "2", "--device", "cpu",
+                          "--new-tokens", "3", "--check"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    assert len(lines) == 4, out.stdout
+    import re
+    assert all(re.match(r"rank \d: ", l) and len(re.findall(r"rank \d: ", l)) == 1
+               for l in lines), out.stdout
+    assert sum("check tokens == single-rank eager" in l for l in lines) == 2
