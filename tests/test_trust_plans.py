@@ -116,7 +116,8 @@ def test_a_reload_thread_is_not_wedged_by_a_slow_template(tmp_path, monkeypatch)
     p = template(tmp_path, "{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}"
                  "{% endfor %}\n")
     t0 = time.monotonic()
-    with pytest.raises(PlanError, match=r"plan.yaml.j2:\d+:\d+: error\[template-limit\]: template refused: rendering took more than"):
+    with pytest.raises(PlanError, match=r"plan.yaml.j2:\d+:\d+: error\[template-limit\]: "
+                                        r"template refused: rendering took more than"):
         load_plan(p)
     assert time.monotonic() - t0 < 3
 
