@@ -22,9 +22,7 @@ import argparse
 import datetime
 import http.client
 import json
-import os
 import platform
-import queue
 import random
 import re
 import subprocess
@@ -35,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from server_load import get, run_server  # noqa: E402  (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = {"FULL_DECODE_ONLY": ROOT / "plans" / "hf-decode.yaml",
@@ -73,48 +73,7 @@ def launch(a, model_dir: Path, plan: Path, log_path: Path):
            str(a.max_model_len), "--seed", "0"]
     for s in a.set + (SMOKE_SETS if a.smoke else []):
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-    log = open(log_path, "w")
-
-    def pump():  # keep draining the server's log so it never blocks on a full pipe
-        for line in proc.stderr:
-            log.write(line)
-            log.flush()
-            lines.put(line)
-        lines.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + a.startup_timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-            while time.monotonic() < deadline:
-                if get(port, "/healthz")[0] == 200:
-                    return proc, port
-                time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server did not become ready; its log: {log_path}")
-
-
-def get(port: int, path: str):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read().decode()
-    except OSError:
-        return 0, ""
-    finally:
-        conn.close()
+    return run_server(cmd, log_path, a.startup_timeout)
 
 
 def complete(conn, name: str, prompt: list[int], max_tokens: int) -> list[int]:

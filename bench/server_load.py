@@ -56,7 +56,13 @@ def start_server(a, spec: ModelSpec, sets: list[str], log_path: Path):
            "--seed", str(spec.seed)]
     for s in sets:
         cmd += ["--set", s]
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return run_server(cmd, log_path, a.startup_timeout)
+
+
+def run_server(cmd: list[str], log_path: Path, startup_timeout: float):
+    """Start ``python -m examples.server ...`` (``cmd``) from the repo root on port 0; returns
+    (process, port) once /healthz answers 200. Its log goes to ``log_path``."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
@@ -69,7 +75,7 @@ def start_server(a, spec: ModelSpec, sets: list[str], log_path: Path):
             lines.put(line)
         lines.put(None)
     threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + a.startup_timeout
+    deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)
