@@ -42,18 +42,6 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def require_regular_file(path, error: type[Exception], what: str) -> None:
-    """Refuse, without opening it, a path that is not a regular file (a FIFO would block the
-    reader forever, a device would never end); missing files are left to the reader's error."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return
-    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-        raise error(f"{path}: cannot read {what}: is {_kind(mode)}; graphplan reads only "
-                    "regular files")
-
-
 def read_regular_file(path: Path, limit: int = MAX_PLAN_BYTES, what: str = "plan",
                       hint: str = "give a plan file, e.g. plans/llama3-8b-h100.yaml",
                       error: type[Exception] | None = None) -> bytes:

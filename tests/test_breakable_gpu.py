@@ -1,16 +1,15 @@
 """The run-time split on CUDA graphs (bf16): segments captured between eager attention calls match
-eager on mixed batches, continuous batching with FULL_AND_PIECEWISE generates what eager does
-(teacher-forced logits within the bf16 tolerance), a model torch.fx cannot trace gets piecewise
+eager on mixed batches (teacher-forced logits within the bf16 tolerance), a model torch.fx cannot trace gets piecewise
 graphs through ``auto``, and a host sync inside a segment is a SplitError that leaves CUDA and the
-runner usable. Skipped cleanly without CUDA."""
+runner usable. Continuous batching through it (the default split) is tests/test_piecewise_gpu.py's.
+Skipped cleanly without CUDA."""
 
 import pytest
 import torch
-from generate import continuous_greedy, make_prompts
 from test_breakable import PyLlama, marked_attention, py_llama
 from test_piecewise import Branchy
 from test_piecewise_gpu import CFG, model, plan, toks
-from tiny_llama import TinyLlamaConfig, greedy_mismatch, make_batch, static_inputs
+from tiny_llama import make_batch, static_inputs
 
 from graphplan.compiler import compile_plan
 from graphplan.runtime import GraphRunner, SplitError
@@ -54,25 +53,6 @@ def test_a_model_fx_cannot_trace_gets_piecewise_cuda_graphs_through_auto():
                          static_inputs(graphs), progress=False)
     assert runner.capture()["piecewise"]["mechanism"] == "runtime"
     check_mixed(graphs, eager, runner)
-
-
-def test_continuous_batching_with_runtime_split_graphs_is_identical_to_eager(root):
-    cfg = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=2, heads=4, kv_heads=1,
-                          intermediate=768, max_model_len=128, num_cache_rows=64)
-    m = model(cfg)
-    runner = GraphRunner(m, compile_plan(str(root / "plans" / "tiny-llama.yaml")), static_inputs(m),
-                         progress=False, piecewise="runtime")
-    runner.capture()
-    prompts = make_prompts(8, seed=0, vocab=cfg.vocab_size, max_len=64)
-    kw = dict(chunk=32, max_num_seqs=runner.table.max_num_seqs, arrive_every=2)
-    with_graphs, got = continuous_greedy(m, prompts, 12, **kw,
-                                         step=lambda b, r, q: runner.step(b, r, q))
-    s = runner.stats()
-    assert s["replays_by_mode"]["PIECEWISE"] > 0 and s["replays_by_mode"]["FULL"] > 0
-    assert s["eager_steps"] == {}
-    m.kv_cache.zero_()
-    _, want = continuous_greedy(m, prompts, 12, **kw, forced=with_graphs)  # over the same tokens
-    assert greedy_mismatch(with_graphs, got, want, m.kv_cache.dtype) is None
 
 
 def test_a_host_sync_in_a_cuda_segment_is_a_split_error_and_cuda_stays_usable():

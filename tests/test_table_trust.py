@@ -12,22 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphplan.compiler import DispatchTable, TableError, compile_plan, table_format
+from graphplan.compiler import DispatchTable, TableError, compile_plan
 from graphplan.compiler.cli import main
+from test_table import resealed  # the forger's helper, shared with the table tests
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def resealed(data: dict) -> dict:
-    """Fingerprints and checksum recomputed after an edit, as a forger would."""
-    data = copy.deepcopy(data)
-    v = data["compiler_version"]
-    data["fingerprint"] = table_format.plan_fingerprint(data["plan"], data["settings"], v)
-    data["content_fingerprint"] = table_format.content_fingerprint(
-        data["settings"], data["graphs"], data["routes"], v)
-    body = {k: x for k, x in data.items() if k != "checksum"}
-    data["checksum"] = table_format._sha256(body)
-    return data
 
 
 @pytest.fixture(scope="module")
