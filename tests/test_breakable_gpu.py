@@ -1,6 +1,6 @@
 """The run-time split on CUDA graphs (bf16): segments captured between eager attention calls match
-eager on mixed batches (teacher-forced logits within the bf16 tolerance), a model torch.fx cannot trace gets piecewise
-graphs through ``auto``, and a host sync inside a segment is a SplitError that leaves CUDA and the
+eager on mixed batches (teacher-forced logits within the bf16 tolerance), a model torch.fx cannot
+trace gets piecewise graphs through ``auto``, and a host sync inside a segment is a SplitError that leaves CUDA and the
 runner usable. Continuous batching through it (the default split) is tests/test_piecewise_gpu.py's.
 Skipped cleanly without CUDA."""
 

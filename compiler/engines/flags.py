@@ -260,3 +260,19 @@ def split_routines(sizes, q: int, seqs: int, mode: str) -> tuple[list[int], list
         problem = (f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
                    " tokens (above the largest decode size; the engine runs them without a graph)")
     return [s // q for s in decode], pieces, problem
+
+
+def engine_routines(engine: str, version: str, mode: str, sizes, q: int, seqs: int,
+                    unsupported: dict[str, str], diags: list) -> tuple[str, list[int], list[int]]:
+    """For engines with FULL decode graphs and piecewise prefill graphs only: a mode they cannot
+    run (``unsupported``: mode -> what is lost) becomes FULL_AND_PIECEWISE with a diagnostic, and
+    the sizes split into (decode batch sizes, piecewise token counts). Returns (mode, both)."""
+    if mode in unsupported:
+        diags.append(lost(engine, version, "cudagraph.mode", unsupported[mode],
+                          "use FULL_AND_PIECEWISE or FULL_DECODE_ONLY"))
+        mode = "FULL_AND_PIECEWISE"
+    bs, pieces, problem = split_routines(sizes, q, seqs, mode)
+    if problem:
+        diags.append(lost(engine, version, "cudagraph.capture_sizes", problem,
+                          f"add size {q * seqs} or drop the sizes above it"))
+    return mode, bs, pieces

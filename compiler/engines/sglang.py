@@ -67,17 +67,9 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
         out["speculative_num_draft_tokens"] = q
         diags.append(F.note("scheduler.decode_query_len", "add --speculative-algorithm and the "
                             "draft model; num_draft_tokens is the verify width q"))
-    if mode in ("PIECEWISE", "FULL"):
-        what = {"PIECEWISE": "PIECEWISE graphs for decode batches (SGLang captures FULL decode "
-                "graphs)", "FULL": "FULL graphs for mixed batches (SGLang's prefill graphs are "
-                "piecewise)"}[mode]
-        diags.append(F.lost(ENGINE, version, "cudagraph.mode", what,
-                            "use FULL_AND_PIECEWISE or FULL_DECODE_ONLY"))
-        mode = "FULL_AND_PIECEWISE"
-    bs, pieces, problem = F.split_routines(sizes, q, s.max_num_seqs, mode)
-    if problem:
-        diags.append(F.lost(ENGINE, version, "cudagraph.capture_sizes", problem,
-                            f"add size {q * s.max_num_seqs} or drop the sizes above it"))
+    mode, bs, pieces = F.engine_routines(ENGINE, version, mode, sizes, q, s.max_num_seqs, {
+        "PIECEWISE": "PIECEWISE graphs for decode batches (SGLang captures FULL decode graphs)",
+        "FULL": "FULL graphs for mixed batches (SGLang's prefill graphs are piecewise)"}, diags)
     if mode == "NONE" or not bs:
         out["disable_cuda_graph"] = True
         if mode != "NONE" and sizes:

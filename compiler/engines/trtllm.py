@@ -42,16 +42,9 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
     s, lora, par = spec.scheduler, spec.lora, spec.parallel
     q, diags = s.decode_query_len, []
     out: dict = {"max_batch_size": s.max_num_seqs, "max_num_tokens": s.max_num_batched_tokens}
-    if mode in ("PIECEWISE", "FULL"):
-        diags.append(F.lost(ENGINE, version, "cudagraph.mode", {
-            "PIECEWISE": "PIECEWISE graphs for decode batches (its decode graphs are FULL)",
-            "FULL": "FULL graphs for mixed batches (its CUDA graphs are decode-only)"}[mode],
-            "use FULL_AND_PIECEWISE or FULL_DECODE_ONLY"))
-        mode = "FULL_AND_PIECEWISE"
-    bs, pieces, problem = F.split_routines(sizes, q, s.max_num_seqs, mode)
-    if problem:
-        diags.append(F.lost(ENGINE, version, "cudagraph.capture_sizes", problem,
-                            f"add size {q * s.max_num_seqs} or drop the sizes above it"))
+    mode, bs, pieces = F.engine_routines(ENGINE, version, mode, sizes, q, s.max_num_seqs, {
+        "PIECEWISE": "PIECEWISE graphs for decode batches (its decode graphs are FULL)",
+        "FULL": "FULL graphs for mixed batches (its CUDA graphs are decode-only)"}, diags)
     if mode == "NONE" or not bs:
         out["cuda_graph_config"] = None
     else:
