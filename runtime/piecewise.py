@@ -35,15 +35,11 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from graphplan.compiler.errors import GraphplanError
+from graphplan.runtime.breakable import SplitError, qualified_op_name
 
 _NOT_SPLIT = ("placeholder", "get_attr", "output")
 _FALLBACK = ("or capture FULL graphs only (runner.capture(modes=('FULL',))), or use a plan without "
              "piecewise graphs (cudagraph.mode FULL or FULL_DECODE_ONLY, or splitting_ops: [])")
-
-
-class SplitError(GraphplanError):
-    """A model cannot be split into piecewise graphs at the plan's splitting ops."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,15 +72,6 @@ class SplitModel:
 
     def submodule(self, part: Part) -> torch.fx.GraphModule:
         return getattr(self.module, part.name)
-
-
-def qualified_op_name(target) -> str | None:
-    """``ns::op`` for a torch op (an overload or its packet), None for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.name().partition(".")[0]  # "ns::op.overload" -> "ns::op"
-    if isinstance(target, torch._ops.OpOverloadPacket) and target.overloads():
-        return getattr(target, target.overloads()[0]).name().partition(".")[0]
-    return None
 
 
 def _matcher(name: str, bound) -> Callable[[object], bool]:
