@@ -1,9 +1,7 @@
-"""Mixed-batch steps of the tiny Llama: eager vs piecewise graphs (torch.fx split and run-time split,
-side by side) vs FULL graphs; and what capturing a FULL_AND_PIECEWISE plan costs with each split
-(time, graphs, memory).
+"""Mixed-batch steps of the tiny Llama: eager vs piecewise graphs (split at run time around
+attention) vs FULL graphs; and what capturing a FULL_AND_PIECEWISE plan costs (time, graphs, memory).
 
-    python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16, both splits
-    python bench/piecewise_bench.py --mechanism runtime                      # one split only
+    python bench/piecewise_bench.py --out bench/results/piecewise-h100.txt   # GPU, bf16
     python bench/piecewise_bench.py --device cpu --quick                     # smoke run, tiny sizes
     python bench/piecewise_bench.py --model hf --out bench/results/piecewise-hf-h100.txt
     python bench/piecewise_bench.py --model hf --device cpu --quick          # smoke run
@@ -11,13 +9,13 @@ side by side) vs FULL graphs; and what capturing a FULL_AND_PIECEWISE plan costs
 ``--model hf``: the stock transformers LlamaForCausalLM of the HF issue (vocab 32000, hidden 1024,
 intermediate 2816, 8 layers, 16 heads / 4 KV heads, bf16, random weights) behind graphplan's paged
 adapter (runtime/hf): the same mixed steps, eager (the adapter's own eager path: prefill chunks
-attend over their real lengths) vs PIECEWISE graphs split at run time around its attention (the
-only split a transformers model takes), with the FULL_AND_PIECEWISE capture cost of the vLLM-default
-plan. Same bar: piecewise >= 2x eager for mixed steps of <= 256 tokens on CUDA.
+attend over their real lengths) vs PIECEWISE graphs around its attention, with the
+FULL_AND_PIECEWISE capture cost of the vLLM-default plan. Same bar: piecewise >= 2x eager for mixed
+steps of <= 256 tokens on CUDA.
 
-The run-time split can be the default only if its step time is within 5% of the fx split's on
-every mixed step of 16-256 tokens (the last line says whether it is). Only CUDA timings count: on
-the CPU the two stand-ins differ (the run-time split's segments replay as aten tapes).
+Until issue 14 this bench also timed a torch.fx split beside the run-time split; that run
+(bench/results/piecewise_bench.md, H100: run-time split step time +2.2% at worst on 16-256 tokens,
+capture 16% faster) is why the run-time split is the only one now (docs/semantics.md §5.6).
 
 A mixed step at T tokens is chunked prefill plus decodes in one batch: min(T // 4, 32) decodes with
 context, the rest prefill chunks of up to 128 tokens each continuing a prompt. Every mode runs the
@@ -46,7 +44,6 @@ from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # 
 from graphplan.runtime import DispatchTable, GraphRunner  # noqa: E402
 
 BAR, BAR_TOKENS = 2.0, 256
-SAME, MIN_SAME_TOKENS = 0.05, 16  # the run-time split is "as fast" within 5% on 16-256 tokens
 TABLES = ROOT / "bench" / "tables"
 DEFAULT_TOKENS = [16, 64, 128, 256, 512]  # the sizes of bench/tables/mixed-*.json
 MiB = 1 << 20
@@ -77,6 +74,46 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def header(device: torch.device, dtype: torch.dtype, model: str) -> list[str]:
+    """The report's first lines: the command, date, device and torch, and the model."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        platform.processor() or "cpu")
+    return [f"# piecewise_bench: python bench/piecewise_bench.py {' '.join(sys.argv[1:])}",
+            f"# date {datetime.datetime.now().isoformat(timespec='seconds')}, device {name}, "
+            f"torch {torch.__version__}, {dtype}", f"# model: {model}"]
+
+
+def capture_cost(runner: GraphRunner) -> str:
+    """Capture a FULL_AND_PIECEWISE table's graphs, say what it took, and release them."""
+    s = runner.capture()
+    pw = s["piecewise"]
+    line = (f"# FULL_AND_PIECEWISE capture, runtime split (vllm preset, max_num_seqs "
+            f"{runner.table.max_num_seqs}): {s['graphs']} graphs ({pw['piece_graphs']} piece graphs "
+            f"of {pw['pieces']} pieces, {pw['split_ops']} eager split ops per step) in "
+            f"{s['seconds']:.2f} s; graph pool {s['bytes'] / MiB:.1f} MiB; static buffers "
+            f"{(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
+    runner.release()
+    return line
+
+
+def verdict(tokens: int, speedup: float) -> str:
+    """The bar for a mixed step: piecewise >= BAR x eager up to BAR_TOKENS tokens."""
+    return "n/a" if tokens > BAR_TOKENS else "PASS" if speedup >= BAR else "FAIL"
+
+
+def finish(lines: list[str], failed: bool, device: torch.device, out: Path | None) -> int:
+    """Print (and with --out write) the report; exit status 1 if the bar failed on CUDA."""
+    enforce = device.type == "cuda"
+    lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
+                 + ("" if enforce else " (informational: the bar applies on CUDA)"))
+    report = "\n".join(lines) + "\n"
+    print(report, end="")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+    return 1 if failed and enforce else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -84,17 +121,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", help="mixed-step token counts")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--out", type=Path, help="also write the report to this file")
-    p.add_argument("--mechanism", choices=("both", "fx", "runtime"), default="both",
-                   help="how piecewise graphs split the model: the torch.fx trace, the run-time "
-                        "split, or both side by side (default)")
     p.add_argument("--model", choices=("tiny", "hf"), default="tiny",
-                   help="tiny: the tiny Llama, fx vs run-time split (default); hf: a stock "
-                        "transformers Llama through runtime/hf, run-time split")
+                   help="tiny: the tiny Llama (default); hf: a stock transformers Llama through "
+                        "runtime/hf")
     a = p.parse_args(argv)
     if a.model == "hf":
         return hf_main(a)
-    mechs = ("fx", "runtime") if a.mechanism == "both" else (a.mechanism,)
-    both = len(mechs) == 2
     device = torch.device(a.device)
     if a.quick:
         cfg = TinyLlamaConfig(vocab_size=512, hidden=128, layers=2, heads=2, kv_heads=1,
@@ -111,46 +143,19 @@ def main(argv=None) -> int:
                                    "scheduler.max_num_batched_tokens": 32}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = TinyLlama(cfg, seed=0, device=device, dtype=dtype)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        platform.processor() or "cpu")
-    lines = [f"# piecewise_bench: python bench/piecewise_bench.py {' '.join(sys.argv[1:])}",
-             f"# date {datetime.datetime.now().isoformat(timespec='seconds')}, device {name}, "
-             f"torch {torch.__version__}, {dtype}",
-             f"# model: layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads}, "
-             f"intermediate {cfg.intermediate}, vocab {cfg.vocab_size}, max_model_len "
-             f"{cfg.max_model_len}"]
-
-    # capture cost of a FULL_AND_PIECEWISE plan with vLLM's default sizes, per split mechanism
-    table = load("full-and-piecewise-51", fp)
-    capture_s = {}
-    for mech in mechs:
-        runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False,
-                             piecewise=mech)
-        s = runner.capture()
-        pw = s["piecewise"]
-        capture_s[mech] = s["seconds"]
-        lines.append(f"# FULL_AND_PIECEWISE capture, {mech} split (vllm preset, max_num_seqs "
-                     f"{table.max_num_seqs}): {s['graphs']} graphs ({pw['piece_graphs']} piece "
-                     f"graphs of {pw['pieces']} pieces, {pw['split_ops']} eager split ops per step) "
-                     f"in {s['seconds']:.2f} s; graph pool {s['bytes'] / MiB:.1f} MiB; static "
-                     f"buffers {(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
-        runner.release()
-        del runner
-
-    runners = {f"pw-{m}": GraphRunner(model, load("mixed-piecewise", mixed), static_inputs(model),
-                                      device=device, progress=False, piecewise=m) for m in mechs}
-    runners["FULL"] = GraphRunner(model, load("mixed-full", mixed), static_inputs(model),
-                                  device=device, progress=False)
+    lines = header(device, dtype, f"layers {cfg.layers}, hidden {cfg.hidden}, heads {cfg.heads}/"
+                   f"{cfg.kv_heads}, intermediate {cfg.intermediate}, vocab {cfg.vocab_size}, "
+                   f"max_model_len {cfg.max_model_len}")
+    lines.append(capture_cost(GraphRunner(model, load("full-and-piecewise-51", fp),
+                                          static_inputs(model), device=device, progress=False)))
+    runners = {mode: GraphRunner(model, load(f"mixed-{mode}", mixed), static_inputs(model),
+                                 device=device, progress=False) for mode in ("piecewise", "full")}
     for runner in runners.values():
         runner.capture()
-    pws = [k for k in runners if k != "FULL"]
-    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} "
-            + "".join(f"{k + ' ms':>14}" for k in pws) + f" {'FULL ms':>8} "
-            + "".join(f"{k + ' x':>14}" for k in pws) + f" {'FULL x':>7}"
-            + (f" {'rt/fx':>7}" if both else "") + f" {'pw err':>8}  bar (piecewise >= {BAR:g}x "
-            f"eager, <= {BAR_TOKENS} tokens)")
+    head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} {'pw ms':>9} {'FULL ms':>8} {'pw x':>7} "
+            f"{'FULL x':>7} {'pw err':>8}  bar (piecewise >= {BAR:g}x eager, <= {BAR_TOKENS} tokens)")
     lines += [head, "-" * len(head)]
-    failed, ratios = False, {}
+    failed = False
     with torch.no_grad():
         for t in tokens:
             reqs = mixed_reqs(t, max_chunk, cfg.max_model_len // 4)
@@ -159,53 +164,23 @@ def main(argv=None) -> int:
             eager_fn = lambda: model(**batch)  # noqa: E731
             ms = {"eager": time_per_call(eager_fn, device, iters, 3) * 1e3}
             ref = eager_fn().clone()
-            err = 0.0
-            # both splits are timed twice, in opposite orders (fx, runtime ... runtime, fx), and
-            # keep their better time, so neither gains from running first or last
-            for mode in [*runners, *reversed(pws)] if both else runners:
-                runner = runners[mode]
+            for mode, runner in runners.items():
                 step = lambda runner=runner: runner.step(batch, num_reqs=r, max_query_len=q)  # noqa: E731
-                ms[mode] = min(ms.get(mode, float("inf")), time_per_call(step, device, iters, 3) * 1e3)
-                if mode != "FULL":
-                    err = max(err, rel_err(step(), ref))
-            if both and MIN_SAME_TOKENS <= t <= BAR_TOKENS:
-                ratios[t] = ms["pw-runtime"] / ms["pw-fx"]
-            if t > BAR_TOKENS:
-                verdict = "n/a"
-            else:
-                ok = all(ms["eager"] / ms[k] >= BAR for k in pws)
-                failed |= not ok
-                verdict = "PASS" if ok else "FAIL"
-            rt_fx = f" {ms['pw-runtime'] / ms['pw-fx']:>7.3f}" if both else ""
-            lines.append(f"{t:>6} {r:>4} {ms['eager']:>9.3f} "
-                         + "".join(f"{ms[k]:>14.3f}" for k in pws) + f" {ms['FULL']:>8.3f} "
-                         + "".join(f"{ms['eager'] / ms[k]:>13.2f}x" for k in pws)
-                         + f" {ms['eager'] / ms['FULL']:>6.2f}x{rt_fx} {err:>8.1e}  {verdict}")
+                ms[mode] = time_per_call(step, device, iters, 3) * 1e3
+            err = rel_err(runners["piecewise"].step(batch, num_reqs=r, max_query_len=q), ref)
+            ok = verdict(t, ms["eager"] / ms["piecewise"])
+            failed |= ok == "FAIL"
+            lines.append(f"{t:>6} {r:>4} {ms['eager']:>9.3f} {ms['piecewise']:>9.3f} "
+                         f"{ms['full']:>8.3f} {ms['eager'] / ms['piecewise']:>6.2f}x "
+                         f"{ms['eager'] / ms['full']:>6.2f}x {err:>8.1e}  {ok}")
     stats = {m: r.stats() for m, r in runners.items()}
     assert all(s["eager_steps"] == {} for s in stats.values()), "a timed step ran eagerly"
-    assert all(stats[k]["replays_by_mode"]["PIECEWISE"] > 0 for k in pws)
-    if both and ratios:
-        worst = max(ratios, key=ratios.get)
-        within = ratios[worst] <= 1 + SAME
-        lines.append(f"# run-time split vs fx split, mixed steps {MIN_SAME_TOKENS}-{BAR_TOKENS} "
-                     f"tokens: step time {ratios[worst] - 1:+.1%} at worst ({worst} tokens); "
-                     f"capture {capture_s['runtime'] / capture_s['fx'] - 1:+.1%} "
-                     f"({capture_s['runtime']:.2f} s vs {capture_s['fx']:.2f} s). Within "
-                     f"{SAME:.0%}: {'YES' if within else 'NO'} (docs/semantics.md: choosing the "
-                     "piecewise split)")
-    enforce = device.type == "cuda"
-    lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
-                 + ("" if enforce else " (informational: the bar applies on CUDA)"))
-    report = "\n".join(lines) + "\n"
-    print(report, end="")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(report)
-    return 1 if failed and enforce else 0
+    assert stats["piecewise"]["replays_by_mode"]["PIECEWISE"] > 0
+    return finish(lines, failed, device, a.out)
 
 
 def hf_main(a) -> int:
-    """``--model hf``: a stock transformers Llama, eager vs PIECEWISE (run-time split)."""
+    """``--model hf``: a stock transformers Llama, eager vs PIECEWISE."""
     from transformers import LlamaConfig
 
     from graphplan.runtime.hf import PagedCausalLM
@@ -230,29 +205,15 @@ def hf_main(a) -> int:
                                    "scheduler.max_num_batched_tokens": 32}
     model = PagedCausalLM.load(cfg, max_num_seqs=seqs, max_model_len=max_len, dtype=dtype,
                                device=device, seed=0)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        platform.processor() or "cpu")
-    lines = [f"# piecewise_bench: python bench/piecewise_bench.py {' '.join(sys.argv[1:])}",
-             f"# date {datetime.datetime.now().isoformat(timespec='seconds')}, device {name}, "
-             f"torch {torch.__version__}, {dtype}",
-             f"# model: transformers LlamaForCausalLM (runtime/hf paged adapter), layers "
-             f"{cfg.num_hidden_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
-             f"{cfg.num_key_value_heads}, intermediate {cfg.intermediate_size}, vocab "
-             f"{cfg.vocab_size}, max_model_len {max_len}, block_size 16"]
-    table = load("full-and-piecewise-51", fp)
-    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False,
-                         piecewise="runtime")
-    s = runner.capture()
-    pw = s["piecewise"]
-    lines.append(f"# FULL_AND_PIECEWISE capture, runtime split (vllm preset, max_num_seqs "
-                 f"{table.max_num_seqs}): {s['graphs']} graphs ({pw['piece_graphs']} piece graphs "
-                 f"of {pw['pieces']} pieces, {pw['split_ops']} eager split ops per step) in "
-                 f"{s['seconds']:.2f} s; graph pool {s['bytes'] / MiB:.1f} MiB; static buffers "
-                 f"{(pw['static_bytes'] + runner.buffers.nbytes()) / MiB:.1f} MiB")
-    runner.release()
-    del runner
+    lines = header(device, dtype, f"transformers LlamaForCausalLM (runtime/hf paged adapter), "
+                   f"layers {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, heads "
+                   f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, intermediate "
+                   f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, max_model_len {max_len}, "
+                   "block_size 16")
+    lines.append(capture_cost(GraphRunner(model, load("full-and-piecewise-51", fp),
+                                          model.static_inputs(), device=device, progress=False)))
     runner = GraphRunner(model, load("mixed-piecewise", mixed), model.static_inputs(),
-                         device=device, progress=False, piecewise="runtime")
+                         device=device, progress=False)
     runner.capture()
     head = (f"{'tokens':>6} {'reqs':>4} {'eager ms':>9} {'pw ms':>9} {'pw x':>7} {'pw err':>8}  "
             f"bar (piecewise >= {BAR:g}x eager, <= {BAR_TOKENS} tokens)")
@@ -269,25 +230,13 @@ def hf_main(a) -> int:
             ref = eager_fn().clone()
             pw_ms = time_per_call(step, device, iters, 3) * 1e3
             err = rel_err(step(), ref)
-            if t > BAR_TOKENS:
-                verdict = "n/a"
-            else:
-                ok = eager / pw_ms >= BAR
-                failed |= not ok
-                verdict = "PASS" if ok else "FAIL"
+            ok = verdict(t, eager / pw_ms)
+            failed |= ok == "FAIL"
             lines.append(f"{t:>6} {r:>4} {eager:>9.3f} {pw_ms:>9.3f} {eager / pw_ms:>6.2f}x "
-                         f"{err:>8.1e}  {verdict}")
+                         f"{err:>8.1e}  {ok}")
     st = runner.stats()
     assert st["eager_steps"] == {} and st["replays_by_mode"]["PIECEWISE"] > 0, st["eager_steps"]
-    enforce = device.type == "cuda"
-    lines.append(f"# bar: {'FAIL' if failed else 'PASS'}"
-                 + ("" if enforce else " (informational: the bar applies on CUDA)"))
-    report = "\n".join(lines) + "\n"
-    print(report, end="")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(report)
-    return 1 if failed and enforce else 0
+    return finish(lines, failed, device, a.out)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class TinyLlamaConfig:
                    kv_heads=max(hidden // 256, 1), intermediate=hidden * 3, **rest)
 
 
-# ---- attention core: one custom op, so torch.fx can split the forward at it ----
+# ---- attention core: one custom op, where piecewise graphs split the forward ----
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                slot_mapping: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _attention_fake(q, k, v, kv_cache, slot_mapping, positions):
 if not hasattr(torch.ops.tiny_llama, "attention"):
     torch.library.custom_op("tiny_llama::attention", _attention, mutates_args=("kv_cache",))
     torch.library.register_fake("tiny_llama::attention", _attention_fake)
-ATTENTION_OP = torch.ops.tiny_llama.attention.default  # the fx node target to split the graph at
+ATTENTION_OP = torch.ops.tiny_llama.attention.default  # the op piecewise graphs split at
 
 
 # ---- modules ----

@@ -7,12 +7,11 @@ not plans). The table format is ``compiler.table``, the one module both halves s
 from graphplan.compiler.errors import BatchError, GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode, TableSettings, Why
 from graphplan.compiler.table import DispatchTable, Route
-from graphplan.runtime.breakable import split_point
+from graphplan.runtime.breakable import SplitError, split_point
 from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.capture import CaptureError
 from graphplan.runtime.compiled import CompiledModel, ModelCompileError
 from graphplan.runtime.metrics import render_prometheus
-from graphplan.runtime.piecewise import SplitError
 from graphplan.runtime.runner import GraphRunner, RunnerStateError
 
 __all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "TableSettings", "Why", "BatchError",

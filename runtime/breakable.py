@@ -1,4 +1,4 @@
-"""Mark and intercept splitting ops at run time, for piecewise graphs of any model (no torch.fx).
+"""Mark and intercept splitting ops at run time, for piecewise graphs of any model.
 
 While a piecewise graph is being captured with the run-time split (``runtime/breakable_graphs.py``),
 every call of a splitting op is handed to the capture, which ends the current graph segment, runs
@@ -11,7 +11,7 @@ A plan name (``cudagraph.splitting_ops``, e.g. ``attention``) reaches its op in 
    for ``attention``), or bound explicitly (``splitting_ops={"attention": torch.ops.ns.op}``);
    caught by a ``TorchFunctionMode`` that is active only while capturing. The name rule also
    takes a module-level function named ``attention`` in a module that defines one of the model's
-   classes, called by that global name (what ``torch.fx.wrap("attention")`` covers for fx);
+   classes, called by that global name;
 2. a **function marked once** with :func:`split_point`, the one-line hook for adapters::
 
        from graphplan.runtime.breakable import split_point
@@ -40,12 +40,25 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphplan.compiler.errors import GraphplanError
 from graphplan.runtime.graphs import HostSyncInCapture
-from graphplan.runtime.piecewise import SplitError, qualified_op_name
 
 _TORCH_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _ACTIVE: list = []  # the Intercept of the capture running now (at most one)
 _STEP: list = [None]  # the Step being replayed or captured
+
+
+class SplitError(GraphplanError):
+    """A model cannot be split into piecewise graphs at the plan's splitting ops."""
+
+
+def qualified_op_name(target) -> str | None:
+    """``ns::op`` for a torch op (an overload or its packet), None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().partition(".")[0]  # "ns::op.overload" -> "ns::op"
+    if isinstance(target, torch._ops.OpOverloadPacket) and target.overloads():
+        return getattr(target, target.overloads()[0]).name().partition(".")[0]
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +208,8 @@ class Intercept:
 
 
 def _functions_named(name: str, model) -> list[tuple[dict, str, Callable, str]]:
-    """Module-level functions called ``name`` in the modules that define the model's classes (what
-    ``torch.fx.wrap(name)`` reaches too: calls by that global name from those modules)."""
+    """Module-level functions called ``name`` in the modules that define the model's classes
+    (reached where those modules call them by that global name)."""
     classes = (type(m) for m in model.modules()) if isinstance(model, torch.nn.Module) else ()
     found = []
     for module in {sys.modules.get(c.__module__) for c in classes

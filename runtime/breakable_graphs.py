@@ -1,4 +1,4 @@
-"""Piecewise graphs by splitting the capture at run time: any model, no torch.fx.
+"""Piecewise graphs by splitting the capture at run time: any model, no tracing.
 
 Capturing one size (``capture(views, tokens)``, sizes largest first):
 1. **warm-up**: the model runs eagerly under the intercept (``runtime/breakable.py``); each
@@ -18,8 +18,8 @@ padded count.
 Where tensors that cross a split live:
 - an op's tensor argument that is static (weights, caches, runner inputs, crossing buffers) is
   passed as is; one with a token dimension is copied into a crossing buffer shared by every size
-  (one buffer per argument, at the largest size, as the fx split has); any other, and one the op
-  writes into, is kept alive as captured (its address is fixed);
+  (one buffer per argument, at the largest size); any other, and one the op writes into, is
+  kept alive as captured (its address is fixed);
 - an op's tensor outputs go to crossing buffers too (or to a per-size copy without a token dim);
 - values that a later segment reads without passing through an op (the residual stream, RoPE rows
   gathered once) stay where the segment that made them put them: alive in the pool until the
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from graphplan.runtime.breakable import (SEGMENT_FIX, Intercept, Step, segment_error,
-                                         set_step)
+from graphplan.runtime.breakable import (SEGMENT_FIX, Intercept, SplitError, Step,
+                                         segment_error, set_step)
 from graphplan.runtime.buffers import as_tuple, real_rows
-from graphplan.runtime.piecewise import SplitError
+
 
 @dataclass
 class _Run:

@@ -35,7 +35,7 @@ class Captured:
     single_output: bool
     """The model returns one tensor (not a tuple)."""
     piecewise: object | None
-    """runtime.piecewise_graphs.PiecewiseGraphs when PIECEWISE graphs were captured."""
+    """runtime.breakable_graphs.BreakableGraphs when PIECEWISE graphs were captured."""
     summary: dict
     """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
 
@@ -52,8 +52,7 @@ class CaptureJob:
     rank: int = 0
     progress: bool = True
     splitting_ops: dict = field(default_factory=dict)
-    piecewise: str = "runtime"
-    """How PIECEWISE graphs split the model: "fx", "runtime" or "auto" (see _split)."""
+    """Plan op name -> the op, function or module it binds (runtime/breakable.py)."""
     ubatch_body: object = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
     warmup_each: bool = False
@@ -63,9 +62,9 @@ class CaptureJob:
     """Measure every graph's memory (memory calibration); otherwise the first two (the
     estimate's inputs) and the whole capture, which costs no per-graph synchronisation."""
     piecewise_model: object = None
-    """What PIECEWISE graphs run (either split); None: ``model``. The compiled path passes the
-    uncompiled model here: torch.fx cannot trace a torch.compile'd one, and the run-time split's
-    capture-time hooks would change what the compiled code was guarded on (runtime/compiled.py)."""
+    """What PIECEWISE graphs run; None: ``model``. The compiled path passes the uncompiled model
+    here: the run-time split's capture-time hooks would change what the compiled code was guarded
+    on (runtime/compiled.py)."""
 
 
 def _progress(items: list, job: CaptureJob, desc: str):
@@ -231,59 +230,18 @@ def _capture_error(e: Exception, gid: int, key) -> CaptureError:
 
 
 def _split(job: CaptureJob):
-    """The model's piecewise state, ready to capture: cut by torch.fx (runtime/piecewise.py), or
-    at run time (runtime/breakable_graphs.py); "auto" takes fx when the model can be fx-split."""
-    from graphplan.runtime.piecewise import SplitError
-    if job.piecewise == "runtime":
-        return _runtime_split(job)
-    try:
-        return _fx_split(job)
-    except SplitError as e:
-        if job.piecewise == "fx":
-            raise
-        log.info("piecewise: the fx split does not apply (%s); splitting at run time",
-                 str(e).split(". ")[0])
-        return _runtime_split(job)
-
-
-def _max_piecewise_tokens(table) -> int:
-    return max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
-
-
-def _piecewise_model(job: CaptureJob):
-    return job.model if job.piecewise_model is None else job.piecewise_model
-
-
-def _model_static(job: CaptureJob) -> list:
-    """Tensors at fixed addresses: the runner's inputs, the model's parameters and buffers."""
-    static = [*job.buffers.buffers.values()]
-    model = _piecewise_model(job)
-    if isinstance(model, torch.nn.Module):
-        static += [*model.parameters(), *model.buffers()]
-    return static
-
-
-def _runtime_split(job: CaptureJob):
+    """The model's piecewise state, ready to capture: split at run time at each call of a
+    splitting op (runtime/breakable_graphs.py)."""
     from graphplan.runtime.breakable_graphs import BreakableGraphs
     table = job.table
-    return BreakableGraphs(_piecewise_model(job), table.settings.splitting_ops, job.splitting_ops,
-                           backend=job.backend, buffers=job.buffers,
-                           max_tokens=_max_piecewise_tokens(table), max_reqs=table.max_num_seqs,
-                           static=_model_static(job), warmups=job.warmups)
-
-
-def _fx_split(job: CaptureJob):
-    from graphplan.runtime.piecewise import split_model
-    from graphplan.runtime.piecewise_graphs import PiecewiseGraphs
-    table = job.table
-    split = split_model(_piecewise_model(job), table.settings.splitting_ops, job.splitting_ops)
-    static = _model_static(job)
-    static += [*split.module.parameters(), *split.module.buffers()]
-    for m in split.module.modules():  # constants the tracer baked in (e.g. a view of the cache)
-        static += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    return PiecewiseGraphs(split, backend=job.backend, buffers=job.buffers,
-                           max_tokens=_max_piecewise_tokens(table), max_reqs=table.max_num_seqs,
-                           static=static, warmups=job.warmups)
+    model = job.model if job.piecewise_model is None else job.piecewise_model
+    static = [*job.buffers.buffers.values()]  # fixed addresses: the runner's inputs, the weights
+    if isinstance(model, torch.nn.Module):
+        static += [*model.parameters(), *model.buffers()]
+    max_tokens = max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
+    return BreakableGraphs(model, table.settings.splitting_ops, job.splitting_ops,
+                           backend=job.backend, buffers=job.buffers, max_tokens=max_tokens,
+                           max_reqs=table.max_num_seqs, static=static, warmups=job.warmups)
 
 
 def capture_line(s: dict) -> str:

@@ -26,10 +26,10 @@ token count to a constant fails the warm-up with ModelCompileError.
 Compile applies to FULL graphs. Eager steps run the model as written (``CompiledModel.model``):
 they are the shapes no graph covers (mixed batches of a FULL_DECODE_ONLY plan, sizes above the
 largest graph), where a model may read the batch on the host (the HF adapter's prefill attention
-does), which would compile again per shape. PIECEWISE graphs run the uncompiled model too, for now,
-under either split: torch.fx cannot trace a ``torch.compile``'d callable, and the run-time split's
-capture-time hooks (runtime/breakable.py) would change what the compiled code was guarded on. The
-hook for compiled pieces is ``CaptureJob.piecewise_model`` (capture.py): the model both splits run.
+does), which would compile again per shape. PIECEWISE graphs run the uncompiled model too, for now:
+the run-time split's capture-time hooks (runtime/breakable.py) would change what the compiled code
+was guarded on. The hook for compiled pieces is ``CaptureJob.piecewise_model`` (capture.py): the
+model the split runs.
 """
 
 from __future__ import annotations

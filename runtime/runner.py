@@ -31,7 +31,8 @@ __all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
 log = logging.getLogger("graphplan.runtime")
 
 
-PIECEWISE_MECHANISMS = ("auto", "fx", "runtime")
+PIECEWISE_MECHANISMS = ("runtime",)
+REMOVED_MECHANISMS = ("fx", "auto")  # the torch.fx split, removed in issue 14
 
 
 class RunnerStateError(GraphplanError):
@@ -45,13 +46,13 @@ class GraphRunner:
     (or tuple of tensors) whose first dimension is the token count. ``inputs`` names those inputs;
     the runner owns one buffer per input, allocated once at the largest graph's size.
 
-    PIECEWISE graphs cut the model at the plan's ``splitting_ops``. ``piecewise`` picks how:
-    ``"fx"`` splits a torch.fx trace (``runtime/piecewise.py`` says what that takes), ``"runtime"``
-    ends a graph segment at each call of a splitting op while capturing (any model;
-    ``runtime/breakable.py``, the default: as fast as fx, measured), ``"auto"`` takes fx when the model can be fx-split and the
-    run-time split otherwise. ``splitting_ops`` binds a plan op name to the op explicitly
-    (``{"attention": torch.ops.my_ns.attention.default}``; the run-time split also takes a
-    function or an ``nn.Module``) instead of the name rule.
+    PIECEWISE graphs cut the model at the plan's ``splitting_ops`` at run time: while capturing,
+    each call of a splitting op ends a graph segment, runs eagerly and begins the next (any model,
+    no tracing; ``runtime/breakable.py``). ``piecewise`` accepts only ``"runtime"``: the torch.fx
+    split (``"fx"``, ``"auto"``) was removed once the run-time split matched its step time
+    (docs/semantics.md §5.6). ``splitting_ops`` binds a plan op name to the op explicitly
+    (``{"attention": torch.ops.my_ns.attention.default}``, a function or an ``nn.Module``) instead
+    of the name rule.
 
     Capture runs ``warmups`` eager passes before the first FULL graph (``warmup_each``: before
     every graph, for models that initialise lazily per shape), then captures back to back; memory
@@ -74,6 +75,12 @@ class GraphRunner:
                  progress: bool = True,
                  splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime",
                  compile=False, on_demand: bool | None = None):
+        if piecewise in REMOVED_MECHANISMS:
+            raise ValueError(f"piecewise={piecewise!r}: the torch.fx split was removed; piecewise "
+                             "graphs split at run time, which matched its step time (+2.2% at "
+                             "worst, capture 16% faster: bench/results/piecewise_bench.md) and "
+                             "takes any model. Drop the argument (or pass piecewise='runtime'); "
+                             "a model it cannot capture gets a SplitError naming the fix")
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
@@ -90,7 +97,6 @@ class GraphRunner:
         self.backend = graph_backend(self.device)
         self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
         self.splitting_ops = dict(splitting_ops or {})
-        self.piecewise = piecewise
         self.rank = rank if rank is not None else _default_rank()
         graph_tokens = max((g.key.num_tokens for g in table.graphs), default=1)
         self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
@@ -101,7 +107,7 @@ class GraphRunner:
         # (key, views, tokens, outputs) -> the body a ubatched (num_ubatches > 1) graph records;
         # set by runtime.dp_runner.DPRunner. Without it ubatched graphs are not captured.
         self.ubatch_body = None
-        self._piecewise = None  # runtime.piecewise_graphs.PiecewiseGraphs once PIECEWISE is captured
+        self._piecewise = None  # runtime.breakable_graphs.BreakableGraphs once PIECEWISE is captured
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
         self.on_demand = table.settings.on_demand if on_demand is None else bool(on_demand)
@@ -132,8 +138,8 @@ class GraphRunner:
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
-                         piecewise=self.piecewise, ubatch_body=self.ubatch_body,
-                         warmup_each=self.warmup_each, measure_each=measure_each,
+                         ubatch_body=self.ubatch_body, warmup_each=self.warmup_each,
+                         measure_each=measure_each,
                          piecewise_model=None if self.compiled is None else self.compiled.model)
         modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
         if self.on_demand and only is None:

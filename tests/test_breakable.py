@@ -1,6 +1,6 @@
 """The run-time split (runtime/breakable.py, runtime/breakable_graphs.py) on the CPU stand-in: each
-splitting op call ends a graph segment, runs eagerly and begins the next, for models that torch.fx
-cannot trace; outputs equal eager over mixed batches; failures name the op, where and the fix.
+splitting op call ends a graph segment, runs eagerly and begins the next, for any model; outputs
+equal eager over mixed batches; failures name the op, where and the fix.
 
 The stand-in records each segment as a tape of aten calls on the tensors the capture made and redoes
 it at replay, so a tensor crossing a split at a non-static address gives wrong logits here, as it
@@ -12,11 +12,9 @@ import sys
 
 import pytest
 import torch
-from generate import continuous_generate
-from test_piecewise import (CFG, Branchy, NoAttention, WeightAcrossSplits, mixed_steps, plan,
-                            runner_for, toks)
-from tiny_llama import (Attention, TinyLlama, _attention, apply_rope, logits_mismatch, make_batch,
-                        static_inputs)
+from test_piecewise import CFG, mixed_steps, plan, runner_for
+from tiny_llama import (ATTENTION_OP, Attention, TinyLlama, _attention, apply_rope,
+                        logits_mismatch, make_batch, static_inputs)
 from torch import nn
 
 from graphplan.compiler import compile_plan
@@ -55,7 +53,7 @@ class PyAttention(Attention):
 
 
 class PyLlama(TinyLlama):
-    """Not fx-traceable (control flow on a shape), attention not a custom op."""
+    """Control flow on a shape, attention not a custom op."""
 
     def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
         if input_ids.shape[0] == 0:
@@ -82,41 +80,12 @@ def check_steps(model, runner, steps, eager=None):
         assert logits_mismatch(out, ref, torch.float32) is None
 
 
-def test_runtime_split_matches_eager_on_mixed_batches_and_counts_piecewise_replays():
-    model, runner = runner_for(plan(), piecewise="runtime")
-    summary = runner.capture()
-    assert summary["piecewise"]["mechanism"] == "runtime"
-    assert summary["piecewise"]["pieces"] == CFG.layers + 1
-    assert summary["piecewise"]["split_ops"] == CFG.layers
-    eager = TinyLlama(CFG, seed=0)
-    check_steps(model, runner, mixed_steps(), eager)
-    real = slice(0, CFG.num_cache_rows)  # padding tokens wrote only the dummy row
-    torch.testing.assert_close(model.kv_cache[:, :, real], eager.kv_cache[:, :, real],
-                               atol=1e-5, rtol=1e-5)  # K/V of unit scale: summation order only
-    s = runner.stats()
-    assert s["replays_by_mode"] == {"PIECEWISE": 5} and s["eager_steps"] == {}
-
-
-def test_continuous_batching_through_the_runtime_split_generates_what_eager_does():
-    model, runner = runner_for(plan("FULL_AND_PIECEWISE"), piecewise="runtime")
-    runner.capture()
-    prompts = [toks(n, 40 + n) for n in (13, 4, 21, 1, 9, 17, 30)]
-    kw = dict(chunk=16, max_num_seqs=4, arrive_every=2)  # prefill chunks beside decodes
-    with_graphs = continuous_generate(model, prompts, 5, **kw,
-                                      step=lambda b, r, q: runner.step(b, r, q))
-    assert with_graphs == continuous_generate(TinyLlama(CFG, seed=0), prompts, 5, **kw)
-    s = runner.stats()
-    assert s["replays_by_mode"]["PIECEWISE"] >= 5 and s["replays_by_mode"]["FULL"] > 0
-    assert len({g["num_tokens"] for g in s["graphs"] if g["mode"] == "PIECEWISE"}) >= 3
-    assert s["eager_steps"] == {}
-
-
 @pytest.mark.parametrize("core, binding", [
     (marked_attention, None),             # a split_point function (the adapter's one line)
     (Core, Core),                         # every instance of an nn.Module class
     (None, py_attention),                 # a module-level function, called by its global name
 ], ids=["split_point", "module_class", "global_function"])
-def test_auto_splits_a_model_fx_cannot_trace_at_its_python_attention(core, binding):
+def test_the_split_reaches_a_python_attention_of_a_model_with_control_flow(core, binding):
     model = py_llama(core)
     bindings = None if binding is None else {"attention": binding}
     _, runner = runner_for(plan(sizes=SMALL), model, splitting_ops=bindings)
@@ -127,7 +96,7 @@ def test_auto_splits_a_model_fx_cannot_trace_at_its_python_attention(core, bindi
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_the_name_rule_finds_a_module_level_function_of_that_name_as_fx_wrap_does():
+def test_the_name_rule_finds_a_module_level_function_of_that_name():
     model = py_llama()  # PyAttention calls py_attention by its global name
     _, runner = runner_for(plan(sizes=SMALL, splitting_ops=("py_attention",)), model)
     summary = runner.capture()["piecewise"]
@@ -136,9 +105,18 @@ def test_the_name_rule_finds_a_module_level_function_of_that_name_as_fx_wrap_doe
     assert sys.modules[__name__].py_attention is py_attention
 
 
-def test_the_runtime_split_captures_a_model_the_fx_split_refuses_for_a_crossing_weight():
+class WeightAcrossSplits(TinyLlama):
+    """Computes a weight-shaped tensor before the first attention and uses it after the last."""
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        scale = self.norm.weight * 2.0  # [hidden]: not a view of a buffer, no token dimension
+        logits = super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc)
+        return logits * scale.mean()
+
+
+def test_a_value_without_a_token_dimension_may_cross_the_splits():
     model = WeightAcrossSplits(CFG, seed=0)  # a [hidden] value made before attention, used after
-    _, runner = runner_for(plan(sizes=SMALL), model, piecewise="runtime")
+    _, runner = runner_for(plan(sizes=SMALL), model)
     runner.capture()
     eager = WeightAcrossSplits(CFG, seed=0)
     for reqs in mixed_steps()[:2]:
@@ -146,6 +124,24 @@ def test_the_runtime_split_captures_a_model_the_fx_split_refuses_for_a_crossing_
         out = runner.step(batch, num_reqs=len(reqs), max_query_len=max(len(t) for *_, t in reqs))
         assert logits_mismatch(out, eager(**{k: v.clone() for k, v in batch.items()}),
                                torch.float32) is None
+
+
+@pytest.mark.parametrize("name, bindings", [
+    ("attn_core", {"attn_core": ATTENTION_OP}),  # bound explicitly, under any plan name
+    ("tiny_llama::attention", None),             # the op's qualified name
+], ids=["binding", "qualified_name"])
+def test_an_explicit_binding_or_the_qualified_name_selects_the_op(name, bindings):
+    model, runner = runner_for(plan(sizes=SMALL, splitting_ops=(name,)), splitting_ops=bindings)
+    assert runner.capture()["piecewise"]["split_ops"] == CFG.layers
+    check_steps(model, runner, mixed_steps()[:2])
+
+
+def test_a_binding_of_a_name_the_plan_does_not_declare_is_a_split_error():
+    _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"other": ATTENTION_OP})
+    with pytest.raises(SplitError, match=r"binds \['other'\], which the plan's "
+                                         r"cudagraph.splitting_ops \['attention'\] does not declare"):
+        runner.capture()
+    assert runner.captured_graph_ids() == []
 
 
 def test_a_module_instance_binding_splits_only_at_that_module():
@@ -183,7 +179,7 @@ class OutAttention(Attention):
 
 def test_an_argument_the_op_writes_into_stays_the_tensor_the_model_reads():
     model = WritesInto(CFG, seed=0)
-    _, runner = runner_for(plan(sizes=SMALL), model, piecewise="runtime")
+    _, runner = runner_for(plan(sizes=SMALL), model)
     runner.capture()
     check_steps(model, runner, mixed_steps()[:3])
 
@@ -216,6 +212,24 @@ def test_a_split_point_outside_a_capture_just_runs_the_function():
 
 
 # ---- failures: explicit, everything released, the runner still usable ----
+
+class Branchy(TinyLlama):
+    """Python control flow on a tensor value: a host sync inside a graph segment."""
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        if input_ids.sum() > 0:
+            input_ids = input_ids + 0
+        return super().forward(input_ids, positions, slot_mapping, seq_lens, query_start_loc)
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, 8)
+
+    def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
+        return self.embed(input_ids)
+
 
 class SyncsAfterAttention(TinyLlama):
     """A data-dependent shape between the first and second attention."""
@@ -257,7 +271,7 @@ def returns_a_number(*args):
                     r"cudagraph.splitting_ops\) was never called in a forward at 32 tokens. Fix: "
                     r"make it a torch custom op.*split_point\('attention'\).*splitting_ops="),
     (Branchy(CFG), r"cannot capture Branchy piecewise at 32 tokens: the graph segment before the "
-                   r"first splitting op at .*test_piecewise.py:\d+ \(if input_ids.sum\(\) > 0:\) "
+                   r"first splitting op at .*test_breakable.py:\d+ \(if input_ids.sum\(\) > 0:\) "
                    r"calls aten._local_scalar_dense.default, which syncs the host.*Fix: compute it "
                    r"before the step"),
     (SyncsAfterAttention(CFG), r"segment after splitting op 'attention' \(call 1\) at .*"
@@ -270,7 +284,7 @@ def returns_a_number(*args):
 ], ids=["never_reached", "host_sync", "data_dependent_shape", "control_flow", "not_a_tensor"])
 def test_a_model_the_runtime_split_cannot_capture_gets_a_split_error_and_stays_usable(model, match):
     runner = GraphRunner(model, compile_plan(plan("FULL_AND_PIECEWISE")), static_inputs(
-        TinyLlama(CFG)), device="cpu", progress=False, piecewise="runtime")
+        TinyLlama(CFG)), device="cpu", progress=False)
     with pytest.raises(SplitError, match=match):
         runner.capture()
     assert runner.captured_graph_ids() == [] and not runner.captured
@@ -307,14 +321,22 @@ def test_a_failed_runtime_split_capture_names_the_graph_releases_and_can_be_retr
     check_steps(model, runner, mixed_steps()[:2])
 
 
+@pytest.mark.parametrize("removed", ["fx", "auto"])
+def test_the_removed_fx_split_is_a_value_error_that_says_what_to_do(removed):
+    with pytest.raises(ValueError, match=rf"piecewise='{removed}': the torch.fx split was removed; "
+                                         r"piecewise graphs split at run time.*bench/results/"
+                                         r"piecewise_bench.md.*Drop the argument \(or pass "
+                                         r"piecewise='runtime'\)"):
+        runner_for(plan(), piecewise=removed)
+
+
 def test_the_piecewise_mechanism_is_checked_and_bindings_must_be_ops_functions_or_modules():
-    with pytest.raises(ValueError, match=r"piecewise='torch.compile': expected one of"):
+    with pytest.raises(ValueError, match=r"piecewise='torch.compile': expected one of \('runtime',\)"):
         runner_for(plan(), piecewise="torch.compile")
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": 3}, piecewise="runtime")
     with pytest.raises(SplitError, match=r"binds 'attention' to 3: bind a torch op, an nn.Module"):
         runner.capture()
-    _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": lambda *a: a},
-                           piecewise="runtime")
+    _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": lambda *a: a})
     with pytest.raises(SplitError, match=r"not a module-level function of test_breakable.*mark it "
                                          r"where it is defined or registered with split_point"):
         runner.capture()

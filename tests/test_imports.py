@@ -63,7 +63,7 @@ def test_the_runtime_loads_captures_and_steps_without_the_yaml_stack(tmp_path):
         "import sys; sys.path.insert(0, 'examples')\n"
         "from graphplan import runtime\n"
         "import graphplan.runtime.dp, graphplan.runtime.dp_runner, graphplan.runtime.ubatch\n"
-        "import graphplan.runtime.piecewise, graphplan.runtime.calibrate\n"
+        "import graphplan.runtime.calibrate\n"
         "from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs\n"
         "m = TinyLlama(TinyLlamaConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1,\n"
         "              intermediate=32, max_model_len=16, num_cache_rows=64))\n"

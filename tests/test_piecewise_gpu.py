@@ -31,17 +31,15 @@ def toks(n, seed):
     return torch.randint(1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_mixed_batches_through_piecewise_cuda_graphs_match_eager_in_bf16():
-    graphs, eager = model(), model()
-    runner = GraphRunner(graphs, compile_plan(plan("PIECEWISE", [8, 16, 32, 64, 128, 256])),
-                         static_inputs(graphs), progress=False)
-    summary = runner.capture()
-    assert summary["backend"] == "cuda" and summary["piecewise"]["pieces"] == CFG.layers + 1
-    steps = [[(0, 0, toks(40, 1)), (1, 0, toks(9, 2))],                                   # 49 -> 64
-             [(0, 40, toks(1, 3)), (1, 9, toks(1, 4)), (2, 0, toks(100, 5))],              # 102 -> 128
-             [(0, 41, toks(1, 8)), (1, 10, toks(1, 9)), (2, 100, toks(30, 6)),
-              (3, 0, toks(200, 7))]]                                                       # 232 -> 256
-    for reqs in steps:
+STEPS = [[(0, 0, toks(40, 1)), (1, 0, toks(9, 2))],                                    # 49 -> 64
+         [(0, 40, toks(1, 3)), (1, 9, toks(1, 4)), (2, 0, toks(100, 5))],               # 102 -> 128
+         [(0, 41, toks(1, 8)), (1, 10, toks(1, 9)), (2, 100, toks(30, 6)),
+          (3, 0, toks(200, 7))]]                                                        # 232 -> 256
+
+
+def check_mixed(graphs, eager, runner):
+    """STEPS through the runner's piecewise graphs match eager (teacher-forced, bf16 tolerance)."""
+    for reqs in STEPS:
         batch = make_batch(graphs, reqs)
         mql = max(len(t) for _, _, t in reqs)
         out = runner.step(batch, num_reqs=len(reqs), max_query_len=mql).clone()
@@ -51,7 +49,17 @@ def test_mixed_batches_through_piecewise_cuda_graphs_match_eager_in_bf16():
         agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
         assert agree >= 0.9, f"greedy tokens agree on only {agree:.0%} of rows"
     s = runner.stats()
-    assert s["replays_by_mode"] == {"PIECEWISE": 3} and s["eager_steps"] == {}
+    assert s["replays_by_mode"] == {"PIECEWISE": len(STEPS)} and s["eager_steps"] == {}
+
+
+def test_mixed_batches_through_piecewise_cuda_graphs_match_eager_in_bf16():
+    graphs, eager = model(), model()
+    runner = GraphRunner(graphs, compile_plan(plan("PIECEWISE", [8, 16, 32, 64, 128, 256])),
+                         static_inputs(graphs), progress=False)
+    summary = runner.capture()
+    assert summary["backend"] == "cuda" and summary["piecewise"]["pieces"] == CFG.layers + 1
+    assert summary["piecewise"]["split_ops"] == CFG.layers
+    check_mixed(graphs, eager, runner)
 
 
 def test_continuous_batching_greedy_generation_with_graphs_is_identical_to_eager(root):
