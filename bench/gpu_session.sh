@@ -22,6 +22,7 @@ for step in "$@"; do
     runtime)   timeout 500 python bench/runtime_bench.py --out "$OUT/runtime_bench.md" 2>&1 | tail -40 ;;
     generate)  python -m graphplan.compiler.cli compile plans/tiny-llama.yaml -o /tmp/tiny.json && { python examples/generate.py --table /tmp/tiny.json --check; python examples/generate.py --table /tmp/tiny.json --check --continuous --chunk 32; } 2>&1 | tee "$OUT/generate.log" | grep -v "prompt tokens" ;;
     capture)   timeout 300 python bench/capture_bench.py --out "$OUT/capture_bench.md" 2>&1 | tail -14 ;;
+    cprobe)    timeout 300 python bench/compiled_probe.py --no-steps --out-dir "$OUT" 2>&1 | grep "^variant" ;;
     compiled)  timeout 550 python bench/compiled_bench.py --out "$OUT/compiled_bench.md" 2>&1 | tail -16 ;;
     piecewise) timeout 400 python bench/piecewise_bench.py --out "$OUT/piecewise_bench.md" 2>&1 | tail -30 ;;
     pwtests)   timeout 400 python -m pytest -q -m gpu -p no:cacheprovider tests/test_breakable_gpu.py tests/test_piecewise_gpu.py 2>&1 | tee "$OUT/piecewise_gpu_tests.log" | tail -15 ;;

@@ -13,9 +13,11 @@ max_num_seqs 512). Model: LlamaForCausalLM, vocab 32000, hidden 1024, intermedia
    tokens) served through continuous batching; the clock stops when it is done;
 2. warm-up: the workload (--requests requests arriving at once, --new-tokens each) --warmups
    times (on demand: the sizes it uses get captured here);
-3. steady state: the workload --repeats times; median tokens/s;
-4. graph memory: device memory held after the runs (cache emptied) minus before the runner was
-   built, and the peak reserved memory over the whole mode, minus the same baseline.
+3. graph memory: device memory held after the warm-up (cache emptied) minus before the runner
+   was built, and the peak reserved memory from the build to there, minus the same baseline (the
+   second mode's baseline holds the first mode's runner);
+4. steady state: --repeats rounds, each running the workload once per mode, the order alternating
+   (ABBA: drift in clocks or the allocator falls on both modes alike); median tokens/s per mode.
 Bars (issue 15): first request >= 5x sooner on demand; steady tokens/s within 3 % of full
 capture; graph memory no higher.
 """
@@ -80,10 +82,12 @@ def used(device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
-def bench_mode(a, model, table, prompts, device, on_demand: bool) -> dict:
+def start_mode(a, model, table, prompts, device, on_demand: bool) -> tuple:
+    """Build, capture, serve the first request, warm up; measure memory. Returns (runner, record).
+    The runner stays alive: the timed runs of both modes interleave (``timed_rounds``)."""
+    base = used(device)  # with the other mode's runner, if any, still held
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    base = used(device)
     sync(device)
     t0 = time.perf_counter()
     runner = GraphRunner(model, table, model.static_inputs(), progress=False, on_demand=on_demand)
@@ -92,23 +96,31 @@ def bench_mode(a, model, table, prompts, device, on_demand: bool) -> dict:
     ttfr = time.perf_counter() - t0
     for _ in range(a.warmups):
         run_graphplan(model, runner, table, prompts, a.new_tokens, device)
-    before = runner.stats()
-    runs = [run_graphplan(model, runner, table, prompts, a.new_tokens, device)
-            for _ in range(a.repeats)]
-    after = runner.stats()
     graph_bytes = used(device) - base
     peak = torch.cuda.max_memory_reserved(device) - base if device.type == "cuda" else 0
-    toks = [sum(len(t) for t in r["tokens"]) / r["wall"] for r in runs]
+    return runner, {"ttfr": ttfr, "capture_s": cap["seconds"], "start_graphs": cap["graphs"],
+                    "first_wall": first["wall"], "graph_bytes": graph_bytes, "peak_bytes": peak,
+                    "before": runner.stats(), "tok_s_all": []}
+
+
+def timed_rounds(a, model, table, prompts, device, runners: dict, results: dict) -> None:
+    """``--repeats`` rounds; each runs the workload once per mode, the order alternating (ABBA),
+    so that clock and allocator drift fall on both modes alike."""
+    names = list(runners)
+    for i in range(a.repeats):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            r = run_graphplan(model, runners[name], table, prompts, a.new_tokens, device)
+            results[name]["tok_s_all"].append(sum(len(t) for t in r["tokens"]) / r["wall"])
+            results[name]["tokens"] = r["tokens"]
+
+
+def finish_mode(runner, r: dict) -> dict:
+    after = runner.stats()
     od = after.get("on_demand", {})
-    r = {"ttfr": ttfr, "capture_s": cap["seconds"], "start_graphs": cap["graphs"],
-         "first_wall": first["wall"], "tok_s": statistics.median(toks), "tok_s_all": toks,
-         "graphs": len(runner.captured_graph_ids()), "graph_bytes": graph_bytes,
-         "peak_bytes": peak, "on_demand_s": od.get("on_demand_seconds", 0.0),
-         "timed_eager": sum(after["eager_steps"].values()) - sum(before["eager_steps"].values()),
-         "tokens": runs[-1]["tokens"]}
+    r.update(tok_s=statistics.median(r["tok_s_all"]), graphs=len(runner.captured_graph_ids()),
+             on_demand_s=od.get("on_demand_seconds", 0.0),
+             timed_eager=sum(after["eager_steps"].values()) - sum(r.pop("before")["eager_steps"].values()))
     runner.release()
-    del runner
-    used(device)
     return r
 
 
@@ -139,15 +151,19 @@ def run(a) -> int:
     eager = GraphRunner(model, table, model.static_inputs(), progress=False)  # never captures
     run_graphplan(model, eager, table, prompts[:4], 2, device)
     del eager
-    results = {}
+    results, runners = {}, {}
     for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
         if mode not in ("full", "on_demand"):
             raise SystemExit(f"unknown mode {mode!r}: full | on_demand")
-        print(f"running {mode} ...", flush=True)
-        results[mode] = bench_mode(a, model, table, prompts, device, mode == "on_demand")
-        r = results[mode]
-        print(f"  {mode}: first request served after {r['ttfr']:.3f} s, {r['tok_s']:.0f} "
-              f"tokens/s", flush=True)
+        print(f"starting {mode} ...", flush=True)
+        runners[mode], results[mode] = start_mode(a, model, table, prompts, device,
+                                                  mode == "on_demand")
+        print(f"  {mode}: first request served after {results[mode]['ttfr']:.3f} s", flush=True)
+    timed_rounds(a, model, table, prompts, device, runners, results)
+    for mode, runner in runners.items():
+        finish_mode(runner, results[mode])
+        print(f"  {mode}: {results[mode]['tok_s']:.0f} tokens/s", flush=True)
+    del runners
     lines = report(a, results, table, device)
     print("\n".join(lines))
     if a.out:
@@ -169,7 +185,7 @@ def report(a, results: dict, table, device) -> list[str]:
              f"{table.capture_sizes[0]}..{table.capture_sizes[-1]}",
              f"- first request: 1 prompt, {a.first_tokens} new tokens; workload: {a.requests} "
              f"requests of ~{a.prompt_len} tokens, {a.new_tokens} new tokens each, {a.warmups} "
-             f"warm-up run(s), median of {a.repeats}",
+             f"warm-up run(s), median of {a.repeats} rounds, modes alternating (ABBA)",
              "", "| mode | graphs at start | capture s | first request served s | tokens/s "
              "(median) | graphs at end | graph memory MiB | peak over base MiB | eager steps "
              "timed (prefill included) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -109,12 +109,21 @@ class StaticBuffers:
 
     def load(self, inputs: dict[str, torch.Tensor], tokens: int, reqs: int,
              padded_tokens: int, padded_reqs: int) -> None:
-        """Copy the real rows in; make rows up to the padded counts hold pad values."""
+        """Copy the real rows in; make rows up to the padded counts hold pad values.
+
+        The copies go out as one ``torch._foreach_copy_`` over byte views (one kernel on a GPU
+        for every input, whatever their dtypes, instead of a copy each): launches are the step's
+        overhead outside the graph. An input that is not contiguous is copied on its own."""
+        dsts, srcs = [], []
         for s in self.specs:
             buf = self.buffers[s.name]
             src = inputs[s.name]
             k = src.shape[0]
-            buf[:k].copy_(src, non_blocking=True)
+            if k and src.is_contiguous():
+                dsts.append(buf[:k].view(torch.uint8))
+                srcs.append(src.view(torch.uint8))
+            else:
+                buf[:k].copy_(src, non_blocking=True)
             if s.pad == "last":
                 p = s.rows(padded_tokens, padded_reqs)
                 if p > k:
@@ -124,6 +133,10 @@ class StaticBuffers:
             if clean > k:
                 buf[k:clean].fill_(s.pad)
             self._clean[s.name] = k
+        if dsts:
+            # torch._foreach_copy_: the multi-tensor copy torch's optimizers and cudagraph trees
+            # use for the same job (torch >= 2.1); dst rows and src never overlap
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def reset(self, padded_tokens: int, padded_reqs: int) -> None:
         """Pad values everywhere up to the given counts (what graphs are captured on)."""

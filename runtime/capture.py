@@ -15,6 +15,7 @@ import torch
 from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.runtime.buffers import as_tuple
+from graphplan.runtime.compiled import CompiledModel
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
@@ -96,7 +97,10 @@ def _static_outputs(out, max_tokens: int) -> tuple:
 
 def _graph_fn(model, statics: tuple, views: dict, tokens: int):
     """The body a graph records: the model on static views, outputs copied to static buffers (so
-    the pool can reuse each graph's activations for the next one)."""
+    the pool can reuse each graph's activations for the next one). A compiled model writes its
+    outputs there itself, from its last kernels (no copy in the graph)."""
+    if isinstance(model, CompiledModel):
+        return lambda: model.run_into(statics, views)
 
     def fn():
         for dst, src in zip(statics, as_tuple(model(**views))):

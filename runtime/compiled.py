@@ -41,6 +41,7 @@ import time
 import torch
 
 from graphplan.compiler.errors import GraphplanError
+from graphplan.runtime.buffers import as_tuple
 
 __all__ = ["CompiledModel", "ModelCompileError", "compiled_model"]
 
@@ -91,9 +92,13 @@ class CompiledModel:
         self.seconds = 0.0
         """Warm-up wall time: tracing, compiling and one run at the warm-up size."""
         self.warm = False
+        self._like: tuple | None = None  # per output: (dtype, device, trailing shape), once warm
+        self._single = True
+        self._token_input: str | None = None
         # a plain callable object compiles through its __call__ (torch.compile takes functions)
         fn = model if isinstance(model, torch.nn.Module) or inspect.isroutine(model) else model.__call__
-        self._fn = torch.compile(fn, backend=self._compile, fullgraph=fullgraph, dynamic=None)
+        self._fn = torch.compile(_writing_into(fn), backend=self._compile, fullgraph=fullgraph,
+                                 dynamic=None)
 
     def _compile(self, gm, example_inputs):
         self.compiles += 1
@@ -106,19 +111,45 @@ class CompiledModel:
             return self._inner(gm, example_inputs, config_patches=self._options)
         return self._inner(gm, example_inputs)
 
-    def warm_up(self, inputs: dict[str, torch.Tensor]):
-        """Compile at these inputs' sizes (use the largest), dimension 0 of each marked dynamic.
-        Returns the model's output. Raises ModelCompileError if the model cannot be compiled for
-        a symbolic token count. A no-op once warm."""
+    def warm_up(self, inputs: dict[str, torch.Tensor], outputs: tuple | None = None, *,
+                token_input: str | None = None, also: dict | None = None) -> tuple:
+        """Compile at these inputs' sizes (use the largest), dimension 0 of each input and output
+        marked dynamic. ``outputs``: where the compiled code writes (see ``run_into``); by
+        default tensors shaped like the model's output, found by one eager run.
+        ``token_input``: the input whose row count is the outputs' (default: the first input
+        with as many rows as the eager output). ``also``: inputs at another size (the smallest
+        graph's) that run in the warm-up too: torch's lowering specialises some models at one
+        token (some of its ops guard ``tokens > 1`` even while sizes are size-oblivious; the HF
+        models do), and that size's compile then belongs to the warm-up, counted in
+        ``compiles``, not ``recompiles``. Returns the outputs written. Raises ModelCompileError
+        if the model cannot be compiled for a symbolic token count. A no-op (returning None)
+        once warm."""
         if self.warm:
             return None
-        for t in inputs.values():
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model(**inputs)  # eager: the outputs' dtypes, trailing shapes and rows
+        self._single = not isinstance(out, (tuple, list))
+        first = as_tuple(out)[0]
+        self._like = tuple((o.dtype, o.device, tuple(o.shape[1:])) for o in as_tuple(out))
+        self._token_input = token_input or next(
+            (k for k, t in inputs.items() if isinstance(t, torch.Tensor) and t.dim()
+             and t.shape[0] == first.shape[0]), None)
+        if self._token_input is None:
+            raise ModelCompileError("no input has as many rows as the model's output "
+                                    f"({first.shape[0]}); the compiled path needs outputs with "
+                                    "one row per token")
+        del out, first
+        if outputs is None:
+            outputs = self._empty(inputs[self._token_input].shape[0])
+        for t in (*inputs.values(), *outputs):
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 torch._dynamo.mark_dynamic(t, 0)
-        t0 = time.perf_counter()
         try:
             with _shape_config(), torch.no_grad():
-                out = self._fn(**inputs)
+                self._fn(tuple(outputs), inputs)
+                if also is not None:
+                    self._fn(self._empty(also[self._token_input].shape[0]), also)
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ModelCompileError(
@@ -138,17 +169,42 @@ class CompiledModel:
         self.warm = True
         log.info("compiled the model once (%s, dynamic token dimension) in %.1f s: %d "
                  "compilation(s)", self.backend, self.seconds, self.compiles)
-        return out
+        return tuple(outputs)
+
+    def run_into(self, outputs: tuple, inputs: dict[str, torch.Tensor]) -> None:
+        """Run the compiled model and write output i into rows [0, n) of ``outputs[i]`` (static
+        buffers of at least n rows): the copy is fused into the model's last kernels, so a graph
+        of this call writes its result in place instead of copying it out."""
+        if not self.warm:
+            self.warm_up(inputs)
+        with torch.no_grad():
+            self._fn(tuple(outputs), inputs)
 
     def __call__(self, **inputs):
-        if not self.warm:  # called before any capture: compile at this size, still dynamic
-            return self.warm_up(inputs)
-        with torch.no_grad():
-            return self._fn(**inputs)
+        """The model's output (one tensor or a tuple, as the model returns), computed by the
+        compiled code into fresh tensors."""
+        outputs = self.warm_up(inputs) if not self.warm else None
+        if outputs is None:
+            outputs = self._empty(inputs[self._token_input].shape[0])
+            self.run_into(outputs, inputs)
+        return outputs[0] if self._single else outputs
+
+    def _empty(self, rows: int) -> tuple:
+        return tuple(torch.empty((rows, *shape), dtype=dtype, device=device)
+                     for dtype, device, shape in self._like)
 
     def stats(self) -> dict:
         return {"backend": self.backend, "compiles": self.compiles,
                 "recompiles": self.recompiles, "seconds": self.seconds}
+
+
+def _writing_into(fn):
+    """The function that is compiled: ``fn``'s outputs written into the caller's buffers."""
+
+    def model_into(outputs: tuple, inputs: dict):
+        for dst, src in zip(outputs, as_tuple(fn(**inputs))):
+            dst.narrow(0, 0, src.shape[0]).copy_(src)
+    return model_into
 
 
 def compiled_model(model, compile) -> CompiledModel | None:

@@ -130,11 +130,8 @@ class GraphRunner:
         if self.captured:
             raise RunnerStateError("capture() already ran for this runner; graphs are captured "
                                    "once — build a new GraphRunner to capture another table")
-        if self.compiled is not None:  # one compile, at the largest size, before any graph
-            tokens = self.buffers.max_tokens
-            reqs = min(tokens, self.buffers.max_reqs)
-            self.buffers.reset(tokens, reqs)
-            self.compiled.warm_up(self.buffers.views(tokens, reqs))
+        if self.compiled is not None:  # compile at the largest size before any graph
+            self._compile_warm_up()
         job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
                          backend=self.backend, warmups=self.warmups, rank=self.rank,
                          progress=self.progress, splitting_ops=self.splitting_ops,
@@ -156,6 +153,23 @@ class GraphRunner:
         self._stats.captured(done.summary)
         self.captured = True
         return done.summary
+
+    def _compile_warm_up(self) -> None:
+        """One compile at the largest graph's size, then a run at the smallest FULL graph's (a
+        compile there, if torch specialises that size, is the warm-up's: see CompiledModel)."""
+        tokens = self.buffers.max_tokens
+        reqs = min(tokens, self.buffers.max_reqs)
+        self.buffers.reset(tokens, reqs)
+        token_input = next(s.name for s in self.buffers.specs if s.per == "token")
+        full = [g.key for g in self.table.graphs if g.mode is RuntimeMode.FULL]
+        small = min(full, key=lambda k: k.num_tokens, default=None)
+        also = None
+        if small is not None and small.num_tokens < tokens:
+            small_reqs = (small.num_reqs if small.num_reqs is not None
+                          else min(small.num_tokens, self.buffers.max_reqs))
+            also = self.buffers.views(small.num_tokens, small_reqs)
+        self.compiled.warm_up(self.buffers.views(tokens, reqs), token_input=token_input,
+                              also=also)
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, inputs: dict[str, torch.Tensor], num_reqs: int | None = None,

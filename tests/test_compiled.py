@@ -212,6 +212,33 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
 
 
+def test_hf_adapter_under_inductor_never_recompiles_after_its_warm_up():
+    """torch's inductor lowering guards ``tokens > 1`` in ops the HF models use (an index, a
+    transpose, a cat), even while sizes are size-oblivious: the runner's warm-up also runs the
+    smallest graph's size, so that compile is the warm-up's and no step ever pays one."""
+    pytest.importorskip("transformers")
+    from hf_models import LENS, STEPS, plan as hf_plan, reference_logits, reference_model, \
+        run_schedule, small_config, tokens
+
+    from graphplan.runtime.hf import PagedCausalLM
+    table = compile_plan(hf_plan())
+    model = PagedCausalLM.load(small_config("llama"), max_num_seqs=table.max_num_seqs,
+                               max_model_len=32, block_size=4, seed=0)
+    compiled = CompiledModel(model, "inductor", options={"cpp.vec_isa_ok": False})
+    runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=compiled)
+    runner.capture()
+    assert compiled.recompiles == 0 and compiled.compiles in (1, 2)
+    warm = compiled.compiles
+    seqs = [tokens(n, seed=10 + i) for i, n in enumerate(LENS)]
+    got = run_schedule(model, runner, seqs, STEPS)  # decodes at 1..4 requests: FULL graphs
+    ref = reference_model(model)
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(got[i], reference_logits(ref, seq), atol=1e-3, rtol=1e-3)
+    s = runner.stats()
+    assert s["replays_by_mode"]["FULL"] == 6
+    assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (warm, 0)
+
+
 def test_piecewise_graphs_run_the_uncompiled_model_next_to_compiled_full():
     model = TinyLlama(CFG, seed=0)
     p = plan("FULL_AND_PIECEWISE")

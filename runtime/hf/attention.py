@@ -157,7 +157,10 @@ class StepInputs:
 def _gathered(q, cache, key_slots, future, scaling):
     """q [T', KvH, G, D] over each row's gathered slots -> [T', KvH, G, D]."""
     keys, values = cache[0][key_slots], cache[1][key_slots]                # [T', L, KvH, D]
-    if q.shape[0] > FUSED_MIN_ROWS:  # one fused kernel: tokens x K/V heads as the batch
+    # one fused kernel for many rows (tokens x K/V heads as the batch); not in compiled code, where
+    # inductor fuses the masked softmax itself and a branch on the token count would be a guard
+    # on it (recompiling at sizes the warm-up did not take)
+    if not torch.compiler.is_compiling() and q.shape[0] > FUSED_MIN_ROWS:
         with sdpa_kernel(PREFILL_BACKENDS):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, keys.transpose(1, 2), values.transpose(1, 2),
