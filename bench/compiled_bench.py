@@ -5,13 +5,16 @@ one run, on the tiny Llama in bf16 with the 51 vLLM-default decode sizes (bench/
 Per batch: step time of the runner over the compiled model, of reduce-overhead, and of the runner
 over the plain model (context); then the total warm-up of each for the 51 sizes (the runner: one
 compile + capture; reduce-overhead: its compiles + one cudagraph-tree recording per size), and the
-largest |output - eager| of each, relative to the largest |eager| logit.
+largest |output - eager| of each, relative to the largest |eager| logit. Both stay alive to the
+end (the runner's compiled code is its own function's, reduce-overhead's the model's forward).
+
+Step times are interleaved: per batch, --repeats rounds each time the runner and reduce-overhead
+back to back (the order alternating); the median of each side is reported.
 
 Fairness: the inductor and Triton caches start empty (fresh folders, unless TORCHINDUCTOR_CACHE_DIR
 / TRITON_CACHE_DIR are set), and a trivial function is compiled first so that neither side pays the
 compiler's own start-up; the runner goes first, so reduce-overhead may reuse kernels it compiled
-(which can only help reduce-overhead). Between the two, the runner's graphs are released and dynamo
-reset, so reduce-overhead's guards are checked alone.
+(which can only help reduce-overhead).
 
     python bench/compiled_bench.py --out bench/results/compiled_bench.md      # GPU
     python bench/compiled_bench.py --device cpu --quick                       # smoke run
@@ -29,6 +32,7 @@ for _var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # before torch rea
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -94,7 +98,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", help="the runner's compile backend (default: inductor on a GPU, "
                                      "eager, dynamo alone, on the CPU)")
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=11,
+                   help="interleaved timing rounds per batch (median)")
+    p.add_argument("--options", default="",
+                   help="inductor config patches for the runner's compile, k=v,k=v "
+                        "(e.g. triton.autotune_pointwise=False)")
     p.add_argument("--budget", type=float, default=300.0,
                    help="seconds reduce-overhead's warm-up may take before it is extrapolated")
     p.add_argument("--out")
@@ -103,6 +111,11 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     backend = a.backend or ("inductor" if cuda else "eager")
     options = {"cpp.vec_isa_ok": False} if backend == "inductor" and not cuda else None
+    if a.options:
+        options = dict(options or {})
+        for kv in a.options.split(","):
+            k, v = kv.split("=", 1)
+            options[k] = {"True": True, "False": False}.get(v, int(v) if v.isdigit() else v)
     cfg = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
                           intermediate=2816, max_model_len=256, num_cache_rows=512)
     batches = [int(b) for b in a.batches.split(",")]
@@ -134,16 +147,12 @@ def main(argv=None) -> int:
 
     # the runner over the compiled model
     runner, warm_ours = runner_warmup(model, table, device, backend, options, only)
-    comp, cap = runner.stats()["compile"], runner.stats()["capture"]
-    t_ours, d_ours = {}, {}
+    cap = runner.stats()["capture"]
+    d_ours = {}
     for n in batches:
-        batch = decode_batch(model, n)
-        d_ours[n] = rel_diff(runner.step(batch, n, 1), eager[n])
-        t_ours[n] = time_per_call(lambda: runner.step(batch, n, 1), device, a.iters, a.repeats)
-    comp = runner.stats()["compile"]  # after the steps: recompiles during them count too
-    runner.release()
-    del runner
-    torch._dynamo.reset()
+        d_ours[n] = rel_diff(runner.step(decode_batch(model, n), n, 1), eager[n])
+    # (no dynamo reset: the runner's compiled code is its own function's, reduce-overhead's is
+    # the model's forward; each checks only its own guards)
 
     # torch.compile(mode="reduce-overhead") for the same sizes
     mode = "reduce-overhead" if cuda else None
@@ -151,12 +160,26 @@ def main(argv=None) -> int:
     ro, warm_ro, done = baseline_warmup(model, sizes, device, mode, backend, options, a.budget)
     if done < len(sizes):
         warm_ro = warm_ro / done * len(sizes)
-    t_ro, d_ro = {}, {}
+    d_ro = {}
     with torch.no_grad():
         for n in batches:
-            batch = decode_batch(model, n)
-            d_ro[n] = rel_diff(ro(**batch), eager[n])
-            t_ro[n] = time_per_call(lambda: ro(**batch), device, a.iters, a.repeats)
+            d_ro[n] = rel_diff(ro(**decode_batch(model, n)), eager[n])
+
+    # step times, interleaved: each repeat times the runner and reduce-overhead back to back, the
+    # order alternating, so that drift in clocks falls on both alike
+    t_ours, t_ro = {}, {}
+    for n in batches:
+        batch = decode_batch(model, n)
+        sides = {"ours": lambda: runner.step(batch, n, 1), "ro": lambda: ro(**batch)}
+        samples = {"ours": [], "ro": []}
+        with torch.no_grad():
+            for r in range(a.repeats):
+                for side in (("ours", "ro") if r % 2 == 0 else ("ro", "ours")):
+                    samples[side].append(time_per_call(sides[side], device, a.iters, 1))
+        t_ours[n], t_ro[n] = statistics.median(samples["ours"]), statistics.median(samples["ro"])
+    comp = runner.stats()["compile"]  # after the steps: recompiles during them count too
+    runner.release()
+    del runner
 
     ok = comp["recompiles"] == 0
     lines = [f"# compiled_bench — {datetime.date.today()}",
