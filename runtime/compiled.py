@@ -95,6 +95,7 @@ class CompiledModel:
         self._like: tuple | None = None  # per output: (dtype, device, trailing shape), once warm
         self._single = True
         self._token_input: str | None = None
+        self._rows = 0  # the outputs' height at the warm-up
         # a plain callable object compiles through its __call__ (torch.compile takes functions)
         fn = model if isinstance(model, torch.nn.Module) or inspect.isroutine(model) else model.__call__
         self._fn = torch.compile(_writing_into(fn), backend=self._compile, fullgraph=fullgraph,
@@ -142,14 +143,19 @@ class CompiledModel:
         del out, first
         if outputs is None:
             outputs = self._empty(inputs[self._token_input].shape[0])
+        self._rows = outputs[0].shape[0]
         for t in (*inputs.values(), *outputs):
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 torch._dynamo.mark_dynamic(t, 0)
         try:
             with _shape_config(), torch.no_grad():
                 self._fn(tuple(outputs), inputs)
-                if also is not None:
-                    self._fn(self._empty(also[self._token_input].shape[0]), also)
+            # ``also`` runs as a step would (sizes not size-oblivious): a size the guards exclude
+            # compiles here specialised to it. Size-oblivious, torch 2.11's Triton codegen failed
+            # on the one-token symbol (CantSplit), found on the H100.
+            if also is not None:  # into the same buffers: a capture writes into ones this tall
+                with torch.no_grad():
+                    self._fn(tuple(outputs), also)
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ModelCompileError(
@@ -182,11 +188,15 @@ class CompiledModel:
 
     def __call__(self, **inputs):
         """The model's output (one tensor or a tuple, as the model returns), computed by the
-        compiled code into fresh tensors."""
+        compiled code into fresh tensors: views of the first n rows of tensors as tall as the
+        warm-up's (the height the compiled code was specialised to where torch specialised a
+        size; see ``warm_up``'s ``also``)."""
         outputs = self.warm_up(inputs) if not self.warm else None
+        n = inputs[self._token_input].shape[0]
         if outputs is None:
-            outputs = self._empty(inputs[self._token_input].shape[0])
+            outputs = self._empty(max(self._rows, n))
             self.run_into(outputs, inputs)
+        outputs = tuple(o[:n] for o in outputs)
         return outputs[0] if self._single else outputs
 
     def _empty(self, rows: int) -> tuple:
