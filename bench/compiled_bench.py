@@ -117,7 +117,7 @@ def warmup_only(a, model, table, device, backend, options, only, sizes) -> int:
     if a.warmup_only == "ours":
         runner, seconds = runner_warmup(model, table, device, backend, options, only)
         s = runner.stats()
-        rec = {"seconds": seconds, **s["compile"], "seconds_compile": s["compile"]["seconds"],
+        rec = {**s["compile"], "seconds": seconds, "seconds_compile": s["compile"]["seconds"],
                "capture_s": s["capture"]["seconds"],
                "graphs": s["capture"]["graphs"]}
     else:
