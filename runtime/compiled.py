@@ -15,7 +15,14 @@ How one compile serves every size, 1 included (``warm_up``):
 - and sizes are not *duck-shaped* (``use_duck_shape=False``), a safeguard: a token count and a
   request count that happen to be equal at warm-up never share a symbol (torch 2.13 already keeps
   dimensions marked dynamic apart), so a mixed batch does not compile again;
-- every call runs under ``torch.no_grad()``, as capture does (grad mode is part of the guards).
+- every call runs under ``torch.no_grad()``, as capture does (grad mode is part of the guards);
+- then the smallest graph's size runs too, not size-oblivious (as a step would): torch's lowering
+  still guards ``tokens > 1`` in some ops (the HF models hit it), and the compile that size then
+  needs happens inside the warm-up, not at a capture or a step.
+
+What is compiled is the model *writing into* the caller's output buffers (``run_into``): the copy
+into the runner's static outputs is fused into the model's last kernels, so a FULL graph of the
+compiled model holds the model alone (reduce-overhead's graphs hold the same kernels).
 
 Every compilation goes through a counting backend: ``compiles`` counts them all, ``recompiles``
 those after the warm-up, each logged as a warning (``TORCH_LOGS=recompiles`` names the guard that

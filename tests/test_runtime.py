@@ -111,6 +111,53 @@ def test_padding_rows_hold_safe_values_after_a_larger_step():
     assert bufs["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 3]  # padded request is empty
 
 
+def test_copy_in_writes_every_dtype_and_a_non_contiguous_input_exactly():
+    """StaticBuffers.load copies contiguous inputs in one foreach over byte views (mixed dtypes,
+    trailing dimensions) and any other input on its own; pads follow the real rows."""
+    from graphplan.runtime.buffers import StaticBuffers
+    specs = [StaticInput(name="ids", per="token", dtype=torch.int64, pad=-1),
+             StaticInput(name="emb", per="token", dtype=torch.float16, trailing=(3,)),
+             StaticInput(name="flag", per="token", dtype=torch.bool),
+             StaticInput(name="lens", per="req", dtype=torch.int32, pad=7),
+             StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last")]
+    bufs = StaticBuffers(specs, max_tokens=8, max_reqs=4, device="cpu")
+    wide = torch.arange(12, dtype=torch.float16).reshape(3, 4)
+    batch = {"ids": torch.tensor([5, -2, 1 << 40]), "emb": wide[:, :3],  # not contiguous
+             "flag": torch.tensor([True, False, True]), "lens": torch.tensor([9, 8], dtype=torch.int32),
+             "qsl": torch.tensor([0, 2, 3], dtype=torch.int32)}
+    assert not batch["emb"].is_contiguous()
+    bufs.check(batch, 3, 2)
+    bufs.load(batch, 3, 2, padded_tokens=4, padded_reqs=3)
+    b = bufs.buffers
+    assert b["ids"][:4].tolist() == [5, -2, 1 << 40, -1]
+    assert torch.equal(b["emb"][:3], wide[:, :3])
+    assert b["flag"][:3].tolist() == [True, False, True]
+    assert b["lens"][:3].tolist() == [9, 8, 7] and b["qsl"][:4].tolist() == [0, 2, 3, 3]
+    bufs.load({k: v[:1] if k not in ("qsl",) else v[:2] for k, v in batch.items()}, 1, 1, 1, 1)
+    assert b["ids"][:4].tolist() == [5, -1, -1, -1]  # rows the larger step dirtied are pads again
+
+
+def test_the_compiled_model_writes_its_outputs_into_the_callers_buffers():
+    """CompiledModel.run_into: the body a compiled FULL graph records writes rows [0, n) of the
+    static outputs from the compiled code (no copy after it); rows past n are left alone."""
+    from graphplan.runtime import CompiledModel
+    torch._dynamo.reset()
+    model = TinyLlama(CFG, seed=0)
+    compiled = CompiledModel(model, "eager")
+    big, small = decode_batch(model, 8), decode_batch(model, 3, seed=5)
+    outputs = compiled.warm_up(big)
+    assert outputs[0].shape == (8, CFG.vocab_size)
+    static = torch.full((16, CFG.vocab_size), 7.0)
+    compiled.run_into((static,), small)
+    torch.testing.assert_close(static[:3], model(**small))
+    assert bool((static[3:] == 7.0).all())
+    out = compiled(**small)  # a fresh result, n rows
+    assert out.shape == (3, CFG.vocab_size)
+    torch.testing.assert_close(out, model(**small))
+    assert (compiled.compiles, compiled.recompiles) == (1, 0)
+    torch._dynamo.reset()
+
+
 def test_outputs_are_views_of_static_buffers_valid_until_the_next_step():
     model, runner = runner_for(plan())
     runner.capture()
