@@ -148,11 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-only", choices=("ours", "ro"), help=argparse.SUPPRESS)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    argv_base = [x for x in (sys.argv[1:] if argv is None else argv)]
-    for flag in ("--out",):  # the children write nothing
-        if flag in argv_base:
-            i = argv_base.index(flag)
-            del argv_base[i:i + 2]
+    argv_base = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in argv_base:  # the children write nothing
+        del argv_base[argv_base.index("--out"):argv_base.index("--out") + 2]
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     backend = a.backend or ("inductor" if cuda else "eager")

@@ -203,7 +203,9 @@ def agreement(x: list[list[int]], y: list[list[int]]) -> tuple[float, float]:
     return same / max(total, 1), sum(a == b for a, b in zip(x, y)) / max(len(x), 1)
 
 
-def main(argv=None) -> int:
+def cli(run, parse_args, argv=None) -> int:
+    """``run(parse_args(argv))``, torch's intra-op thread count restored after (``setup`` sets
+    it to 1 on the CPU)."""
     threads = torch.get_num_threads()
     try:
         return run(parse_args(argv))
@@ -211,24 +213,37 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
-def run(a) -> int:
+def main(argv=None) -> int:
+    return cli(run, parse_args, argv)
+
+
+def setup(a) -> tuple:
+    """(device, the HF config, the stock HF model) for the bench arguments ``a``."""
     device = torch.device(a.device)
-    dtype = getattr(torch, a.dtype)
     if device.type == "cpu":  # shared small CI machines: spinning intra-op threads swamp the timing
         torch.set_num_threads(1)
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     cfg = llama_config(a)
-    t = time.perf_counter()
-    hf = load_model(cfg, dtype=dtype, device=device, seed=a.seed,
+    hf = load_model(cfg, dtype=getattr(torch, a.dtype), device=device, seed=a.seed,
                     attn_implementation=ATTN_IMPLEMENTATION)
+    return device, cfg, hf
+
+
+def table_for(path: str):
+    """A compiled table (.json) or a plan compiled now."""
+    if path.endswith(".json"):
+        return load_table(path)
+    from graphplan.compiler import compile_plan
+    return compile_plan(path)
+
+
+def run(a) -> int:
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    t = time.perf_counter()
+    device, cfg, hf = setup(a)
     params = sum(p.numel() for p in hf.parameters()) / 1e6
     print(f"model built in {time.perf_counter() - t:.1f} s: {params:.0f}M parameters, {a.dtype} "
           f"on {device}", flush=True)
-    if a.plan.endswith(".json"):
-        table = load_table(a.plan)
-    else:
-        from graphplan.compiler import compile_plan
-        table = compile_plan(a.plan)
+    table = table_for(a.plan)
     prompts = prompts_for(a, cfg.vocab_size)
     results, failed = {}, {}
     for name in systems:
@@ -239,7 +254,7 @@ def run(a) -> int:
             if name == "graphplan":
                 r = bench_graphplan(a, hf, table, prompts, device)
             else:
-                m = baseline_model(hf, dtype, device)
+                m = baseline_model(hf, hf.dtype, device)
                 fn = bench_generate_batch if name == "generate_batch" else bench_generate
                 r = fn(a, m, prompts, device)
                 del m

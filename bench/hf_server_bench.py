@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from server_load import get, run_server  # noqa: E402  (bench/ is the script's folder)
+from server_load import get, run_server, run_threads  # noqa: E402  (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = {"FULL_DECODE_ONLY": ROOT / "plans" / "hf-decode.yaml",
@@ -109,13 +109,7 @@ def run_clients(port: int, name: str, work) -> dict:
                 res["tokens"] += len(out)
                 res["out"][c, i] = out
         conn.close()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(work))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    res["seconds"] = time.perf_counter() - t0
+    res["seconds"] = run_threads(client, len(work))
     return res
 
 

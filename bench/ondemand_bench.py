@@ -44,10 +44,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from hf_bench import FULL_SIZE, SMOKE_SIZE, llama_config, prompts_for, run_graphplan, sync  # noqa: E402
+from hf_bench import (FULL_SIZE, SMOKE_SIZE, cli, prompts_for, run_graphplan, setup,  # noqa: E402
+                      sync, table_for)
 
-from graphplan.runtime import GraphRunner, load_table  # noqa: E402
-from graphplan.runtime.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model  # noqa: E402
+from graphplan.runtime import GraphRunner  # noqa: E402
+from graphplan.runtime.hf import PagedCausalLM  # noqa: E402
 
 MIB = 1 << 20
 TTFR_BAR, TOKS_TOL = 5.0, 0.03
@@ -150,25 +151,12 @@ def finish_mode(runner, r: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    threads = torch.get_num_threads()
-    try:
-        return run(parse_args(argv))
-    finally:
-        torch.set_num_threads(threads)
+    return cli(run, parse_args, argv)
 
 
 def run(a) -> int:
-    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    cfg = llama_config(a)
-    hf = load_model(cfg, dtype=dtype, device=device, seed=a.seed,
-                    attn_implementation=ATTN_IMPLEMENTATION)
-    if a.table.endswith(".json"):
-        table = load_table(a.table)
-    else:
-        from graphplan.compiler import compile_plan
-        table = compile_plan(a.table)
+    device, cfg, hf = setup(a)
+    table = table_for(a.table)
     prompts = prompts_for(a, cfg.vocab_size)
     max_len = max(map(len, prompts)) + max(a.new_tokens, a.first_tokens)
     model = PagedCausalLM(hf, max_num_seqs=table.max_num_seqs, max_model_len=max_len)

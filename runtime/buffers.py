@@ -77,13 +77,14 @@ class StaticBuffers:
             self.buffers[s.name] = buf
             self._clean[s.name] = 0
         self.device = next(iter(self.buffers.values())).device  # "cuda" -> "cuda:0"
-        self._token_input = next(s.name for s in specs if s.per == "token")
+        self.token_input = next(s.name for s in specs if s.per == "token")
+        """The first per-token input: its row count is the batch's token count."""
 
     def num_tokens(self, inputs: dict[str, torch.Tensor]) -> int:
         try:
-            return inputs[self._token_input].shape[0]
+            return inputs[self.token_input].shape[0]
         except KeyError:
-            raise BatchError(f"batch is missing input {self._token_input!r}") from None
+            raise BatchError(f"batch is missing input {self.token_input!r}") from None
 
     def check(self, inputs: dict[str, torch.Tensor], tokens: int, reqs: int | None) -> None:
         """Every input present, of the right dtype, device and row count; nothing extra."""

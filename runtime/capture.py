@@ -108,11 +108,44 @@ def _graph_fn(model, statics: tuple, views: dict, tokens: int):
     return fn
 
 
+def graph_rows(key, max_num_seqs: int) -> tuple[int, int]:
+    """(tokens, requests) a graph of ``key`` is captured at: a key without a request count
+    (a token-only graph) takes as many requests as tokens, up to ``max_num_seqs``."""
+    tokens = key.num_tokens
+    return tokens, key.num_reqs if key.num_reqs is not None else min(tokens, max_num_seqs)
+
+
+def _graph_views(job: CaptureJob, key) -> tuple[dict, int]:
+    """The static input views a graph of ``key`` records on (pad values everywhere), and its
+    token count."""
+    tokens, reqs = graph_rows(key, job.table.max_num_seqs)
+    job.buffers.reset(tokens, reqs)
+    return job.buffers.views(tokens, reqs), tokens
+
+
+def _full_body(job: CaptureJob, done: "Captured", key, views: dict, tokens: int):
+    """Warm a FULL graph of ``key`` up (the first creates the static outputs) and return the
+    body to capture: the model into the static outputs, or the micro-batched body (warmed once,
+    as its streams and events need)."""
+    first = done.outputs is None
+    for _ in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
+        out = job.model(**views)
+        if done.outputs is None:
+            done.outputs = _static_outputs(out, job.buffers.max_tokens)
+            done.single_output = not isinstance(out, (tuple, list))
+        del out
+    if key.num_ubatches > 1:
+        body = job.ubatch_body(key, views, tokens, done.outputs)
+        body()
+        return body
+    return _graph_fn(job.model, done.outputs, views, tokens)
+
+
 def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
                    only: set[int] | None = None) -> Captured:
     """Warm up and capture the table's graphs of ``modes`` in table order. On any failure, an
     interrupt included, everything captured so far is released before the error propagates."""
-    table, backend, buffers, model = job.table, job.backend, job.buffers, job.model
+    table, backend = job.table, job.backend
     ids = [g.id for g in table.graphs if g.mode in modes  # table order: largest first per mode
            and (g.key.num_ubatches == 1 or job.ubatch_body is not None)
            and (only is None or g.id in only)]
@@ -134,25 +167,11 @@ def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
         with torch.no_grad():
             for n_done, gid in enumerate(_progress(ids, job, f"Capturing graphs ({backend.name})")):
                 key = table.graphs[gid].key
-                tokens = key.num_tokens
-                reqs = key.num_reqs if key.num_reqs is not None else min(tokens, table.max_num_seqs)
-                buffers.reset(tokens, reqs)
-                views = buffers.views(tokens, reqs)
+                views, tokens = _graph_views(job, key)
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
                     done.graphs[gid], took = done.piecewise.capture(views, tokens)
                 else:
-                    first = done.outputs is None
-                    for i in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
-                        out = model(**views)
-                        if done.outputs is None:
-                            done.outputs = _static_outputs(out, buffers.max_tokens)
-                            done.single_output = not isinstance(out, (tuple, list))
-                        del out
-                    if key.num_ubatches > 1:  # DBO: streams and events, warmed once first
-                        body = job.ubatch_body(key, views, tokens, done.outputs)
-                        body()
-                    else:
-                        body = _graph_fn(model, done.outputs, views, tokens)
+                    body = _full_body(job, done, key, views, tokens)
                     measure = job.measure_each or n_done < 2
                     before = backend.memory_used() if measure else None
                     done.graphs[gid] = backend.capture(body)
@@ -188,34 +207,18 @@ def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
     """Capture graph ``gid`` into ``done`` (its pool, its static outputs), after the rest: what
     on-demand capture runs between steps. Memory is not measured (no synchronisation beyond the
     capture's own). On failure the error propagates and nothing captured before is touched."""
-    table, buffers, model = job.table, job.buffers, job.model
-    g = table.graphs[gid]
-    tokens = g.key.num_tokens
-    reqs = g.key.num_reqs if g.key.num_reqs is not None else min(tokens, table.max_num_seqs)
+    g = job.table.graphs[gid]
     if g.key.num_ubatches > 1 and job.ubatch_body is None:
         raise CaptureError(f"graph #{gid} is micro-batched and this runner has no ubatch body")
-    buffers.reset(tokens, reqs)
-    views = buffers.views(tokens, reqs)
+    if g.mode is RuntimeMode.PIECEWISE and done.piecewise is None:
+        raise CaptureError(f"graph #{gid} is PIECEWISE and no PIECEWISE graph was captured at "
+                           "start (the start set holds the largest)")
+    views, tokens = _graph_views(job, g.key)
     with torch.no_grad():
         if g.mode is RuntimeMode.PIECEWISE:
-            if done.piecewise is None:
-                raise CaptureError(f"graph #{gid} is PIECEWISE and no PIECEWISE graph was "
-                                   "captured at start (the start set holds the largest)")
             done.graphs[gid], _ = done.piecewise.capture(views, tokens)
-            return
-        first = done.outputs is None
-        for _ in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
-            out = model(**views)
-            if done.outputs is None:
-                done.outputs = _static_outputs(out, buffers.max_tokens)
-                done.single_output = not isinstance(out, (tuple, list))
-            del out
-        if g.key.num_ubatches > 1:
-            body = job.ubatch_body(g.key, views, tokens, done.outputs)
-            body()
         else:
-            body = _graph_fn(model, done.outputs, views, tokens)
-        done.graphs[gid] = job.backend.capture(body)
+            done.graphs[gid] = job.backend.capture(_full_body(job, done, g.key, views, tokens))
 
 
 class CaptureError(GraphplanError):

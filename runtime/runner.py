@@ -20,7 +20,8 @@ from graphplan.compiler.errors import GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
 from graphplan.runtime.buffers import StaticBuffers, StaticInput
-from graphplan.runtime.capture import CaptureError, CaptureJob, capture_graphs, capture_one
+from graphplan.runtime.capture import (CaptureError, CaptureJob, capture_graphs, capture_one,
+                                       graph_rows)
 from graphplan.runtime.compiled import compiled_model
 from graphplan.runtime.graphs import graph_backend
 from graphplan.runtime.metrics import RunnerStats
@@ -160,16 +161,13 @@ class GraphRunner:
         tokens = self.buffers.max_tokens
         reqs = min(tokens, self.buffers.max_reqs)
         self.buffers.reset(tokens, reqs)
-        token_input = next(s.name for s in self.buffers.specs if s.per == "token")
         full = [g.key for g in self.table.graphs if g.mode is RuntimeMode.FULL]
         small = min(full, key=lambda k: k.num_tokens, default=None)
         also = None
         if small is not None and small.num_tokens < tokens:
-            small_reqs = (small.num_reqs if small.num_reqs is not None
-                          else min(small.num_tokens, self.buffers.max_reqs))
-            also = self.buffers.views(small.num_tokens, small_reqs)
-        self.compiled.warm_up(self.buffers.views(tokens, reqs), token_input=token_input,
-                              also=also)
+            also = self.buffers.views(*graph_rows(small, self.table.max_num_seqs))
+        self.compiled.warm_up(self.buffers.views(tokens, reqs),
+                              token_input=self.buffers.token_input, also=also)
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, inputs: dict[str, torch.Tensor], num_reqs: int | None = None,

@@ -74,16 +74,23 @@ def load_table_from_text(text):
     return compile_plan(yaml.safe_load(text))
 
 
-def request(server, method, path, body=None, headers=None, raw: bytes | None = None):
+def exchange(server, method, path, body=None, headers=None, raw: bytes | None = None,
+             timeout: float = 60):
+    """One HTTP request to ``server`` (a running app, or (host, port)): (response, body text).
+    ``body`` is sent as JSON, ``raw`` as is."""
     host, port = server.httpd.server_address[:2] if hasattr(server, "httpd") else server
-    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     try:
         conn.request(method, path, body=data, headers=headers or {})
         resp = conn.getresponse()
-        text = resp.read().decode()
+        return resp, resp.read().decode()
     finally:
         conn.close()
+
+
+def request(server, method, path, body=None, headers=None, raw: bytes | None = None):
+    resp, text = exchange(server, method, path, body, headers, raw)
     ctype = resp.getheader("Content-Type", "")
     if "ndjson" in ctype:
         return resp.status, [json.loads(line) for line in text.splitlines()]

@@ -6,7 +6,6 @@ everything."""
 from __future__ import annotations
 
 import hmac
-import http.client
 import json
 import os
 import socket
@@ -22,22 +21,14 @@ sys.path.insert(0, str(ROOT))
 from examples.server import Server  # noqa: E402
 from examples.server.security import TOKEN_ENV, admin_token  # noqa: E402
 from graphplan.compiler import template as T  # noqa: E402
-from test_server import SPEC, plan_text  # noqa: E402
+from test_server import SPEC, exchange, plan_text  # noqa: E402
 
 TOKEN = "trust-test-token-abcdefghijkl"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def call(server, method, path, body=None, headers=None, raw: bytes | None = None):
-    host, port = server.httpd.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    try:
-        conn.request(method, path, body=data, headers=headers or {})
-        resp = conn.getresponse()
-        text = resp.read().decode()
-    finally:
-        conn.close()
+    resp, text = exchange(server, method, path, body, headers, raw, timeout=30)
     assert resp.getheader("Content-Type") == "application/json", (method, path, text[:200])
     return resp.status, json.loads(text), resp
 
