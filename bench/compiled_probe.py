@@ -152,11 +152,10 @@ def variant(name: str) -> list[str]:
         with torch.no_grad():
             b = decode_batch(model, 512)
             model(**b)
-    elif name == "full":
-        kw["compile"] = CompiledModel(model, backend)
-    elif name.startswith("opt:"):
-        k, v = name[4:].split("=")
-        kw["compile"] = CompiledModel(model, "inductor", options={k: v == "True"})
+    elif name in ("full", "nomerge"):
+        kw["compile"] = CompiledModel(model, backend, merge=name == "full")
+    elif name.startswith("opt:"):  # opt:k=v;k=v (inductor config patches)
+        kw["compile"] = CompiledModel(model, "inductor", options=parse_options(name[4:]))
     compile_s = time.perf_counter() - t0
     runner = GraphRunner(model, table, static_inputs(model), device=DEV, progress=False, **kw)
     runner.capture(only=only)
@@ -165,8 +164,21 @@ def variant(name: str) -> list[str]:
     for n in (1, 32, 128):
         b = decode_batch(model, n)
         steps.append(f"{n}:{time_per_call(lambda: runner.step(b, n, 1), DEV, 100, 7) * 1e6:.1f}us")
+    b1 = decode_batch(model, 1)
+    ks = kernels(lambda: runner.step(b1, 1, 1))
     return [f"variant {name}: compile {compile_s:.2f} s (backend calls {count[0]}), to captured "
-            f"{total:.2f} s; steps {' '.join(steps)}"] + compile_breakdown()
+            f"{total:.2f} s; steps {' '.join(steps)}; batch 1: "
+            f"{sum(c for c, _ in ks.values()):.0f} kernels, "
+            f"{sum(t for _, t in ks.values()):.1f} device us"] + compile_breakdown() + show(
+                "runner at batch 1", ks)
+
+
+def parse_options(text: str) -> dict:
+    out = {}
+    for kv in filter(None, text.split(";")):
+        k, v = kv.split("=", 1)
+        out[k] = {"True": True, "False": False}.get(v, int(v) if v.isdigit() else v)
+    return out
 
 
 def main() -> int:
@@ -174,7 +186,9 @@ def main() -> int:
     p.add_argument("--variant")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--variants", default="full,opt:triton.autotune_pointwise=False,full,"
-                                         "opt:triton.autotune_pointwise=False")
+                                         "opt:triton.autotune_pointwise=False",
+                   help="comma-separated: full, nomerge (full without merged projections), "
+                        "regional, opt:k=v;k=v (inductor config patches)")
     p.add_argument("--no-steps", action="store_true")
     a = p.parse_args()
     if a.variant:
@@ -182,8 +196,11 @@ def main() -> int:
         return 0
     out = Path(a.out_dir)
     for i, v in enumerate(a.variants.split(",")):
+        env = dict(os.environ)
+        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # empty caches per variant
+            env[var] = tempfile.mkdtemp(prefix=f"gp-{var.lower()}-")
         r = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True,
-                           text=True, timeout=240)
+                           text=True, timeout=240, env=env)
         (out / f"probe_variant_{i}_{v.split(':')[0]}.txt").write_text(r.stdout + r.stderr[-4000:])
         print(r.stdout[:600], r.stderr[-1500:] if r.returncode else "", flush=True)
     if a.no_steps:

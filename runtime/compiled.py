@@ -49,6 +49,7 @@ import torch
 
 from graphplan.compiler.errors import GraphplanError
 from graphplan.runtime.buffers import as_tuple
+from graphplan.runtime.merge_linear import merge_linears, relay_linears
 
 __all__ = ["CompiledModel", "ModelCompileError", "compiled_model"]
 
@@ -79,12 +80,14 @@ class CompiledModel:
 
     ``backend``: a torch.compile backend name ("inductor", "aot_eager", "eager") or a backend
     callable ``(GraphModule, example_inputs) -> callable``. ``options``: inductor config patches
-    (e.g. ``{"cpp.vec_isa_ok": False}``), for the "inductor" backend only. Share one instance
-    between runners of the same model (a server swapping tables) to compile once.
+    (e.g. ``{"cpp.vec_isa_ok": False}``), for the "inductor" backend only. ``merge``: merge
+    linear layers that read the same input into one GEMM (runtime/merge_linear.py; it lays their
+    weights out end to end, in place). Share one instance between runners of the same model (a
+    server swapping tables) to compile once.
     """
 
     def __init__(self, model, backend="inductor", *, options: dict | None = None,
-                 fullgraph: bool = False):
+                 fullgraph: bool = False, merge: bool = True):
         if options and backend != "inductor":
             raise ValueError(f"options are inductor config patches; backend is {backend!r}")
         self.model = model
@@ -92,6 +95,9 @@ class CompiledModel:
             backend, "__name__", type(backend).__name__)
         self._inner = _lookup(backend) if isinstance(backend, str) else backend
         self._options = dict(options or {})
+        self._merge = merge
+        self.merged = 0
+        """Groups of linear layers merged into one GEMM, over all compilations."""
         self.compiles = 0
         """Compilations (backend calls; a graph break makes two per compile)."""
         self.recompiles = 0
@@ -115,6 +121,22 @@ class CompiledModel:
             log.warning("the compiled model (%s) compiled again after its warm-up (recompile "
                         "%d): a guard failed, so this call pays a compile. Run with "
                         "TORCH_LOGS=recompiles to see which guard", self.backend, self.recompiles)
+        if self._merge:
+            try:  # the rewrite and the compile of its result; the unmerged graph is still right
+                merged = _copy(gm)
+                n = merge_linears(merged, example_inputs)
+                compiled = self._backend(merged, example_inputs) if n else None
+            except Exception as e:  # noqa: BLE001
+                log.warning("merging linear layers broke this graph's compile (%s: %s); "
+                            "compiling it unmerged", type(e).__name__,
+                            str(e).strip().split("\n")[0][:200])
+            else:
+                if n:
+                    self.merged += n
+                    return compiled
+        return self._backend(gm, example_inputs)
+
+    def _backend(self, gm, example_inputs):
         if self._options:
             return self._inner(gm, example_inputs, config_patches=self._options)
         return self._inner(gm, example_inputs)
@@ -135,8 +157,11 @@ class CompiledModel:
         if self.warm:
             return None
         t0 = time.perf_counter()
-        with torch.no_grad():
-            out = self.model(**inputs)  # eager: the outputs' dtypes, trailing shapes and rows
+        with torch.no_grad():  # eager: the outputs' dtypes, trailing shapes and rows
+            if self._merge and isinstance(self.model, torch.nn.Module):
+                out, _ = relay_linears(self.model, lambda: self.model(**inputs))
+            else:
+                out = self.model(**inputs)
         self._single = not isinstance(out, (tuple, list))
         first = as_tuple(out)[0]
         self._like = tuple((o.dtype, o.device, tuple(o.shape[1:])) for o in as_tuple(out))
@@ -212,7 +237,15 @@ class CompiledModel:
 
     def stats(self) -> dict:
         return {"backend": self.backend, "compiles": self.compiles,
-                "recompiles": self.recompiles, "seconds": self.seconds}
+                "recompiles": self.recompiles, "seconds": self.seconds,
+                "merged_linears": self.merged}
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (nodes and their meta) over the same attributes, to rewrite."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _writing_into(fn):

@@ -72,7 +72,8 @@ def test_one_compile_serves_every_capture_size_including_one_and_eager_steps_run
     summary = runner.capture()
     assert summary["graphs"] == 8
     assert runner.stats()["compile"] == {"backend": "aot_eager", "compiles": 1, "recompiles": 0,
-                                         "seconds": runner.stats()["compile"]["seconds"]}
+                                         "seconds": runner.stats()["compile"]["seconds"],
+                                         "merged_linears": 2 * CFG.layers}  # q/k/v, gate/up
     prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
     with_graphs = reference_generate(model, prompts, 5, step=lambda b, r, q: runner.step(b, r, q))
     assert with_graphs == reference_generate(TinyLlama(CFG, seed=0), prompts, 5)
@@ -173,7 +174,7 @@ def test_server_compile_flag_serves_greedy_tokens_and_compiles_once_across_a_rel
         assert generate([9], 3) == reference_generate(reference, [[9]], 3)[0]
         assert server.engine.runner.stats()["compile"] == {
             "backend": "eager", "compiles": 1, "recompiles": 0,
-            "seconds": server.engine.compiled.seconds}
+            "seconds": server.engine.compiled.seconds, "merged_linears": 4}
     finally:
         server.stop()
 
@@ -228,6 +229,8 @@ def test_hf_adapter_under_inductor_never_recompiles_after_its_warm_up():
     runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=compiled)
     runner.capture()
     assert compiled.recompiles == 0 and compiled.compiles in (1, 2)
+    # q/k/v and gate/up of both layers, one GEMM each, in every compile
+    assert compiled.merged == 2 * 2 * compiled.compiles
     warm = compiled.compiles
     seqs = [tokens(n, seed=10 + i) for i, n in enumerate(LENS)]
     got = run_schedule(model, runner, seqs, STEPS)  # decodes at 1..4 requests: FULL graphs

@@ -49,6 +49,7 @@ def test_inductor_graphs_match_eager_in_bf16_at_every_size_with_zero_recompiles(
     s = runner.stats()
     assert s["eager_steps"] == {} and s["compile"]["backend"] == "inductor"
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
+    assert s["compile"]["merged_linears"] == 2 * CFG.layers  # q/k/v, gate/up: one GEMM each
     runner.release()
     torch._dynamo.reset()
 
@@ -84,5 +85,7 @@ def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error()
     # the warm-up compiles at the largest size and, where torch's lowering specialises one token,
     # at the smallest too (GraphRunner's compile warm-up); never after it
     assert s["compile"]["compiles"] in (1, 2) and s["compile"]["recompiles"] == 0
+    # q/k/v and gate/up of the 4 layers, one GEMM each, in every compile
+    assert s["compile"]["merged_linears"] == 2 * 4 * s["compile"]["compiles"]
     runner.release()
     torch._dynamo.reset()
