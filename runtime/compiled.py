@@ -24,6 +24,11 @@ What is compiled is the model *writing into* the caller's output buffers (``run_
 into the runner's static outputs is fused into the model's last kernels, so a FULL graph of the
 compiled model holds the model alone (reduce-overhead's graphs hold the same kernels).
 
+Linear layers that read one input (q/k/v, gate/up) are compiled as one GEMM each: the warm-up's
+eager run relays their weights end to end in place, and each graph dynamo hands the backend is
+rewritten to one linear + narrows (runtime/merge_linear.py; ``merge=False`` turns it off). If the
+merged graph fails to compile, the unmerged one is compiled instead (logged).
+
 Every compilation goes through a counting backend: ``compiles`` counts them all, ``recompiles``
 those after the warm-up, each logged as a warning (``TORCH_LOGS=recompiles`` names the guard that
 failed). A model that branches on the token count (``if x.shape[0] == 1``) still compiles again
