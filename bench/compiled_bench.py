@@ -48,7 +48,7 @@ from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
 from graphplan.compiler.table import DispatchTable  # noqa: E402
 from graphplan.runtime import CompiledModel, GraphRunner  # noqa: E402
 from runtime_bench import DECODE_TABLE, decode_batch  # noqa: E402  (bench/ is the script's folder)
-from timing import sync, time_per_call  # noqa: E402
+from timing import sync, time_per_call, publish  # noqa: E402
 
 TOLERANCE = 3e-2
 """Bar on max |output - eager| / max |eager| in bf16 (tests/test_compiled_gpu.py uses the same)."""
@@ -269,10 +269,7 @@ def main(argv=None) -> int:
               "", f"bars (GPU): runner (compiled) <= 1.0 x {label} at every batch; warm-up <= 1/3 "
               f"of {label}'s; max |compiled - eager| <= {TOLERANCE} x max |eager|; zero "
               "recompiles", f"result: {('PASS' if ok else 'FAIL') if cuda else 'smoke run (the bars apply on a GPU)'}"]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    publish("\n".join(lines), a.out)
     return 0
 
 

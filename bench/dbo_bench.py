@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
-from timing import graph_time_per_call, time_per_call  # noqa: E402
+from timing import graph_time_per_call, time_per_call, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -269,10 +269,7 @@ def main(argv=None) -> int:
         os.environ["NCCL_P2P_DISABLE"] = "1"  # the spawned ranks inherit it
     ranks = spawn_ranks(_worker, a.ranks, a)
     text, passed = _report(a, ranks)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    publish(text, a.out)
     return 0 if passed or a.device != "cuda" else 1
 
 

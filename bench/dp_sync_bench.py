@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from timing import publish  # noqa: E402  (bench/ is the script's folder)
 
 BAR_US = 100.0
 
@@ -198,11 +199,7 @@ def main(argv=None) -> int:
               f"bare Gloo all-reduce {worst('gloo_allreduce'):.1f} us, all-gather "
               f"{worst('gloo_allgather'):.1f} us; graphplan's logic without communication "
               f"{worst('dp_logic_no_comm'):.1f} us. Bar <= {BAR_US:.0f} us (blocking): {verdict}"]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    publish("\n".join(lines), a.out)
     return 0 if verdict == "PASS" else 1
 
 

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from batching import ContinuousBatcher  # noqa: E402
+from timing import publish  # noqa: E402  (bench/ is the script's folder)
 
 from graphplan.runtime import GraphRunner, load_table  # noqa: E402
 from graphplan.runtime.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model  # noqa: E402
@@ -272,10 +273,7 @@ def run(a) -> int:
         print(f"  {name}: {r['generated']} tokens, {r['tok_s']:.0f} tokens/s", flush=True)
     lines = report(a, results, table, device)
     lines += [f"{name} FAILED: {why}" for name, why in failed.items()]
-    print("\n".join(lines))
-    if a.out:
-        Path(a.out).write_text("\n".join(lines) + "\n")
-        print(f"wrote {a.out}")
+    publish("\n".join(lines), a.out)
     return 1 if failed else 0
 
 

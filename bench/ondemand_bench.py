@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from hf_bench import (FULL_SIZE, SMOKE_SIZE, cli, prompts_for, run_graphplan, setup,  # noqa: E402
                       sync, table_for)
+from timing import publish  # noqa: E402  (bench/ is the script's folder)
 
 from graphplan.runtime import GraphRunner  # noqa: E402
 from graphplan.runtime.hf import PagedCausalLM  # noqa: E402
@@ -190,10 +191,7 @@ def run(a) -> int:
         print(f"  {mode}: {results[mode]['tok_s']:.0f} tokens/s", flush=True)
     del runners
     lines = report(a, results, table, device)
-    print("\n".join(lines))
-    if a.out:
-        Path(a.out).write_text("\n".join(lines) + "\n")
-        print(f"wrote {a.out}")
+    publish("\n".join(lines), a.out)
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
-from timing import graph_time_per_call  # noqa: E402
+from timing import graph_time_per_call, publish  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -128,11 +128,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['M']} | {r['I']} | {r['sms']} | {r['ctas'] or 'default'} | "
                      f"{mlp:.0f} | {comm:.0f} | {both:.0f} | {(mlp + comm) / both:.2f} | "
                      f"{ov:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    publish("\n".join(lines), a.out)
     return 0
 
 

@@ -26,7 +26,7 @@ from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # 
 
 from graphplan.compiler.table import DispatchTable  # noqa: E402
 from graphplan.runtime import GraphRunner  # noqa: E402
-from timing import sync, time_per_call  # noqa: E402  (bench/ is the script's folder)
+from timing import sync, time_per_call, publish  # noqa: E402  (bench/ is the script's folder)
 
 DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"     # vLLM default sizes, FULL decode
 LARGEST_TABLE = ROOT / "bench" / "tables" / "decode-512-only.json"  # the largest graph alone
@@ -176,10 +176,7 @@ def main(argv=None) -> int:
     lines += ["", "bars (H100/H200): runner <= 1.05 x bare graph at every batch; runner >= 3 x "
               "eager at batch <= 64; 51-graph capture <= 2 s and <= 1/10 of torch.compile warm-up; "
               "shared-pool memory <= 1.2 x the largest graph", f"result: {'PASS' if ok else 'FAIL'}"]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    publish("\n".join(lines), a.out)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,3 +46,11 @@ def graph_time_per_call(fn, device: torch.device, iters: int, repeats: int = 3) 
     t = time_per_call(g.replay, device, iters, repeats)
     del g
     return t
+
+
+def publish(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown result, and write it to ``out`` (its folder made) if given."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")

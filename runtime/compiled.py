@@ -130,15 +130,14 @@ class CompiledModel:
             try:  # the rewrite and the compile of its result; the unmerged graph is still right
                 merged = _copy(gm)
                 n = merge_linears(merged, example_inputs)
-                compiled = self._backend(merged, example_inputs) if n else None
+                if n:
+                    compiled = self._backend(merged, example_inputs)
+                    self.merged += n
+                    return compiled
             except Exception as e:  # noqa: BLE001
                 log.warning("merging linear layers broke this graph's compile (%s: %s); "
                             "compiling it unmerged", type(e).__name__,
                             str(e).strip().split("\n")[0][:200])
-            else:
-                if n:
-                    self.merged += n
-                    return compiled
         return self._backend(gm, example_inputs)
 
     def _backend(self, gm, example_inputs):

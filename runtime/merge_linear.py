@@ -23,6 +23,9 @@ tensors, so save a model before compiling it, or compile with ``CompiledModel(..
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 __all__ = ["merge_linears", "relay_linears"]
@@ -67,20 +70,20 @@ def _relay(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _kind(weight, bias) -> tuple:
-    """What linears must share to merge (besides their input)."""
+def _kind(weight, bias) -> tuple | None:
+    """What linears must share to merge (besides their input); None: never merged."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return (None,)
+        return None
     return weight.dtype, weight.device, weight.shape[1], bias is None
 
 
 def _mergeable(weights: list, biases: list) -> bool:
+    """For linears of one ``_kind``: two or more distinct contiguous floating weights, and
+    contiguous 1-D biases of their dtype and device (or none)."""
     w0 = weights[0]
     return (len(weights) >= 2 and len({id(w) for w in weights}) == len(weights)
-            and all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_floating_point()
-                    and w.dtype == w0.dtype and w.device == w0.device
-                    and w.shape[1] == w0.shape[1] and w.is_contiguous() for w in weights)
-            and (all(b is None for b in biases)
+            and all(w.is_floating_point() and w.is_contiguous() for w in weights)
+            and (biases[0] is None
                  or all(isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == w0.dtype
                         and b.device == w0.device and b.is_contiguous() for b in biases)))
 
@@ -103,9 +106,9 @@ def relay_linears(model: torch.nn.Module, run):
             h.remove()
     by_input: dict[tuple, list] = {}
     for module, inputs in calls.items():  # modules in call order (dicts keep insertion order)
-        if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
-            by_input.setdefault((id(inputs[0]), *_kind(module.weight, module.bias)),
-                                []).append(module)
+        kind = _kind(module.weight, module.bias)
+        if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor) and kind is not None:
+            by_input.setdefault((id(inputs[0]), kind), []).append(module)
     relaid = 0
     for modules in by_input.values():
         weights = [m.weight for m in modules]
@@ -116,11 +119,12 @@ def relay_linears(model: torch.nn.Module, run):
         if biases[0] is not None:
             changed |= _relay(biases)
         relaid += changed
-    del calls, by_input
     return out, relaid
 
 
-def _groups(gm, example: dict) -> list[list]:
+def _groups(gm, example: dict) -> list[tuple]:
+    """(linear nodes, their output widths, their weights' merged tensor, their biases' or None)
+    per mergeable group."""
     by_input: dict = {}
     for node in gm.graph.nodes:
         a = _args(node)
@@ -130,18 +134,51 @@ def _groups(gm, example: dict) -> list[list]:
         if len(w.users) != 1 or (b is not None and len(b.users) != 1):
             continue
         wt, bt = example.get(w), None if b is None else example.get(b)
-        by_input.setdefault((x, *_kind(wt, bt)), []).append((node, wt, bt))
+        kind = _kind(wt, bt)
+        if kind is not None:
+            by_input.setdefault((x, kind), []).append((node, wt, bt))
     groups = []
     for calls in by_input.values():
         weights, biases = [c[1] for c in calls], [c[2] for c in calls]
-        if (_mergeable(weights, biases) and _end_to_end(weights) is not None
-                and (biases[0] is None or _end_to_end(biases) is not None)):
-            groups.append(calls)
+        if not _mergeable(weights, biases):
+            continue
+        weight = _end_to_end(weights)
+        bias = None if biases[0] is None else _end_to_end(biases)
+        if weight is not None and (biases[0] is None or bias is not None):
+            groups.append(([c[0] for c in calls], [w.shape[0] for w in weights], weight, bias))
     return groups
 
 
 def _fake(node):
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _buffer(gm, suffix: str, tensor):
+    """A get_attr node of ``tensor``, registered on ``gm`` as a (non-persistent) buffer."""
+    name = f"_graphplan_merged_{suffix}"
+    gm.register_buffer(name, tensor, persistent=False)
+    return gm.graph.get_attr(name)
+
+
+@contextlib.contextmanager
+def _faking(mode):
+    """Compute fake values as dynamo traces: under its fake mode and the python dispatcher, so
+    composite ops (linear on 3-D inputs, CUDA's matmul) decompose with symbolic sizes instead of
+    asking them for a concrete numel."""
+    from torch._dispatch.python import enable_python_dispatcher
+    with enable_python_dispatcher(), mode:
+        yield
+
+
+_SOURCE_META = ("nn_module_stack", "source_fn_stack", "stack_trace")
+
+
+def _inherit(node, *new) -> None:
+    """Give ``new`` nodes ``node``'s source meta (where it came from in the model)."""
+    for k in _SOURCE_META:
+        if k in node.meta:
+            for n in new:
+                n.meta.setdefault(k, node.meta[k])
 
 
 def merge_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
@@ -151,28 +188,18 @@ def merge_linears(gm: torch.fx.GraphModule, example_inputs) -> int:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = dict(zip(placeholders, example_inputs))
     merged = 0
-    for group in _groups(gm, example):
-        first = group[0][0]
-        x = _args(first)[0]
-        weight = _end_to_end([w for _, w, _ in group])
-        bias = _end_to_end([b for _, _, b in group]) if group[0][2] is not None else None
-        names = []
-        for i, t in enumerate((weight, bias)):
-            if t is not None:
-                names.append(f"_graphplan_merged_{merged}_{i}")
-                gm.register_buffer(names[-1], t, persistent=False)
-        with gm.graph.inserting_before(first):
-            w_node = gm.graph.get_attr(names[0])
-            b_node = gm.graph.get_attr(names[1]) if bias is not None else None
+    for nodes, widths, weight, bias in _groups(gm, example):
+        x = _args(nodes[0])[0]
+        with gm.graph.inserting_before(nodes[0]):
+            w_node, b_node = (None if t is None else _buffer(gm, f"{merged}_{i}", t)
+                              for i, t in enumerate((weight, bias)))
             fused = gm.graph.call_function(torch._C._nn.linear, (x, w_node, b_node))
-            narrows = []
-            start = 0
-            for node, w, _ in group:
-                narrows.append(gm.graph.call_function(torch.narrow,
-                                                      (fused, -1, start, w.shape[0])))
-                start += w.shape[0]
-        _meta(x, (w_node, weight), (b_node, bias), fused, narrows, group)
-        for (node, _, _), narrow in zip(group, narrows):
+            narrows, start = [], 0
+            for width in widths:
+                narrows.append(gm.graph.call_function(torch.narrow, (fused, -1, start, width)))
+                start += width
+        _meta(x, (w_node, weight), (b_node, bias), fused, narrows, nodes)
+        for node, narrow in zip(nodes, narrows):
             node.replace_all_uses_with(narrow)
             gm.graph.erase_node(node)
         for narrow in narrows:
@@ -206,9 +233,9 @@ def _heads_first(graph, fused, narrow) -> None:
                 or viewed is None or viewed.dim() <= len(lead)):
             continue
         rest = list(viewed.shape[len(lead):])
-        if not all(isinstance(d, int) for d in rest) or _prod(rest) != width:
+        if not all(isinstance(d, int) for d in rest) or math.prod(rest) != width:
             continue
-        p = _prod(rest[1:])
+        p = math.prod(rest[1:])
         if start % p or total % p:
             continue
         shape = [-1 if i in symbolic else d for i, d in enumerate(lead)] + [total // p, *rest[1:]]
@@ -217,49 +244,32 @@ def _heads_first(graph, fused, narrow) -> None:
             part = graph.call_function(torch.narrow, (whole, len(lead), start // p, rest[0]))
         mode = getattr(viewed, "fake_mode", None)
         if mode is not None:
-            from torch._dispatch.python import enable_python_dispatcher
-            with enable_python_dispatcher(), mode:
-                whole.meta["example_value"] = _fake(fused).view(
-                    *[d for d in lead] + [total // p, *rest[1:]])
+            with _faking(mode):
+                whole.meta["example_value"] = _fake(fused).view(*lead, total // p, *rest[1:])
                 part.meta["example_value"] = torch.narrow(whole.meta["example_value"],
                                                           len(lead), start // p, rest[0])
-        for k in ("nn_module_stack", "source_fn_stack", "stack_trace"):
-            if k in user.meta:
-                whole.meta[k] = part.meta[k] = user.meta[k]
+        _inherit(user, whole, part)
         user.replace_all_uses_with(part)
         graph.erase_node(user)
     if not narrow.users:
         graph.erase_node(narrow)
 
 
-def _prod(dims) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
-
-
-def _meta(x, weight, bias, fused, narrows, group) -> None:
+def _meta(x, weight, bias, fused, narrows, nodes) -> None:
     """Fake values for the new nodes, as dynamo's own nodes carry (inductor's pre-grad passes read
-    them)."""
+    them), and the replaced nodes' source meta."""
+    for node, narrow in zip(nodes, narrows):
+        _inherit(node, narrow, fused)
     fx = _fake(x)
     mode = getattr(fx, "fake_mode", None)
     if mode is None:
         return
-    # the python dispatcher, as dynamo traces: composite ops (linear on 3-D inputs, CUDA's matmul)
-    # then decompose with symbolic sizes instead of asking them for a concrete numel
-    from torch._dispatch.python import enable_python_dispatcher
-    with enable_python_dispatcher(), mode:
-        fw = mode.from_tensor(weight[1], static_shapes=True)
-        fb = None if bias[1] is None else mode.from_tensor(bias[1], static_shapes=True)
-        ff = torch._C._nn.linear(fx, fw, fb)
-        weight[0].meta["example_value"] = fw
-        if fb is not None:
-            bias[0].meta["example_value"] = fb
+    with _faking(mode):
+        for attr, tensor in (weight, bias):
+            if tensor is not None:
+                attr.meta["example_value"] = mode.from_tensor(tensor, static_shapes=True)
+        fb = None if bias[0] is None else _fake(bias[0])
+        ff = torch._C._nn.linear(fx, _fake(weight[0]), fb)
         fused.meta["example_value"] = ff
-        for narrow, (node, _, _) in zip(narrows, group):
-            for k in ("nn_module_stack", "source_fn_stack", "stack_trace"):
-                if k in node.meta:
-                    narrow.meta[k] = node.meta[k]
-                    fused.meta.setdefault(k, node.meta[k])
+        for narrow in narrows:
             narrow.meta["example_value"] = torch.narrow(ff, -1, narrow.args[2], narrow.args[3])
