@@ -58,11 +58,12 @@ def rel_diff(out, ref) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def runner_warmup(model, table, device, backend, options, only, merge=True):
+def runner_warmup(model, table, device, backend, options, only, a):
     """Seconds from nothing to every graph captured: one compile, then the capture."""
     sync(device)
     t0 = time.perf_counter()
-    compiled = CompiledModel(model, backend, options=options, merge=merge)
+    compiled = CompiledModel(model, backend, options=options, merge=not a.no_merge,
+                             regional=not a.no_regional)
     runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False,
                          compile=compiled)
     runner.capture(only=only)
@@ -115,8 +116,7 @@ def cold_warmups(a, argv_base: list[str]) -> dict:
 def warmup_only(a, model, table, device, backend, options, only, sizes) -> int:
     """One side's warm-up, timed, as the last line of stdout (JSON): ``cold_warmups``' child."""
     if a.warmup_only == "ours":
-        runner, seconds = runner_warmup(model, table, device, backend, options, only,
-                                        not a.no_merge)
+        runner, seconds = runner_warmup(model, table, device, backend, options, only, a)
         s = runner.stats()
         rec = {**s["compile"], "seconds": seconds, "seconds_compile": s["compile"]["seconds"],
                "capture_s": s["capture"]["seconds"],
@@ -148,6 +148,9 @@ def main(argv=None) -> int:
                    help="cold warm-ups per side, each in a fresh process (median)")
     p.add_argument("--no-merge", action="store_true",
                    help="compile without merged projections (CompiledModel(merge=False))")
+    p.add_argument("--no-regional", action="store_true",
+                   help="compile the whole graph, not its repeated layers once "
+                        "(CompiledModel(regional=False))")
     p.add_argument("--warmup-only", choices=("ours", "ro"), help=argparse.SUPPRESS)
     p.add_argument("--out")
     a = p.parse_args(argv)
@@ -196,8 +199,7 @@ def main(argv=None) -> int:
     del plain
 
     # the runner over the compiled model
-    runner, warm_ours = runner_warmup(model, table, device, backend, options, only,
-                                      not a.no_merge)
+    runner, warm_ours = runner_warmup(model, table, device, backend, options, only, a)
     cap = runner.stats()["capture"]
     d_ours = {}
     for n in batches:
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
               f"in this process (context: the runner first, then {label}, which may reuse the "
               f"kernels the runner compiled): runner (compiled) {warm_ours:.1f} s (compile "
               f"{comp['seconds']:.1f} s, {comp['compiles']} compilation(s), {comp['recompiles']} "
-              f"recompiles, {comp['merged_linears']} linear groups merged; capture of {cap['graphs']} graphs {cap['seconds']:.2f} s); {label} "
+              f"recompiles, {comp['merged_linears']} linear groups merged, "
+              f"{comp['regions']} regions of which {comp['region_compiles']} compiled; capture of {cap['graphs']} graphs {cap['seconds']:.2f} s); {label} "
               f"{warm_ro:.1f} s{note}",
               "", f"bars (GPU): runner (compiled) <= 1.0 x {label} at every batch; warm-up <= 1/3 "
               f"of {label}'s; max |compiled - eager| <= {TOLERANCE} x max |eager|; zero "

@@ -2,7 +2,7 @@
 step of the runner over the compiled model launches compared with torch.compile reduce-overhead.
 
     python bench/compiled_probe.py --out-dir $OUT          # GPU; writes probe_*.txt
-    python bench/compiled_probe.py --variant regional     # one compile variant, in this process
+    python bench/compiled_probe.py --variant whole        # one compile variant, in this process
 
 Each compile variant runs in its own process with fresh inductor/Triton caches.
 """
@@ -145,21 +145,26 @@ def variant(name: str) -> list[str]:
 
     t0 = time.perf_counter()
     kw = {}
-    if name == "regional":
+    if name == "layers":  # each decoder layer compiled alone, by torch.compile
         layers = model.layers
         for i, layer in enumerate(layers):
             layers[i] = Region(layer, torch.compile(layer, backend=backend))
         with torch.no_grad():
             b = decode_batch(model, 512)
             model(**b)
-    elif name in ("full", "nomerge"):
-        kw["compile"] = CompiledModel(model, backend, merge=name == "full")
+    elif name in ("full", "nomerge", "whole"):
+        kw["compile"] = CompiledModel(model, "inductor", merge=name != "nomerge",
+                                      regional=name != "whole")
     elif name.startswith("opt:"):  # opt:k=v;k=v (inductor config patches)
         kw["compile"] = CompiledModel(model, "inductor", options=parse_options(name[4:]))
     compile_s = time.perf_counter() - t0
     runner = GraphRunner(model, table, static_inputs(model), device=DEV, progress=False, **kw)
     runner.capture(only=only)
     total = time.perf_counter() - t0
+    compiled = kw.get("compile")
+    if compiled is not None:  # inductor calls: one per region compiled, else one per graph
+        count[0] = compiled.region_compiles or compiled.compiles
+        compile_s = compiled.seconds
     steps = []
     for n in (1, 32, 128):
         b = decode_batch(model, n)
@@ -187,8 +192,10 @@ def main() -> int:
     p.add_argument("--out-dir", default=".")
     p.add_argument("--variants", default="full,opt:triton.autotune_pointwise=False,full,"
                                          "opt:triton.autotune_pointwise=False",
-                   help="comma-separated: full, nomerge (full without merged projections), "
-                        "regional, opt:k=v;k=v (inductor config patches)")
+                   help="comma-separated: full (CompiledModel's defaults), nomerge (without "
+                        "merged projections), whole (the whole graph compiled, not its "
+                        "repeated layers once), layers (each decoder layer compiled alone by "
+                        "torch.compile), opt:k=v;k=v (inductor config patches)")
     p.add_argument("--no-steps", action="store_true")
     a = p.parse_args()
     if a.variant:

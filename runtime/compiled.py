@@ -29,6 +29,11 @@ eager run relays their weights end to end in place, and each graph dynamo hands 
 rewritten to one linear + narrows (runtime/merge_linear.py; ``merge=False`` turns it off). If the
 merged graph fails to compile, the unmerged one is compiled instead (logged).
 
+A model's repeated layers are compiled once (runtime/regions.py; ``regional=False`` turns it
+off): the graph dynamo traced is cut after each layer's attention and MLP GEMMs, and the backend
+compiles the head, one attention half, one MLP half and the tail; the other layers run that code.
+If a region fails to compile, the whole graph is compiled instead (logged).
+
 Every compilation goes through a counting backend: ``compiles`` counts them all, ``recompiles``
 those after the warm-up, each logged as a warning (``TORCH_LOGS=recompiles`` names the guard that
 failed). A model that branches on the token count (``if x.shape[0] == 1``) still compiles again
@@ -55,6 +60,7 @@ import torch
 from graphplan.compiler.errors import GraphplanError
 from graphplan.runtime.buffers import as_tuple
 from graphplan.runtime.merge_linear import merge_linears, relay_linears
+from graphplan.runtime.regions import compile_regions
 
 __all__ = ["CompiledModel", "ModelCompileError", "compiled_model"]
 
@@ -80,29 +86,45 @@ def _lookup(backend: str):
     return torch._dynamo.lookup_backend(backend)
 
 
+INDUCTOR_DEFAULTS = {"triton.autotune_pointwise": False}
+"""Inductor config patches the compiled path applies unless ``options`` sets them: one launch
+configuration per pointwise kernel instead of several tried at the first run. Each
+configuration is compiled, and a compile of regions waits for its kernels once per region; on
+the H100 the step times did not move (bench/results/compiled_probe.md)."""
+
+
 class CompiledModel:
     """``model`` compiled once for every token count; call it like the model (keyword tensors).
 
     ``backend``: a torch.compile backend name ("inductor", "aot_eager", "eager") or a backend
     callable ``(GraphModule, example_inputs) -> callable``. ``options``: inductor config patches
-    (e.g. ``{"cpp.vec_isa_ok": False}``), for the "inductor" backend only. ``merge``: merge
+    (e.g. ``{"cpp.vec_isa_ok": False}``), for the "inductor" backend only, over
+    ``INDUCTOR_DEFAULTS``. ``merge``: merge
     linear layers that read the same input into one GEMM (runtime/merge_linear.py; it lays their
-    weights out end to end, in place). Share one instance between runners of the same model (a
-    server swapping tables) to compile once.
+    weights out end to end, in place). ``regional``: compile a model's repeated layers once
+    (runtime/regions.py): the backend sees a head, one layer and a tail instead of every layer.
+    Share one instance between runners of the same model (a server swapping tables) to compile
+    once.
     """
 
     def __init__(self, model, backend="inductor", *, options: dict | None = None,
-                 fullgraph: bool = False, merge: bool = True):
+                 fullgraph: bool = False, merge: bool = True, regional: bool = True):
         if options and backend != "inductor":
             raise ValueError(f"options are inductor config patches; backend is {backend!r}")
         self.model = model
         self.backend = backend if isinstance(backend, str) else getattr(
             backend, "__name__", type(backend).__name__)
         self._inner = _lookup(backend) if isinstance(backend, str) else backend
-        self._options = dict(options or {})
+        self._options = {**(INDUCTOR_DEFAULTS if backend == "inductor" else {}), **(options or {})}
         self._merge = merge
+        self._regional = regional
         self.merged = 0
         """Groups of linear layers merged into one GEMM, over all compilations."""
+        self.regions = 0
+        """Regions the compiled graphs were split into (0: compiled whole), over all
+        compilations."""
+        self.region_compiles = 0
+        """Of those regions, how many the backend compiled (the others reuse an identical one)."""
         self.compiles = 0
         """Compilations (backend calls; a graph break makes two per compile)."""
         self.recompiles = 0
@@ -131,13 +153,27 @@ class CompiledModel:
                 merged = _copy(gm)
                 n = merge_linears(merged, example_inputs)
                 if n:
-                    compiled = self._backend(merged, example_inputs)
+                    compiled = self._build(merged, example_inputs)
                     self.merged += n
                     return compiled
             except Exception as e:  # noqa: BLE001
-                log.warning("merging linear layers broke this graph's compile (%s: %s); "
-                            "compiling it unmerged", type(e).__name__,
-                            str(e).strip().split("\n")[0][:200])
+                log.warning("merging linear layers broke this graph's compile (%s); compiling it "
+                            "unmerged", _first_line(e))
+        return self._build(gm, example_inputs)
+
+    def _build(self, gm, example_inputs):
+        """``gm`` compiled region by region when it has repeated layers, else whole."""
+        if self._regional:
+            try:  # a failed region leaves the whole graph to compile, which is still right
+                regions = compile_regions(_copy(gm), self._backend)
+            except Exception as e:  # noqa: BLE001
+                log.warning("compiling this graph region by region failed (%s); compiling it "
+                            "whole", _first_line(e))
+                regions = None
+            if regions is not None:
+                self.regions += regions.regions
+                self.region_compiles += regions.compiled
+                return regions.module
         return self._backend(gm, example_inputs)
 
     def _backend(self, gm, example_inputs):
@@ -161,6 +197,8 @@ class CompiledModel:
         if self.warm:
             return None
         t0 = time.perf_counter()
+        if self.backend == "inductor":
+            _start_compile_workers()  # they start while the eager run and dynamo trace
         with torch.no_grad():  # eager: the outputs' dtypes, trailing shapes and rows
             if self._merge and isinstance(self.model, torch.nn.Module):
                 out, _ = relay_linears(self.model, lambda: self.model(**inputs))
@@ -242,7 +280,27 @@ class CompiledModel:
     def stats(self) -> dict:
         return {"backend": self.backend, "compiles": self.compiles,
                 "recompiles": self.recompiles, "seconds": self.seconds,
-                "merged_linears": self.merged}
+                "merged_linears": self.merged, "regions": self.regions,
+                "region_compiles": self.region_compiles}
+
+
+def _start_compile_workers() -> None:
+    """Start inductor's pool of processes that compile Triton kernels now, not when dynamo hands
+    inductor its graph: until the pool is up (several seconds: each worker imports torch),
+    inductor compiles kernels in this process, one by one. Not waited for: waiting cost more
+    than compiling the first regions' kernels here (H100: 5 s). torch has no public API for the
+    pool (``torch._inductor.async_compile``, torch 2.4-2.13); without it, nothing changes."""
+    try:
+        from torch.utils._triton import has_triton
+        if has_triton():  # a GPU Triton compiles for
+            from torch._inductor.async_compile import maybe_warm_pool
+            maybe_warm_pool()
+    except Exception as e:  # noqa: BLE001 (another torch)
+        log.debug("inductor's compile workers: %s", _first_line(e))
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().split(chr(10))[0][:200]}"
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

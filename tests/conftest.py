@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each CompiledModel adds a cache entry to its model's forward, and dynamo stops compiling a
+    function after recompile_limit (8) entries: a test that compiles starts from none."""
+    import torch
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

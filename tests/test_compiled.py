@@ -16,19 +16,13 @@ from graphplan.compiler import compile_plan
 from graphplan.runtime import GraphRunner, render_prometheus
 from graphplan.runtime.compiled import CompiledModel, ModelCompileError
 
-CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96,
                       max_model_len=32, num_cache_rows=16)
 TINY = TinyLlamaConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64,
                        max_model_len=16, num_cache_rows=16)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Every CompiledModel adds a cache entry to TinyLlama.forward; dynamo stops compiling a
-    function after recompile_limit (8) entries, so each test starts from none."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def plan(mode="FULL", sizes=(1, 2, 4, 8, 16)):
@@ -73,7 +67,10 @@ def test_one_compile_serves_every_capture_size_including_one_and_eager_steps_run
     assert summary["graphs"] == 8
     assert runner.stats()["compile"] == {"backend": "aot_eager", "compiles": 1, "recompiles": 0,
                                          "seconds": runner.stats()["compile"]["seconds"],
-                                         "merged_linears": 2 * CFG.layers}  # q/k/v, gate/up
+                                         "merged_linears": 2 * CFG.layers,  # q/k/v, gate/up
+                                         # head, an MLP half and an attention half per layer
+                                         # after the first, tail; 4 distinct (regions.py)
+                                         "regions": 2 * CFG.layers + 1, "region_compiles": 4}
     prompts = [[5, 6, 7], [9], [3, 3, 3, 3, 3], [100, 1, 2, 7]]
     with_graphs = reference_generate(model, prompts, 5, step=lambda b, r, q: runner.step(b, r, q))
     assert with_graphs == reference_generate(TinyLlama(CFG, seed=0), prompts, 5)
@@ -174,7 +171,8 @@ def test_server_compile_flag_serves_greedy_tokens_and_compiles_once_across_a_rel
         assert generate([9], 3) == reference_generate(reference, [[9]], 3)[0]
         assert server.engine.runner.stats()["compile"] == {
             "backend": "eager", "compiles": 1, "recompiles": 0,
-            "seconds": server.engine.compiled.seconds, "merged_linears": 4}
+            "seconds": server.engine.compiled.seconds, "merged_linears": 4,
+            "regions": 0, "region_compiles": 0}  # 2 layers: nothing repeats enough to split
     finally:
         server.stop()
 
@@ -198,7 +196,7 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
         run_schedule, small_config, tokens
 
     from graphplan.runtime.hf import PagedCausalLM
-    model = PagedCausalLM.load(small_config("llama"), max_num_seqs=4, max_model_len=32,
+    model = PagedCausalLM.load(small_config("llama", layers=3), max_num_seqs=4, max_model_len=32,
                                block_size=4, seed=0)
     runner = GraphRunner(model, compile_plan(hf_plan()), model.static_inputs(), progress=False,
                          compile="eager")
@@ -211,6 +209,9 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
     s = runner.stats()
     assert s["replays_by_mode"]["FULL"] == 6 and sum(s["eager_steps"].values()) == 2
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
+    # the layers' two cache views reach each region as one input (regions.py), so the 3 layers
+    # share compiled attention and MLP halves
+    assert (s["compile"]["regions"], s["compile"]["region_compiles"]) == (7, 4)
 
 
 def test_hf_adapter_under_inductor_never_recompiles_after_its_warm_up():
@@ -223,14 +224,16 @@ def test_hf_adapter_under_inductor_never_recompiles_after_its_warm_up():
 
     from graphplan.runtime.hf import PagedCausalLM
     table = compile_plan(hf_plan())
-    model = PagedCausalLM.load(small_config("llama"), max_num_seqs=table.max_num_seqs,
+    model = PagedCausalLM.load(small_config("llama", layers=3), max_num_seqs=table.max_num_seqs,
                                max_model_len=32, block_size=4, seed=0)
     compiled = CompiledModel(model, "inductor", options={"cpp.vec_isa_ok": False})
     runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=compiled)
     runner.capture()
     assert compiled.recompiles == 0 and compiled.compiles in (1, 2)
-    # q/k/v and gate/up of both layers, one GEMM each, in every compile
-    assert compiled.merged == 2 * 2 * compiled.compiles
+    # q/k/v and gate/up of the 3 layers, one GEMM each, in every compile; 7 regions, 4 distinct
+    assert compiled.merged == 2 * 3 * compiled.compiles
+    assert (compiled.regions, compiled.region_compiles) == (7 * compiled.compiles,
+                                                            4 * compiled.compiles)
     warm = compiled.compiles
     seqs = [tokens(n, seed=10 + i) for i, n in enumerate(LENS)]
     got = run_schedule(model, runner, seqs, STEPS)  # decodes at 1..4 requests: FULL graphs

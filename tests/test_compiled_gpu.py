@@ -10,7 +10,7 @@ from graphplan.runtime import GraphRunner
 
 pytestmark = pytest.mark.gpu
 
-CFG = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=2, heads=4, kv_heads=1,
+CFG = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=4, heads=4, kv_heads=1,
                       intermediate=768, max_model_len=64, num_cache_rows=64)
 PLAN = {"version": 1, "name": "gpu-compiled",
         "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
@@ -50,6 +50,8 @@ def test_inductor_graphs_match_eager_in_bf16_at_every_size_with_zero_recompiles(
     assert s["eager_steps"] == {} and s["compile"]["backend"] == "inductor"
     assert (s["compile"]["compiles"], s["compile"]["recompiles"]) == (1, 0)
     assert s["compile"]["merged_linears"] == 2 * CFG.layers  # q/k/v, gate/up: one GEMM each
+    # head, tail, an attention and an MLP half per layer; 4 distinct ones compiled
+    assert (s["compile"]["regions"], s["compile"]["region_compiles"]) == (2 * CFG.layers + 1, 4)
     runner.release()
     torch._dynamo.reset()
 
@@ -85,7 +87,9 @@ def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error()
     # the warm-up compiles at the largest size and, where torch's lowering specialises one token,
     # at the smallest too (GraphRunner's compile warm-up); never after it
     assert s["compile"]["compiles"] in (1, 2) and s["compile"]["recompiles"] == 0
-    # q/k/v and gate/up of the 4 layers, one GEMM each, in every compile
-    assert s["compile"]["merged_linears"] == 2 * 4 * s["compile"]["compiles"]
+    # q/k/v and gate/up of the 4 layers, one GEMM each, in every compile; 9 regions, 4 distinct
+    n = s["compile"]["compiles"]
+    assert s["compile"]["merged_linears"] == 2 * 4 * n
+    assert (s["compile"]["regions"], s["compile"]["region_compiles"]) == (9 * n, 4 * n)
     runner.release()
     torch._dynamo.reset()

@@ -1,32 +1,17 @@
 """Merged projections (runtime/merge_linear.py): the compiled path runs q/k/v and gate/up as one
 GEMM each, on weights relaid end to end in place, with outputs equal to the model's own."""
 
+import pytest
 import torch
-from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch
+from compiling import Recording, batch
+from tiny_llama import TinyLlama, TinyLlamaConfig
 
 from graphplan.runtime import CompiledModel
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                       max_model_len=48, num_cache_rows=8)
-
-
-def batch(model, n):
-    return make_batch(model, [(row % 8, 3 + row, [1 + 5 * row]) for row in range(n)])
-
-
-class Recording:
-    """A backend that keeps the graphs it is given (after the merge) and runs them eagerly."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def linears(self) -> int:
-        return sum(n.op == "call_function" and n.target is torch._C._nn.linear
-                   for gm in self.graphs for n in gm.graph.nodes)
 
 
 def test_tiny_llama_runs_qkv_and_gate_up_as_one_gemm_each_with_the_same_logits():
