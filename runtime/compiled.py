@@ -165,7 +165,7 @@ class CompiledModel:
         """``gm`` compiled region by region when it has repeated layers, else whole."""
         if self._regional:
             try:  # a failed region leaves the whole graph to compile, which is still right
-                regions = compile_regions(_copy(gm), self._backend)
+                regions = compile_regions(gm, self._backend)
             except Exception as e:  # noqa: BLE001
                 log.warning("compiling this graph region by region failed (%s); compiling it "
                             "whole", _first_line(e))

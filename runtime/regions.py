@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import operator
 import re
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -100,12 +101,10 @@ def _outside(node, outside: set) -> bool:
     v = _value(node)
     if isinstance(v, torch.Tensor):
         view = node.target in (_VIEWS if node.op == "call_function" else _VIEW_METHODS)
-        source = node.args[0] if node.args else None
+        source = _value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
         return (node.op in ("call_function", "call_method") and view
-                and isinstance(source, fx.Node) and source.op in ("placeholder", "get_attr")
                 and all(n.op in ("placeholder", "get_attr") for n in node.all_input_nodes)
-                and isinstance(_value(source), torch.Tensor)
-                and _memory(v) == _memory(_value(source)))
+                and isinstance(source, torch.Tensor) and _memory(v) == _memory(source))
     if not isinstance(v, (torch.SymInt, int, torch.SymFloat, float, torch.SymBool, bool)):
         return False
     if node.op == "call_method":
@@ -199,17 +198,19 @@ class _Region(torch.nn.Module):
         return self.fn(*args)
 
 
-class Regions:
+class Regions(NamedTuple):
     """The result of ``compile_regions``: ``module`` runs the graph; ``regions`` counts the
     regions, ``compiled`` how many were compiled (the others reuse one of those)."""
 
-    def __init__(self, module, regions: int, compiled: int):
-        self.module, self.regions, self.compiled = module, regions, compiled
+    module: fx.GraphModule
+    regions: int
+    compiled: int
 
 
-def _extract(gm, nodes: list, members: set) -> tuple[fx.GraphModule, list, list]:
+def _extract(gm, nodes: list) -> tuple[fx.GraphModule, list, list]:
     """One region as its own graph: (graph module, the outer nodes it reads, the nodes it gives
     back, both in order of first use)."""
+    members = set(nodes)
     inputs: list = []
     seen: set = set()
     for n in nodes:
@@ -230,23 +231,23 @@ def _extract(gm, nodes: list, members: set) -> tuple[fx.GraphModule, list, list]
 
 
 def compile_regions(gm: fx.GraphModule, compile, min_layers: int = 3) -> Regions | None:
-    """``gm`` (a graph dynamo traced) compiled region by region with ``compile(graph module,
-    example inputs)``, identical regions once; None when ``split`` finds no repeated layers."""
+    """``gm`` (a graph dynamo traced; left as it is) compiled region by region with
+    ``compile(graph module, example inputs)``, identical regions once; None when ``split`` finds
+    no repeated layers."""
     found = split(gm, min_layers)
     if found is None:
         return None
     outside, regions = found
     done: dict = {}
+    attrs = {n.target: operator.attrgetter(n.target)(gm) for n in outside if n.op == "get_attr"}
     calls = {}  # a region's last node -> (its module name, inputs, outputs)
     for r, nodes in enumerate(regions):
-        members = set(nodes)
-        sub, inputs, outputs = _extract(gm, nodes, members)
+        sub, inputs, outputs = _extract(gm, nodes)
         key = _key(nodes, inputs, outputs)
         if key not in done:
             done[key] = _Region(compile(sub, [_value(a) for a in inputs]))
-        name = f"_graphplan_region_{r}"
-        gm.add_submodule(name, done[key])
-        calls[nodes[-1]] = (name, inputs, outputs)
+        attrs[f"_graphplan_region_{r}"] = done[key]
+        calls[nodes[-1]] = (f"_graphplan_region_{r}", inputs, outputs)
     graph = fx.Graph()
     env = {}
     for node in gm.graph.nodes:
@@ -257,4 +258,4 @@ def compile_regions(gm: fx.GraphModule, compile, min_layers: int = 3) -> Regions
             call = graph.call_module(name, tuple(env[a] for a in inputs))
             for j, o in enumerate(outputs):
                 env[o] = graph.call_function(operator.getitem, (call, j))
-    return Regions(fx.GraphModule(gm, graph), len(regions), len(done))
+    return Regions(fx.GraphModule(attrs, graph), len(regions), len(done))

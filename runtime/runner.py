@@ -94,6 +94,7 @@ class GraphRunner:
             device = _model_device(model)
         self.compiled = compiled_model(model, compile)  # None unless compile is on
         self.model, self.table = model if self.compiled is None else self.compiled, table
+        self.eager_model = model  # what eager steps run: the model as written, compile or not
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
         self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
@@ -138,7 +139,7 @@ class GraphRunner:
                          progress=self.progress, splitting_ops=self.splitting_ops,
                          ubatch_body=self.ubatch_body, warmup_each=self.warmup_each,
                          measure_each=measure_each,
-                         piecewise_model=None if self.compiled is None else self.compiled.model)
+                         piecewise_model=self.eager_model)
         modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
         if self.on_demand and only is None:
             only = start_graph_ids(self.table)
@@ -192,9 +193,8 @@ class GraphRunner:
                 self._stats.eager(route, gid)
             else:
                 self._stats.eager_because(reason)
-            model = self.model if self.compiled is None else self.compiled.model  # compile: graphs
             with torch.no_grad():
-                return model(**inputs)
+                return self.eager_model(**inputs)
         reqs = num_reqs or 0
         if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)

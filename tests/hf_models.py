@@ -63,6 +63,20 @@ def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
     return ref(input_ids=ids, use_cache=False).logits[0].float()
 
 
+def bf16_errors(model, got: list, seqs: list) -> list[tuple[float, float, float, float]]:
+    """Per request, against transformers' float32 forward of the same bf16-rounded weights:
+    (graphplan's max |logit error|, transformers' own bf16 error, the bound: twice that or 2% of
+    the largest logit, the largest logit)."""
+    ref16, ref32 = reference_model(model), reference_model(model).float()
+    out = []
+    for logits, seq in zip(got, seqs):
+        truth = reference_logits(ref32, seq)
+        top = truth.abs().max().item()
+        err_hf = (reference_logits(ref16, seq) - truth).abs().max().item()
+        out.append(((logits - truth).abs().max().item(), err_hf, max(2 * err_hf, 0.02 * top), top))
+    return out
+
+
 def plan(max_num_seqs: int = 4, max_tokens: int = 32, sizes=(1, 2, 4)) -> dict:
     """FULL graphs for uniform decode, mixed batches eager (PIECEWISE comes later)."""
     return {"version": 1, "name": "hf-test",

@@ -60,8 +60,7 @@ def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error()
     """The HF adapter (tests/test_hf_gpu.py's bound: twice transformers' own bf16 error against
     its float32 forward, or 2% of the largest logit), decodes replaying compiled FULL graphs."""
     pytest.importorskip("transformers")
-    from hf_models import LENS, STEPS, plan, reference_logits, reference_model, run_schedule, \
-        small_config, tokens
+    from hf_models import LENS, STEPS, bf16_errors, plan, run_schedule, small_config, tokens
 
     from graphplan.runtime.hf import PagedCausalLM
     torch._dynamo.reset()
@@ -74,12 +73,7 @@ def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error()
     runner.capture()
     seqs = [tokens(n, seed=10 + i, vocab=vocab) for i, n in enumerate(LENS)]
     got = run_schedule(model, runner, seqs, STEPS)
-    ref16, ref32 = reference_model(model), reference_model(model).float()
-    for i, seq in enumerate(seqs):
-        truth = reference_logits(ref32, seq)
-        err = (got[i] - truth).abs().max().item()
-        err_hf = (reference_logits(ref16, seq) - truth).abs().max().item()
-        bound = max(2 * err_hf, 0.02 * truth.abs().max().item())
+    for i, (err, err_hf, bound, _) in enumerate(bf16_errors(model, got, seqs)):
         print(f"request {i}: compiled {err:.4f}, transformers bf16 {err_hf:.4f}, bound {bound:.4f}")
         assert err <= bound, f"request {i}"
     s = runner.stats()

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import (FAMILIES, mixed_plan, mixed_schedule, reference_logits,  # noqa: E402
-                       reference_model, run_schedule, small_config, tokens)
+from hf_models import (FAMILIES, bf16_errors, mixed_plan, mixed_schedule,  # noqa: E402
+                       run_schedule, small_config, tokens)
 
 from graphplan.compiler import compile_plan  # noqa: E402
 from graphplan.runtime import GraphRunner  # noqa: E402
@@ -54,13 +54,7 @@ def test_bf16_mixed_batches_replay_piece_graphs_within_the_models_own_bf16_error
     assert stats["replays_by_mode"]["PIECEWISE"] == len(steps) - sum(uniform)
     assert stats["replays_by_mode"]["FULL"] == sum(uniform)
     assert sum(stats["eager_steps"].values()) == 0
-    ref16 = reference_model(model)
-    ref32 = reference_model(model).float()
-    for i, seq in enumerate(seqs):
-        truth = reference_logits(ref32, seq)
-        err_gp = (got[i] - truth).abs().max().item()
-        err_hf = (reference_logits(ref16, seq) - truth).abs().max().item()
-        bound = max(2 * err_hf, 0.02 * truth.abs().max().item())
+    for i, (err_gp, err_hf, bound, _) in enumerate(bf16_errors(model, got, seqs)):
         record(f"- {family} request {i} ({len(steps)} steps, {len(steps) - sum(uniform)} "
                f"PIECEWISE): bf16 max |logit error| graphplan {err_gp:.4f}, transformers "
                f"{err_hf:.4f} (bound {bound:.4f})")
