@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
+from graphplan.compiler.table import DispatchTable
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs
+from graphplan.runtime import GraphRunner
 
-from graphplan.compiler.table import DispatchTable  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
-from timing import sync  # noqa: E402  (bench/ is the script's folder)
+from timing import sync
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"
 BAR = 1.5
@@ -38,8 +38,10 @@ def hand_loop(model, sizes: list[int], device) -> tuple[float, list]:
     sync(device)
     t0 = time.perf_counter()
     top = max(sizes)
-    inputs = {s.name: torch.full((s.rows(top, top), *s.trailing), s.fill, dtype=s.dtype,
-                                 device=device) for s in static_inputs(model)}
+    inputs = {
+        s.name: torch.full((s.rows(top, top), *s.trailing), s.fill, dtype=s.dtype, device=device)
+        for s in static_inputs(model)
+    }
     specs = {s.name: s for s in static_inputs(model)}
     graphs = []
     with torch.no_grad():
@@ -81,11 +83,27 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    cfg = TinyLlamaConfig(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=4,
-                          intermediate=2816, max_model_len=256, num_cache_rows=512)
+    cfg = TinyLlamaConfig(
+        vocab_size=32000,
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=4,
+        intermediate=2816,
+        max_model_len=256,
+        num_cache_rows=512,
+    )
     if a.quick:
-        cfg = TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2,
-                              intermediate=128, max_model_len=64, num_cache_rows=512)
+        cfg = TinyLlamaConfig(
+            vocab_size=256,
+            hidden=64,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            intermediate=128,
+            max_model_len=64,
+            num_cache_rows=512,
+        )
         a.repeats = 2
     model = TinyLlama(cfg, seed=0, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     table = DispatchTable.load(DECODE_TABLE)
@@ -111,15 +129,20 @@ def main(argv=None) -> int:
         f"{len(sizes)} FULL decode graphs (vLLM default sizes)",
         f"command: python bench/capture_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}",
         "",
-        "| capture | median s | runs |", "|---|---:|---|",
+        "| capture | median s | runs |",
+        "|---|---:|---|",
         f"| hand-written loop (1 warm-up, torch.cuda.graph into one pool) | {lo:.3f} | "
         f"{', '.join(f'{x:.3f}' for x in loop_s)} |",
         f"| GraphRunner.capture() | {ru:.3f} | {', '.join(f'{x:.3f}' for x in runner_s)} |",
         "",
         f"runner / hand loop: **{ratio:.2f}x** (bar <= {BAR}x): {'PASS' if ratio <= BAR else 'FAIL'}",
         f"runner's reported graph memory: {mib:.1f} MiB"
-        + (f"; estimate from the two largest graphs {est / 2**20:.1f} MiB "
-           f"({summary['estimate_error']:+.1%})" if est else ""),
+        + (
+            f"; estimate from the two largest graphs {est / 2**20:.1f} MiB "
+            f"({summary['estimate_error']:+.1%})"
+            if est
+            else ""
+        ),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

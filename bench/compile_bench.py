@@ -31,12 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from machine import machine  # noqa: E402
-sys.path.insert(0, str(ROOT))
+from graphplan.compiler import compile_plan
 
-from graphplan.compiler import compile_plan  # noqa: E402
+from machine import machine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PLANS = [ROOT / "plans" / "large-65k-lora8-dp8.yaml", ROOT / "plans" / "llama3-8b-h100.yaml"]
 COMPILE_BAR_MS, CLI_BAR_S, ROUTE_BAR_NS = 50.0, 0.5, 1000.0
@@ -64,8 +63,13 @@ def compile_warm(plan: Path, n: int = 30) -> float:
 def compile_cold(plan: Path, n: int = 7) -> float:
     times = []
     for _ in range(n):
-        out = subprocess.run([sys.executable, "-c", _COLD, str(plan)], cwd=ROOT, check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _COLD, str(plan)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         times.append(json.loads(out.stdout))
     return statistics.median(times)
 
@@ -82,8 +86,13 @@ def cli_wall(cmd: list[str], plan: Path, n: int = 10) -> float:
         out = Path(tmp) / "table.json"
         for _ in range(n + 1):
             t0 = time.perf_counter()
-            subprocess.run([*cmd, "compile", str(plan), "-o", str(out)], cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [*cmd, "compile", str(plan), "-o", str(out)],
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])  # the first run warms the page cache
 
@@ -108,29 +117,43 @@ def batch_mix(t, n: int = 20000, seed: int = 0) -> list[tuple]:
         kw = None
         if dp:  # what the other ranks agreed on: a weaker or equal mode, a larger size
             agreed = min(top, tokens + rnd.choice([0, 0, 8, 64]))
-            kw = {"allow": rnd.choice(["FULL", "FULL", "PIECEWISE", "NONE"]), "pad_to": agreed,
-                  "ubatched": rnd.random() < 0.3}
+            kw = {
+                "allow": rnd.choice(["FULL", "FULL", "PIECEWISE", "NONE"]),
+                "pad_to": agreed,
+                "ubatched": rnd.random() < 0.3,
+            }
         out.append((tokens, reqs, mql, loras, kw))
     return out
 
 
-def _noop(num_tokens, num_reqs=None, max_query_len=None, num_active_loras=0, *, allow=None,
-          pad_to=None, ubatched=False):
+def _noop(
+    num_tokens,
+    num_reqs=None,
+    max_query_len=None,
+    num_active_loras=0,
+    *,
+    allow=None,
+    pad_to=None,
+    ubatched=False,
+):
     return None
 
 
 def time_loop(fn, batches, repeats: int = 15) -> tuple[float, float]:
     """(median, best) ns per call of fn over the batches (a DP step is two calls)."""
     plain = [(a, b, c, d) for a, b, c, d, kw in batches if kw is None]
-    dp = [(a, b, c, d, kw["allow"], kw["pad_to"], kw["ubatched"])
-          for a, b, c, d, kw in batches if kw is not None]
+    dp = [
+        (a, b, c, d, kw["allow"], kw["pad_to"], kw["ubatched"])
+        for a, b, c, d, kw in batches
+        if kw is not None
+    ]
     calls = len(plain) + 2 * len(dp)
     per = []
     for _ in range(repeats):
         t0 = time.perf_counter_ns()
         for a, b, c, d in plain:
             fn(a, b, c, d)
-        for a, b, c, d, mode, agreed, ub in dp:  # as runtime/dp_runner.py calls it
+        for a, b, c, d, mode, agreed, ub in dp:  # as runtime/dp/runner.py calls it
             fn(a, b, c, d)
             fn(a, b, c, d, allow=mode, pad_to=agreed, ubatched=ub)
         per.append((time.perf_counter_ns() - t0) / calls)
@@ -147,8 +170,16 @@ def main(argv=None) -> int:
     def row(metric, plan, value, bar, passed, note=""):
         nonlocal ok
         ok &= passed if passed is not None else True
-        rows.append((metric, plan, value, bar, "-" if passed is None else
-                     ("PASS" if passed else "FAIL"), note))
+        rows.append(
+            (
+                metric,
+                plan,
+                value,
+                bar,
+                "-" if passed is None else ("PASS" if passed else "FAIL"),
+                note,
+            )
+        )
 
     for plan in PLANS:
         name = plan.name
@@ -164,36 +195,77 @@ def main(argv=None) -> int:
         route_ns, route_best = time_loop(t.route, batches)
         base_ns, _ = time_loop(_noop, batches)
         cold = compile_cold(plan) * 1e3
-        row("compile, in-process, cold", name, f"{cold:.1f} ms", f"<= {COMPILE_BAR_MS:.0f} ms",
-            cold <= COMPILE_BAR_MS, note)
-        row("compile, in-process, warm", name, f"{warm:.1f} ms", f"<= {COMPILE_BAR_MS:.0f} ms",
-            warm <= COMPILE_BAR_MS, note)
+        row(
+            "compile, in-process, cold",
+            name,
+            f"{cold:.1f} ms",
+            f"<= {COMPILE_BAR_MS:.0f} ms",
+            cold <= COMPILE_BAR_MS,
+            note,
+        )
+        row(
+            "compile, in-process, warm",
+            name,
+            f"{warm:.1f} ms",
+            f"<= {COMPILE_BAR_MS:.0f} ms",
+            warm <= COMPILE_BAR_MS,
+            note,
+        )
         if script:
             wall = cli_wall(script, plan)
-            row("`plan compile -o`, wall clock", name, f"{wall:.3f} s", f"<= {CLI_BAR_S} s",
-                wall <= CLI_BAR_S, "console script")
+            row(
+                "`plan compile -o`, wall clock",
+                name,
+                f"{wall:.3f} s",
+                f"<= {CLI_BAR_S} s",
+                wall <= CLI_BAR_S,
+                "console script",
+            )
         wall = cli_wall([sys.executable, "-m", "graphplan.compiler.cli"], plan)
-        row("`python -m graphplan.compiler.cli compile -o`", name, f"{wall:.3f} s", f"<= {CLI_BAR_S} s",
-            wall <= CLI_BAR_S if not script else None, "" if not script else "no bar: beside it")
+        row(
+            "`python -m graphplan.compiler.cli compile -o`",
+            name,
+            f"{wall:.3f} s",
+            f"<= {CLI_BAR_S} s",
+            wall <= CLI_BAR_S if not script else None,
+            "" if not script else "no bar: beside it",
+        )
         kinds = "route + DP re-dispatch per step" if batches[0][4] else "route per step"
-        row("route(), per call", name, f"{route_ns:.0f} ns", f"<= {ROUTE_BAR_NS:.0f} ns",
-            route_ns <= ROUTE_BAR_NS, f"{kinds}; best loop {route_best:.0f} ns; "
-                                      f"{route_ns / base_ns:.1f}x a no-op call ({base_ns:.0f} ns)")
+        row(
+            "route(), per call",
+            name,
+            f"{route_ns:.0f} ns",
+            f"<= {ROUTE_BAR_NS:.0f} ns",
+            route_ns <= ROUTE_BAR_NS,
+            f"{kinds}; best loop {route_best:.0f} ns; "
+            f"{route_ns / base_ns:.1f}x a no-op call ({base_ns:.0f} ns)",
+        )
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     header = ("| metric | plan | value | bar | result | notes |", "|---|---|---:|---|---|---|")
-    lines = [*header, *(f"| {' | '.join(r)} |" for r in rows), "",
-             f"overall: {'PASS' if ok else 'FAIL'}  (1-minute load average {load:.2f}; timings "
-             "on a busy machine run slow)"]
+    lines = [
+        *header,
+        *(f"| {' | '.join(r)} |" for r in rows),
+        "",
+        f"overall: {'PASS' if ok else 'FAIL'}  (1-minute load average {load:.2f}; timings "
+        "on a busy machine run slow)",
+    ]
     print("\n".join(lines))
     if args.record:
         cmd = "python bench/compile_bench.py" + (f" --record {args.record}" if args.record else "")
-        text = ["# compiler benchmark", "",
-                f"- date: {datetime.date.today().isoformat()}",
-                f"- machine: {machine(load=False)} (a CPU benchmark: the compiler never touches a GPU)",
-                f"- 1-minute load average when the run ended: {load:.2f}",
-                f"- command: `{cmd}` (from the repository root)", "",
-                *(line for line in __doc__.split("\n\n", 2)[2].splitlines()), "", *lines, ""]
+        text = [
+            "# compiler benchmark",
+            "",
+            f"- date: {datetime.date.today().isoformat()}",
+            f"- machine: {machine(load=False)} (a CPU benchmark: the compiler never touches a GPU)",
+            f"- 1-minute load average when the run ended: {load:.2f}",
+            f"- command: `{cmd}` (from the repository root)",
+            "",
+            *(line for line in __doc__.split("\n\n", 2)[2].splitlines()),
+            "",
+            *lines,
+            "",
+        ]
         Path(args.record).write_text("\n".join(text))
     return 0 if ok else 1
 

@@ -23,32 +23,28 @@ runner compiled) are reported as context.
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import platform
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
-for _var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # before torch reads them
-    os.environ.setdefault(_var, tempfile.mkdtemp(prefix=f"gp-{_var.lower()}-"))
+import torch
+from runtime_bench import DECODE_TABLE, decode_batch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from graphplan.compiler.table import DispatchTable
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs
+from graphplan.runtime import CompiledModel, GraphRunner
 
-import torch  # noqa: E402
+from timing import fresh_compile_caches, publish, sync, time_per_call
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
-
-from graphplan.compiler.table import DispatchTable  # noqa: E402
-from graphplan.runtime import CompiledModel, GraphRunner  # noqa: E402
-from runtime_bench import DECODE_TABLE, decode_batch  # noqa: E402  (bench/ is the script's folder)
-from timing import sync, time_per_call, publish  # noqa: E402
 
 TOLERANCE = 3e-2
 """Bar on max |output - eager| / max |eager| in bf16 (tests/test_compiled_gpu.py uses the same)."""
@@ -62,10 +58,12 @@ def runner_warmup(model, table, device, backend, options, only, a):
     """Seconds from nothing to every graph captured: one compile, then the capture."""
     sync(device)
     t0 = time.perf_counter()
-    compiled = CompiledModel(model, backend, options=options, merge=not a.no_merge,
-                             regional=not a.no_regional)
-    runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False,
-                         compile=compiled)
+    compiled = CompiledModel(
+        model, backend, options=options, merge=not a.no_merge, regional=not a.no_regional
+    )
+    runner = GraphRunner(
+        model, table, static_inputs(model), device=device, progress=False, compile=compiled
+    )
     runner.capture(only=only)
     sync(device)
     return runner, time.perf_counter() - t0
@@ -75,11 +73,15 @@ def baseline_warmup(model, sizes, device, mode, backend, options, budget_s):
     """torch.compile ready for every size: three calls per size, largest first (cudagraph trees
     record on the 2nd-3rd call of a shape). Returns (compiled, seconds, sizes done)."""
     import torch._dynamo as dynamo
+
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(dynamo.config, name):
             setattr(dynamo.config, name, 1024)
-    compiled = (torch.compile(model, mode=mode) if mode else
-                torch.compile(model, backend=backend, options=options))
+    compiled = (
+        torch.compile(model, mode=mode)
+        if mode
+        else torch.compile(model, backend=backend, options=options)
+    )
     sync(device)
     t0, done = time.perf_counter(), 0
     with torch.no_grad():
@@ -100,12 +102,17 @@ def cold_warmups(a, argv_base: list[str]) -> dict:
     alternating; median seconds per side, and our compile's stats."""
     out = {"ours": [], "ro": []}
     for i in range(a.warmup_repeats):
-        for side in (("ours", "ro") if i % 2 == 0 else ("ro", "ours")):
+        for side in ("ours", "ro") if i % 2 == 0 else ("ro", "ours"):
             env = dict(os.environ)
             for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
                 env[var] = tempfile.mkdtemp(prefix=f"gp-{var.lower()}-")
-            r = subprocess.run([sys.executable, __file__, *argv_base, "--warmup-only", side],
-                               capture_output=True, text=True, env=env, timeout=600)
+            r = subprocess.run(
+                [sys.executable, __file__, *argv_base, "--warmup-only", side],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
             if r.returncode:
                 raise SystemExit(f"warm-up process ({side}) failed:\n{r.stderr[-3000:]}")
             out[side].append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -118,9 +125,13 @@ def warmup_only(a, model, table, device, backend, options, only, sizes) -> int:
     if a.warmup_only == "ours":
         runner, seconds = runner_warmup(model, table, device, backend, options, only, a)
         s = runner.stats()
-        rec = {**s["compile"], "seconds": seconds, "seconds_compile": s["compile"]["seconds"],
-               "capture_s": s["capture"]["seconds"],
-               "graphs": s["capture"]["graphs"]}
+        rec = {
+            **s["compile"],
+            "seconds": seconds,
+            "seconds_compile": s["compile"]["seconds"],
+            "capture_s": s["capture"]["seconds"],
+            "graphs": s["capture"]["graphs"],
+        }
     else:
         mode = "reduce-overhead" if device.type == "cuda" else None
         _, seconds, done = baseline_warmup(model, sizes, device, mode, backend, options, a.budget)
@@ -134,29 +145,51 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny model, sizes <= 8 (smoke run)")
     p.add_argument("--batches", default="1,8,32,128,256")
-    p.add_argument("--backend", help="the runner's compile backend (default: inductor on a GPU, "
-                                     "eager, dynamo alone, on the CPU)")
+    p.add_argument(
+        "--backend",
+        help="the runner's compile backend (default: inductor on a GPU, "
+        "eager, dynamo alone, on the CPU)",
+    )
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=11,
-                   help="interleaved timing rounds per batch (median)")
-    p.add_argument("--options", default="",
-                   help="inductor config patches for the runner's compile, k=v,k=v "
-                        "(e.g. triton.autotune_pointwise=False)")
-    p.add_argument("--budget", type=float, default=300.0,
-                   help="seconds reduce-overhead's warm-up may take before it is extrapolated")
-    p.add_argument("--warmup-repeats", type=int, default=2,
-                   help="cold warm-ups per side, each in a fresh process (median)")
-    p.add_argument("--no-merge", action="store_true",
-                   help="compile without merged projections (CompiledModel(merge=False))")
-    p.add_argument("--no-regional", action="store_true",
-                   help="compile the whole graph, not its repeated layers once "
-                        "(CompiledModel(regional=False))")
+    p.add_argument(
+        "--repeats", type=int, default=11, help="interleaved timing rounds per batch (median)"
+    )
+    p.add_argument(
+        "--options",
+        default="",
+        help="inductor config patches for the runner's compile, k=v,k=v "
+        "(e.g. triton.autotune_pointwise=False)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="seconds reduce-overhead's warm-up may take before it is extrapolated",
+    )
+    p.add_argument(
+        "--warmup-repeats",
+        type=int,
+        default=2,
+        help="cold warm-ups per side, each in a fresh process (median)",
+    )
+    p.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="compile without merged projections (CompiledModel(merge=False))",
+    )
+    p.add_argument(
+        "--no-regional",
+        action="store_true",
+        help="compile the whole graph, not its repeated layers once "
+        "(CompiledModel(regional=False))",
+    )
     p.add_argument("--warmup-only", choices=("ours", "ro"), help=argparse.SUPPRESS)
     p.add_argument("--out")
     a = p.parse_args(argv)
+    fresh_compile_caches(keep_set=True)
     argv_base = list(sys.argv[1:] if argv is None else argv)
     if "--out" in argv_base:  # the children write nothing
-        del argv_base[argv_base.index("--out"):argv_base.index("--out") + 2]
+        del argv_base[argv_base.index("--out") : argv_base.index("--out") + 2]
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     backend = a.backend or ("inductor" if cuda else "eager")
@@ -166,14 +199,30 @@ def main(argv=None) -> int:
         for kv in a.options.split(","):
             k, v = kv.split("=", 1)
             options[k] = {"True": True, "False": False}.get(v, int(v) if v.isdigit() else v)
-    cfg = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
-                          intermediate=2816, max_model_len=256, num_cache_rows=512)
+    cfg = TinyLlamaConfig(
+        vocab_size=4096,
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=4,
+        intermediate=2816,
+        max_model_len=256,
+        num_cache_rows=512,
+    )
     batches = [int(b) for b in a.batches.split(",")]
     table = DispatchTable.load(DECODE_TABLE)
     only = None
     if a.quick:
-        cfg = TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2,
-                              intermediate=128, max_model_len=64, num_cache_rows=16)
+        cfg = TinyLlamaConfig(
+            vocab_size=256,
+            hidden=64,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            intermediate=128,
+            max_model_len=64,
+            num_cache_rows=16,
+        )
         batches, a.iters, a.repeats = [1, 8], 5, 2
         only = {g.id for g in table.graphs if g.key.num_tokens <= 8}
     sizes = [g.key.num_tokens for g in table.graphs if only is None or g.id in only]
@@ -196,7 +245,7 @@ def main(argv=None) -> int:
         batch = decode_batch(model, n)
         t_plain[n] = time_per_call(lambda: plain.step(batch, n, 1), device, a.iters, a.repeats)
     plain.release()
-    del plain
+    plain = None  # its graphs are freed before the compiled side captures
 
     # the runner over the compiled model
     runner, warm_ours = runner_warmup(model, table, device, backend, options, only, a)
@@ -227,51 +276,65 @@ def main(argv=None) -> int:
         samples = {"ours": [], "ro": []}
         with torch.no_grad():
             for r in range(a.repeats):
-                for side in (("ours", "ro") if r % 2 == 0 else ("ro", "ours")):
+                for side in ("ours", "ro") if r % 2 == 0 else ("ro", "ours"):
                     samples[side].append(time_per_call(sides[side], device, a.iters, 1))
         t_ours[n], t_ro[n] = statistics.median(samples["ours"]), statistics.median(samples["ro"])
     comp = runner.stats()["compile"]  # after the steps: recompiles during them count too
     runner.release()
-    del runner
+    runner = None  # its graphs are freed before the cold warm-ups
 
     cold = cold_warmups(a, argv_base)
     cold_ours = statistics.median(r["seconds"] for r in cold["ours"])
     cold_ro = statistics.median(r["seconds"] for r in cold["ro"])
 
     ok = comp["recompiles"] == 0 and all(r["recompiles"] == 0 for r in cold["ours"])
-    lines = [f"# compiled_bench — {datetime.date.today()}",
-             f"device: {torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}"
-             f"; torch {torch.__version__}; model: tiny Llama {str(dtype).split('.')[-1]}, "
-             f"{cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab_size}; uniform decode "
-             f"steps; runner compile backend: {backend}",
-             f"command: python bench/compiled_bench.py {' '.join(sys.argv[1:])}", "",
-             f"| batch | runner (plain) us | runner (compiled) us | {label} us | compiled/{label} "
-             f"| max rel diff vs eager: compiled | {label} |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# compiled_bench — {datetime.date.today()}",
+        f"device: {torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}"
+        f"; torch {torch.__version__}; model: tiny Llama {str(dtype).split('.')[-1]}, "
+        f"{cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab_size}; uniform decode "
+        f"steps; runner compile backend: {backend}",
+        f"command: python bench/compiled_bench.py {' '.join(sys.argv[1:])}",
+        "",
+        f"| batch | runner (plain) us | runner (compiled) us | {label} us | compiled/{label} "
+        f"| max rel diff vs eager: compiled | {label} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in batches:
         ratio = t_ours[n] / t_ro[n]
         ok &= ratio <= 1.0 and d_ours[n] <= TOLERANCE
-        lines.append(f"| {n} | {t_plain[n] * 1e6:.1f} | {t_ours[n] * 1e6:.1f} | "
-                     f"{t_ro[n] * 1e6:.1f} | {ratio:.3f} | {d_ours[n]:.2e} | {d_ro[n]:.2e} |")
+        lines.append(
+            f"| {n} | {t_plain[n] * 1e6:.1f} | {t_ours[n] * 1e6:.1f} | "
+            f"{t_ro[n] * 1e6:.1f} | {ratio:.3f} | {d_ours[n]:.2e} | {d_ro[n]:.2e} |"
+        )
     note = "" if done == len(sizes) else f" (stopped after {done} sizes; extrapolated)"
     warm_ratio = cold_ours / cold_ro
     ok &= warm_ratio <= 1 / 3
-    ours_runs = ", ".join(f"{r['seconds']:.1f} s (compile {r['seconds_compile']:.1f} s, capture "
-                          f"{r['capture_s']:.2f} s)" for r in cold["ours"])
+    ours_runs = ", ".join(
+        f"{r['seconds']:.1f} s (compile {r['seconds_compile']:.1f} s, capture "
+        f"{r['capture_s']:.2f} s)"
+        for r in cold["ours"]
+    )
     ro_runs = ", ".join(f"{r['seconds']:.1f} s" for r in cold["ro"])
-    lines += ["", f"warm-up for {len(sizes)} sizes, cold (each in a fresh process with empty "
-              f"inductor/Triton caches, {a.warmup_repeats} per side, alternating; median): runner "
-              f"(compiled) {cold_ours:.1f} s [{ours_runs}]; {label} {cold_ro:.1f} s "
-              f"[{ro_runs}]; ratio "
-              f"{warm_ratio:.3f}",
-              f"in this process (context: the runner first, then {label}, which may reuse the "
-              f"kernels the runner compiled): runner (compiled) {warm_ours:.1f} s (compile "
-              f"{comp['seconds']:.1f} s, {comp['compiles']} compilation(s), {comp['recompiles']} "
-              f"recompiles, {comp['merged_linears']} linear groups merged, "
-              f"{comp['regions']} regions of which {comp['region_compiles']} compiled; capture of {cap['graphs']} graphs {cap['seconds']:.2f} s); {label} "
-              f"{warm_ro:.1f} s{note}",
-              "", f"bars (GPU): runner (compiled) <= 1.0 x {label} at every batch; warm-up <= 1/3 "
-              f"of {label}'s; max |compiled - eager| <= {TOLERANCE} x max |eager|; zero "
-              "recompiles", f"result: {('PASS' if ok else 'FAIL') if cuda else 'smoke run (the bars apply on a GPU)'}"]
+    lines += [
+        "",
+        f"warm-up for {len(sizes)} sizes, cold (each in a fresh process with empty "
+        f"inductor/Triton caches, {a.warmup_repeats} per side, alternating; median): runner "
+        f"(compiled) {cold_ours:.1f} s [{ours_runs}]; {label} {cold_ro:.1f} s "
+        f"[{ro_runs}]; ratio "
+        f"{warm_ratio:.3f}",
+        f"in this process (context: the runner first, then {label}, which may reuse the "
+        f"kernels the runner compiled): runner (compiled) {warm_ours:.1f} s (compile "
+        f"{comp['seconds']:.1f} s, {comp['compiles']} compilation(s), {comp['recompiles']} "
+        f"recompiles, {comp['merged_linears']} linear groups merged, "
+        f"{comp['regions']} regions of which {comp['region_compiles']} compiled; capture of {cap['graphs']} graphs {cap['seconds']:.2f} s); {label} "
+        f"{warm_ro:.1f} s{note}",
+        "",
+        f"bars (GPU): runner (compiled) <= 1.0 x {label} at every batch; warm-up <= 1/3 "
+        f"of {label}'s; max |compiled - eager| <= {TOLERANCE} x max |eager|; zero "
+        "recompiles",
+        f"result: {('PASS' if ok else 'FAIL') if cuda else 'smoke run (the bars apply on a GPU)'}",
+    ]
     publish("\n".join(lines), a.out)
     return 0
 

@@ -9,39 +9,44 @@ Each compile variant runs in its own process with fresh inductor/Triton caches.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import os
+import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
-for _var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-    os.environ[_var] = tempfile.mkdtemp(prefix=f"gp-{_var.lower()}-")
+import torch
+from runtime_bench import DECODE_TABLE, decode_batch
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from graphplan.compiler.table import DispatchTable
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs
+from graphplan.runtime import CompiledModel, GraphRunner
+from graphplan.runtime.compiled.model import _shape_config
 
-import torch  # noqa: E402
+from timing import fresh_compile_caches, sync, time_per_call
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
 
-from graphplan.compiler.table import DispatchTable  # noqa: E402
-from graphplan.runtime import CompiledModel, GraphRunner  # noqa: E402
-from graphplan.runtime.compiled import _shape_config  # noqa: E402
-from runtime_bench import DECODE_TABLE, decode_batch  # noqa: E402
-from timing import sync, time_per_call  # noqa: E402
-
-CFG = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
-                      intermediate=2816, max_model_len=256, num_cache_rows=512)
+CFG = TinyLlamaConfig(
+    vocab_size=4096,
+    hidden=1024,
+    layers=8,
+    heads=16,
+    kv_heads=4,
+    intermediate=2816,
+    max_model_len=256,
+    num_cache_rows=512,
+)
 DEV = torch.device("cuda")
 
 
 def kernels(fn, steps=20):
     """{kernel name: (calls per step, device us per step)} over ``steps`` calls."""
     from torch.profiler import ProfilerActivity, profile
+
     fn()
     sync(DEV)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -52,13 +57,17 @@ def kernels(fn, steps=20):
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out[e.name[:90]][0] += 1
-            out[e.name[:90]][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            out[e.name[:90]][1] += (
+                e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            )
     return {k: (v[0] / steps, v[1] / steps) for k, v in out.items()}
 
 
 def show(title, ks):
-    lines = [f"== {title}: {sum(c for c, _ in ks.values()):.1f} kernels/step, "
-             f"{sum(t for _, t in ks.values()):.1f} device us/step"]
+    lines = [
+        f"== {title}: {sum(c for c, _ in ks.values()):.1f} kernels/step, "
+        f"{sum(t for _, t in ks.values()):.1f} device us/step"
+    ]
     for k, (c, t) in sorted(ks.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {c:6.1f} x {t:8.1f} us  {k}")
     return lines
@@ -66,6 +75,7 @@ def show(title, ks):
 
 def compile_breakdown() -> list[str]:
     from torch._dynamo.utils import compile_times
+
     try:
         return [str(compile_times(repr="str", aggregate=True))]
     except TypeError:
@@ -81,19 +91,27 @@ def step_probe(args) -> list[str]:
     only = {g.id for g in table.graphs if g.key.num_tokens in sizes}
     t0 = time.perf_counter()
     compiled = CompiledModel(model, "inductor")
-    runner = GraphRunner(model, table, static_inputs(model), device=DEV, progress=False,
-                         compile=compiled)
+    runner = GraphRunner(
+        model, table, static_inputs(model), device=DEV, progress=False, compile=compiled
+    )
     runner.capture(only=only)
-    lines = [f"runner compile {compiled.seconds:.2f} s; warm-up+capture(6) "
-             f"{time.perf_counter() - t0:.2f} s"] + compile_breakdown()
+    lines = [
+        f"runner compile {compiled.seconds:.2f} s; warm-up+capture(6) "
+        f"{time.perf_counter() - t0:.2f} s"
+    ] + compile_breakdown()
     res = {}
     for n in (1, 128):
         b = decode_batch(model, n)
-        res[n] = {"runner": (time_per_call(lambda: runner.step(b, n, 1), DEV, 100, 7),
-                             kernels(lambda: runner.step(b, n, 1)))}
+        res[n] = {
+            "runner": (
+                time_per_call(lambda: runner.step(b, n, 1), DEV, 100, 7),
+                kernels(lambda: runner.step(b, n, 1)),
+            )
+        }
     runner.release()
     torch._dynamo.reset()
     import torch._dynamo as dynamo
+
     dynamo.config.recompile_limit = 64
     ro = torch.compile(model, mode="reduce-overhead")
     t0 = time.perf_counter()
@@ -110,8 +128,10 @@ def step_probe(args) -> list[str]:
             b = decode_batch(model, n)
             res[n]["ro"] = (time_per_call(lambda: ro(**b), DEV, 100, 7), kernels(lambda: ro(**b)))
     for n, r in res.items():
-        lines.append(f"\n##### batch {n}: runner {r['runner'][0] * 1e6:.1f} us, reduce-overhead "
-                     f"{r['ro'][0] * 1e6:.1f} us")
+        lines.append(
+            f"\n##### batch {n}: runner {r['runner'][0] * 1e6:.1f} us, reduce-overhead "
+            f"{r['ro'][0] * 1e6:.1f} us"
+        )
         lines += show("runner", r["runner"][1]) + show("reduce-overhead", r["ro"][1])
     return lines
 
@@ -153,8 +173,9 @@ def variant(name: str) -> list[str]:
             b = decode_batch(model, 512)
             model(**b)
     elif name in ("full", "nomerge", "whole"):
-        kw["compile"] = CompiledModel(model, "inductor", merge=name != "nomerge",
-                                      regional=name != "whole")
+        kw["compile"] = CompiledModel(
+            model, "inductor", merge=name != "nomerge", regional=name != "whole"
+        )
     elif name.startswith("opt:"):  # opt:k=v;k=v (inductor config patches)
         kw["compile"] = CompiledModel(model, "inductor", options=parse_options(name[4:]))
     compile_s = time.perf_counter() - t0
@@ -171,11 +192,16 @@ def variant(name: str) -> list[str]:
         steps.append(f"{n}:{time_per_call(lambda: runner.step(b, n, 1), DEV, 100, 7) * 1e6:.1f}us")
     b1 = decode_batch(model, 1)
     ks = kernels(lambda: runner.step(b1, 1, 1))
-    return [f"variant {name}: compile {compile_s:.2f} s (backend calls {count[0]}), to captured "
+    return (
+        [
+            f"variant {name}: compile {compile_s:.2f} s (backend calls {count[0]}), to captured "
             f"{total:.2f} s; steps {' '.join(steps)}; batch 1: "
             f"{sum(c for c, _ in ks.values()):.0f} kernels, "
-            f"{sum(t for _, t in ks.values()):.1f} device us"] + compile_breakdown() + show(
-                "runner at batch 1", ks)
+            f"{sum(t for _, t in ks.values()):.1f} device us"
+        ]
+        + compile_breakdown()
+        + show("runner at batch 1", ks)
+    )
 
 
 def parse_options(text: str) -> dict:
@@ -190,14 +216,17 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variant")
     p.add_argument("--out-dir", default=".")
-    p.add_argument("--variants", default="full,opt:triton.autotune_pointwise=False,full,"
-                                         "opt:triton.autotune_pointwise=False",
-                   help="comma-separated: full (CompiledModel's defaults), nomerge (without "
-                        "merged projections), whole (the whole graph compiled, not its "
-                        "repeated layers once), layers (each decoder layer compiled alone by "
-                        "torch.compile), opt:k=v;k=v (inductor config patches)")
+    p.add_argument(
+        "--variants",
+        default="full,opt:triton.autotune_pointwise=False,full,opt:triton.autotune_pointwise=False",
+        help="comma-separated: full (CompiledModel's defaults), nomerge (without "
+        "merged projections), whole (the whole graph compiled, not its "
+        "repeated layers once), layers (each decoder layer compiled alone by "
+        "torch.compile), opt:k=v;k=v (inductor config patches)",
+    )
     p.add_argument("--no-steps", action="store_true")
     a = p.parse_args()
+    fresh_compile_caches(keep_set=False)
     if a.variant:
         print("\n".join(variant(a.variant)), flush=True)
         return 0
@@ -206,8 +235,13 @@ def main() -> int:
         env = dict(os.environ)
         for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # empty caches per variant
             env[var] = tempfile.mkdtemp(prefix=f"gp-{var.lower()}-")
-        r = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True,
-                           text=True, timeout=240, env=env)
+        r = subprocess.run(
+            [sys.executable, __file__, "--variant", v],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
         (out / f"probe_variant_{i}_{v.split(':')[0]}.txt").write_text(r.stdout + r.stderr[-4000:])
         print(r.stdout[:600], r.stderr[-1500:] if r.returncode else "", flush=True)
     if a.no_steps:

@@ -1,5 +1,5 @@
 """A stock transformers LlamaForCausalLM served three ways in one process, on the same prompts:
-graphplan (GraphRunner over runtime/hf's paged adapter: FULL graphs for uniform decode, continuous
+graphplan (GraphRunner over models/hf's paged adapter: FULL graphs for uniform decode, continuous
 batching with chunked prefill, plans/hf-decode.yaml) vs transformers' continuous batching
 (``generate_batch``, its paged cache and warm-up graphs) vs plain padded ``generate``.
 
@@ -27,35 +27,57 @@ from pathlib import Path
 
 import torch
 
+from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
+from graphplan.runtime import GraphRunner, load_table
+from graphplan.server.batching import ContinuousBatcher
+
+from timing import publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
-from batching import ContinuousBatcher  # noqa: E402
-from timing import publish  # noqa: E402  (bench/ is the script's folder)
-
-from graphplan.runtime import GraphRunner, load_table  # noqa: E402
-from graphplan.runtime.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model  # noqa: E402
-
-FULL_SIZE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                 num_attention_heads=16, num_key_value_heads=4)
-SMOKE_SIZE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+FULL_SIZE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+)
+SMOKE_SIZE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 BAR = 5.0
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default bfloat16 on CUDA, float32 on the CPU",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model and workload (CPU check)")
     p.add_argument("--requests", type=int, help="default 64 (smoke 8)")
-    p.add_argument("--prompt-len", type=int, help="mean prompt length, +-16 (default 128; smoke 16)")
+    p.add_argument(
+        "--prompt-len", type=int, help="mean prompt length, +-16 (default 128; smoke 16)"
+    )
     p.add_argument("--new-tokens", type=int, help="default 64 (smoke 8)")
-    p.add_argument("--plan", default=str(ROOT / "plans" / "hf-decode.yaml"),
-                   help="plan (.yaml) or compiled table (.json) for graphplan")
-    p.add_argument("--systems", default="graphplan,generate_batch,generate",
-                   help="comma-separated subset of graphplan,generate_batch,generate")
+    p.add_argument(
+        "--plan",
+        default=str(ROOT / "plans" / "hf-decode.yaml"),
+        help="plan (.yaml) or compiled table (.json) for graphplan",
+    )
+    p.add_argument(
+        "--systems",
+        default="graphplan,generate_batch,generate",
+        help="comma-separated subset of graphplan,generate_batch,generate",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the markdown result here")
     a = p.parse_args(argv)
@@ -74,27 +96,39 @@ def sync(device):
 def prompts_for(a, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(a.seed + 1)
     spread = min(16, a.prompt_len - 1)
-    lens = torch.randint(a.prompt_len - spread, a.prompt_len + spread + 1, (a.requests,),
-                         generator=gen).tolist()
+    lens = torch.randint(
+        a.prompt_len - spread, a.prompt_len + spread + 1, (a.requests,), generator=gen
+    ).tolist()
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
 def llama_config(a):
     from transformers import LlamaConfig
+
     size = SMOKE_SIZE if a.smoke else FULL_SIZE
-    cfg = LlamaConfig(**size, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        **size,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     return cfg
 
 
 # ---- graphplan ----------------------------------------------------------------------------
 
+
 def run_graphplan(model, runner, table, prompts, new_tokens, device) -> dict:
     """Every request arrives at t0; continuous batching until all are done."""
-    batcher = ContinuousBatcher(max_num_seqs=table.max_num_seqs, token_budget=table.max_tokens,
-                                max_model_len=model.cfg.max_model_len,
-                                num_cache_rows=model.cfg.num_cache_rows)
+    batcher = ContinuousBatcher(
+        max_num_seqs=table.max_num_seqs,
+        token_budget=table.max_tokens,
+        max_model_len=model.cfg.max_model_len,
+        num_cache_rows=model.cfg.num_cache_rows,
+    )
     for i, p in enumerate(prompts):
         batcher.add(i, p, max_new_tokens=new_tokens)
     first: dict[int, float] = {}
@@ -135,42 +169,65 @@ def bench_graphplan(a, hf, table, prompts, device) -> dict:
 
 # ---- transformers baselines ---------------------------------------------------------------
 
+
 def baseline_model(hf, dtype, device):
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_config(copy.deepcopy(hf.config), attn_implementation="sdpa",
-                                         dtype=dtype)
+
+    m = AutoModelForCausalLM.from_config(
+        copy.deepcopy(hf.config), attn_implementation="sdpa", dtype=dtype
+    )
     m.load_state_dict(hf.state_dict())
     return m.to(device).eval().requires_grad_(False)
 
 
 def greedy_config(new_tokens: int):
     from transformers import GenerationConfig
-    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
+
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def bench_generate_batch(a, m, prompts, device) -> dict:
     from transformers import ContinuousBatchingConfig
+
     cb = None
-    if device.type != "cuda":  # transformers sizes its cache from GPU memory: give it one on the CPU
+    if (
+        device.type != "cuda"
+    ):  # transformers sizes its cache from GPU memory: give it one on the CPU
         import transformers.generation.continuous_batching.cache as cache_mod
+
         cache_mod.get_device_and_memory_breakdown = lambda: (device, 4 << 30, 0, 0)
-        cb = ContinuousBatchingConfig(num_blocks=4 * len(prompts), max_batch_tokens=256,
-                                      block_size=16)
-    m.generate_batch(inputs=prompts[:4], generation_config=greedy_config(4),
-                     continuous_batching_config=cb)  # warm-up, as graphplan's
+        cb = ContinuousBatchingConfig(
+            num_blocks=4 * len(prompts), max_batch_tokens=256, block_size=16
+        )
+    m.generate_batch(
+        inputs=prompts[:4], generation_config=greedy_config(4), continuous_batching_config=cb
+    )  # warm-up, as graphplan's
     sync(device)
     t0 = time.perf_counter()
-    res = m.generate_batch(inputs=prompts, generation_config=greedy_config(a.new_tokens),
-                           continuous_batching_config=cb, record_timestamps=True)
+    res = m.generate_batch(
+        inputs=prompts,
+        generation_config=greedy_config(a.new_tokens),
+        continuous_batching_config=cb,
+        record_timestamps=True,
+    )
     sync(device)
     wall = time.perf_counter() - t0
     outs = list(res.values())
     start = min(o.created_time for o in outs)  # requests are added after the warm-up/capture
     end = max(o.timestamps[-1] for o in outs if o.timestamps)
-    return {"tokens": [o.generated_tokens for o in outs], "wall": end - start,
-            "ttft": [o.timestamps[0] - o.created_time for o in outs if o.timestamps],
-            "capture_s": wall - (end - start), "errors": sum(o.error is not None for o in outs)}
+    return {
+        "tokens": [o.generated_tokens for o in outs],
+        "wall": end - start,
+        "ttft": [o.timestamps[0] - o.created_time for o in outs if o.timestamps],
+        "capture_s": wall - (end - start),
+        "errors": sum(o.error is not None for o in outs),
+    }
 
 
 def bench_generate(a, m, prompts, device) -> dict:
@@ -178,8 +235,8 @@ def bench_generate(a, m, prompts, device) -> dict:
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     m.generate(ids[:4], attention_mask=mask[:4], generation_config=greedy_config(4))  # warm-up
     sync(device)
@@ -191,11 +248,16 @@ def bench_generate(a, m, prompts, device) -> dict:
     out = m.generate(ids, attention_mask=mask, generation_config=greedy_config(a.new_tokens))
     sync(device)
     wall = time.perf_counter() - t0
-    return {"tokens": out[:, width:].tolist(), "wall": wall, "ttft": [ttft] * len(prompts),
-            "capture_s": 0.0}
+    return {
+        "tokens": out[:, width:].tolist(),
+        "wall": wall,
+        "ttft": [ttft] * len(prompts),
+        "capture_s": 0.0,
+    }
 
 
 # ---- report -------------------------------------------------------------------------------
+
 
 def agreement(x: list[list[int]], y: list[list[int]]) -> tuple[float, float]:
     """(share of identical tokens, share of identical requests)."""
@@ -224,8 +286,13 @@ def setup(a) -> tuple:
     if device.type == "cpu":  # shared small CI machines: spinning intra-op threads swamp the timing
         torch.set_num_threads(1)
     cfg = llama_config(a)
-    hf = load_model(cfg, dtype=getattr(torch, a.dtype), device=device, seed=a.seed,
-                    attn_implementation=ATTN_IMPLEMENTATION)
+    hf = load_model(
+        cfg,
+        dtype=getattr(torch, a.dtype),
+        device=device,
+        seed=a.seed,
+        attn_implementation=ATTN_IMPLEMENTATION,
+    )
     return device, cfg, hf
 
 
@@ -234,6 +301,7 @@ def table_for(path: str):
     if path.endswith(".json"):
         return load_table(path)
     from graphplan.compiler import compile_plan
+
     return compile_plan(path)
 
 
@@ -242,8 +310,11 @@ def run(a) -> int:
     t = time.perf_counter()
     device, cfg, hf = setup(a)
     params = sum(p.numel() for p in hf.parameters()) / 1e6
-    print(f"model built in {time.perf_counter() - t:.1f} s: {params:.0f}M parameters, {a.dtype} "
-          f"on {device}", flush=True)
+    print(
+        f"model built in {time.perf_counter() - t:.1f} s: {params:.0f}M parameters, {a.dtype} "
+        f"on {device}",
+        flush=True,
+    )
     table = table_for(a.plan)
     prompts = prompts_for(a, cfg.vocab_size)
     results, failed = {}, {}
@@ -259,8 +330,9 @@ def run(a) -> int:
                 fn = bench_generate_batch if name == "generate_batch" else bench_generate
                 r = fn(a, m, prompts, device)
                 del m
-        except Exception as e:  # noqa: BLE001 - report it and measure the others
+        except Exception as e:
             import traceback
+
             traceback.print_exc()
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
@@ -279,44 +351,65 @@ def run(a) -> int:
 
 def report(a, results: dict, table, device) -> list[str]:
     import transformers
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
+
+    dev = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "CPU"
+    )
     cmd = "python " + " ".join(shlex.quote(x) for x in sys.argv)
     size = SMOKE_SIZE if a.smoke else FULL_SIZE
-    lines = [f"# Stock LlamaForCausalLM: graphplan vs transformers (issue 13) — {dev}, "
-             f"{datetime.date.today().isoformat()}", "",
-             f"- device: {dev}; torch {torch.__version__}, transformers {transformers.__version__}, "
-             f"Python {platform.python_version()}",
-             f"- command: `{cmd}`",
-             f"- model: LlamaForCausalLM {size}, {a.dtype}, random weights (seed {a.seed})",
-             f"- workload: {a.requests} requests, prompts {min(map(len, results_prompts(a)))}.."
-             f"{max(map(len, results_prompts(a)))} tokens, {a.new_tokens} new greedy tokens each, "
-             "all arriving at once",
-             f"- graphplan plan: {table.settings.name} (max_num_seqs {table.max_num_seqs}, "
-             f"max_num_batched_tokens {table.max_tokens}, {len(table.graphs)} FULL decode graphs)",
-             "", "| system | generated tokens | tokens/s | TTFT p50 ms | TTFT max ms | "
-             "capture / warm-up s | wall s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Stock LlamaForCausalLM: graphplan vs transformers (issue 13) — {dev}, "
+        f"{datetime.date.today().isoformat()}",
+        "",
+        f"- device: {dev}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}",
+        f"- command: `{cmd}`",
+        f"- model: LlamaForCausalLM {size}, {a.dtype}, random weights (seed {a.seed})",
+        f"- workload: {a.requests} requests, prompts {min(map(len, results_prompts(a)))}.."
+        f"{max(map(len, results_prompts(a)))} tokens, {a.new_tokens} new greedy tokens each, "
+        "all arriving at once",
+        f"- graphplan plan: {table.settings.name} (max_num_seqs {table.max_num_seqs}, "
+        f"max_num_batched_tokens {table.max_tokens}, {len(table.graphs)} FULL decode graphs)",
+        "",
+        "| system | generated tokens | tokens/s | TTFT p50 ms | TTFT max ms | "
+        "capture / warm-up s | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['generated']} | {r['tok_s']:.0f} | "
-                     f"{statistics.median(r['ttft']) * 1e3:.1f} | {max(r['ttft']) * 1e3:.1f} | "
-                     f"{r['capture_s']:.2f} | {r['wall']:.2f} |")
+        lines.append(
+            f"| {name} | {r['generated']} | {r['tok_s']:.0f} | "
+            f"{statistics.median(r['ttft']) * 1e3:.1f} | {max(r['ttft']) * 1e3:.1f} | "
+            f"{r['capture_s']:.2f} | {r['wall']:.2f} |"
+        )
     lines.append("")
     gp = results.get("graphplan")
     if gp:
-        lines.append(f"graphplan: {gp['graphs']} graphs captured in {gp['capture_s']:.2f} s; "
-                     f"{gp['steps']} steps ({gp['full_replays']} FULL replays, {gp['eager_steps']} "
-                     f"eager with prefill); KV cache {gp['kv_blocks']} blocks of 16")
+        lines.append(
+            f"graphplan: {gp['graphs']} graphs captured in {gp['capture_s']:.2f} s; "
+            f"{gp['steps']} steps ({gp['full_replays']} FULL replays, {gp['eager_steps']} "
+            f"eager with prefill); KV cache {gp['kv_blocks']} blocks of 16"
+        )
     for base in ("generate_batch", "generate"):
         if gp and base in results:
             ratio = gp["tok_s"] / results[base]["tok_s"]
-            verdict = (f" — bar >= {BAR:.0f}x: {'PASS' if ratio >= BAR else 'FAIL'}"
-                       if base == "generate_batch" else "")
+            verdict = (
+                f" — bar >= {BAR:.0f}x: {'PASS' if ratio >= BAR else 'FAIL'}"
+                if base == "generate_batch"
+                else ""
+            )
             tok, req = agreement(gp["tokens"], results[base]["tokens"])
-            lines.append(f"graphplan / {base}: tokens/s x{ratio:.2f}{verdict}; identical greedy "
-                         f"tokens {tok:.1%}, identical requests {req:.1%}")
+            lines.append(
+                f"graphplan / {base}: tokens/s x{ratio:.2f}{verdict}; identical greedy "
+                f"tokens {tok:.1%}, identical requests {req:.1%}"
+            )
     if "generate_batch" in results and "generate" in results:
         tok, req = agreement(results["generate_batch"]["tokens"], results["generate"]["tokens"])
-        lines.append(f"generate_batch vs generate: identical greedy tokens {tok:.1%}, identical "
-                     f"requests {req:.1%}")
+        lines.append(
+            f"generate_batch vs generate: identical greedy tokens {tok:.1%}, identical "
+            f"requests {req:.1%}"
+        )
     if "generate" in results:
         lines.append("generate's TTFT is the time of a 1-token generate of the whole padded batch.")
     return lines

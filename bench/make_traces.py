@@ -43,8 +43,9 @@ WARMUP = 3000
 PROFILES = {
     # rate: mean arrivals per step; (median, sigma, lo, hi) of lognormal lengths
     "chat": dict(rate=0.30, prompt=(350, 0.9, 8, 8000), output=(220, 0.8, 4, 2000), seed=1),
-    "long_prompt": dict(rate=0.42, prompt=(5000, 0.7, 600, 32000), output=(120, 0.7, 4, 1000),
-                        seed=2),
+    "long_prompt": dict(
+        rate=0.42, prompt=(5000, 0.7, 600, 32000), output=(120, 0.7, 4, 1000), seed=2
+    ),
 }
 
 
@@ -52,8 +53,13 @@ def _lengths(rng, n, median, sigma, lo, hi):
     return np.clip(np.rint(rng.lognormal(math.log(median), sigma, n)), lo, hi).astype(int)
 
 
-def simulate(profile: str, steps: int, seed: int | None = None, max_num_seqs: int = 256,
-             max_num_batched_tokens: int = 8192) -> np.ndarray:
+def simulate(
+    profile: str,
+    steps: int,
+    seed: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> np.ndarray:
     """[steps, 3] int64 rows (num_tokens, num_reqs, max_query_len) of one simulated run."""
     p = PROFILES[profile]
     rng = np.random.default_rng(p["seed"] if seed is None else seed)
@@ -64,10 +70,15 @@ def simulate(profile: str, steps: int, seed: int | None = None, max_num_seqs: in
     while len(out) < steps:
         if t > burst_until and rng.random() < 1 / 4000:
             burst_until = t + int(rng.integers(200, 800))
-        rate = p["rate"] * (1 + 0.25 * math.sin(2 * math.pi * t / PERIOD)) \
+        rate = (
+            p["rate"]
+            * (1 + 0.25 * math.sin(2 * math.pi * t / PERIOD))
             * (1.6 if t <= burst_until else 1)
+        )
         for _ in range(rng.poisson(rate)):
-            waiting.append([int(_lengths(rng, 1, *p["prompt"])[0]), int(_lengths(rng, 1, *p["output"])[0])])
+            waiting.append(
+                [int(_lengths(rng, 1, *p["prompt"])[0]), int(_lengths(rng, 1, *p["output"])[0])]
+            )
         t += 1
         budget, chunks = max_num_batched_tokens, []
         for req in running:
@@ -105,15 +116,19 @@ def resample(paths, steps: int, seed: int = 0) -> np.ndarray:
 
 def read(path) -> np.ndarray:
     with open(path, encoding="utf-8") as f:
-        return np.array([[d["num_tokens"], d["num_reqs"], d["max_query_len"]]
-                         for d in map(json.loads, f) if d], dtype=np.int64)
+        return np.array(
+            [[d["num_tokens"], d["num_reqs"], d["max_query_len"]] for d in map(json.loads, f) if d],
+            dtype=np.int64,
+        )
 
 
 def write(path, rows: np.ndarray) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(f'{{"num_tokens": {n}, "num_reqs": {r}, "max_query_len": {m}}}\n'
-                     for n, r, m in rows.tolist())
+        f.writelines(
+            f'{{"num_tokens": {n}, "num_reqs": {r}, "max_query_len": {m}}}\n'
+            for n, r, m in rows.tolist()
+        )
 
 
 def main(argv=None) -> int:
@@ -136,8 +151,10 @@ def main(argv=None) -> int:
         path = Path(a.out) / f"{name}.jsonl"
         write(path, rows)
         decode = int(((rows[:, 2] == 1) & (rows[:, 0] == rows[:, 1])).sum())
-        print(f"wrote {path}: {len(rows)} steps, {decode} uniform decode, median "
-              f"{int(np.median(rows[:, 0]))} tokens, {int((rows[:, 0] <= 512).sum())} at <= 512 tokens")
+        print(
+            f"wrote {path}: {len(rows)} steps, {decode} uniform decode, median "
+            f"{int(np.median(rows[:, 0]))} tokens, {int((rows[:, 0] <= 512).sum())} at <= 512 tokens"
+        )
     return 0
 
 

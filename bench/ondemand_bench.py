@@ -41,15 +41,13 @@ from pathlib import Path
 
 import torch
 
+from graphplan.models.hf import PagedCausalLM
+from graphplan.runtime import GraphRunner
+
+from hf_bench import FULL_SIZE, SMOKE_SIZE, cli, prompts_for, run_graphplan, setup, sync, table_for
+from timing import publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from hf_bench import (FULL_SIZE, SMOKE_SIZE, cli, prompts_for, run_graphplan, setup,  # noqa: E402
-                      sync, table_for)
-from timing import publish  # noqa: E402  (bench/ is the script's folder)
-
-from graphplan.runtime import GraphRunner  # noqa: E402
-from graphplan.runtime.hf import PagedCausalLM  # noqa: E402
 
 MIB = 1 << 20
 TTFR_BAR, TOKS_TOL = 5.0, 0.03
@@ -58,23 +56,43 @@ TTFR_BAR, TOKS_TOL = 5.0, 0.03
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default bfloat16 on CUDA, float32 on the CPU",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model and workload (CPU check)")
-    p.add_argument("--table", default=str(ROOT / "bench" / "tables" / "decode-51.json"),
-                   help="compiled table (.json) or plan (.yaml)")
+    p.add_argument(
+        "--table",
+        default=str(ROOT / "bench" / "tables" / "decode-51.json"),
+        help="compiled table (.json) or plan (.yaml)",
+    )
     p.add_argument("--requests", type=int, help="default 64 (smoke 4)")
-    p.add_argument("--prompt-len", type=int, help="mean prompt length, +-16 (default 128; smoke 16)")
-    p.add_argument("--new-tokens", type=int, help="default 256 (smoke 4): decode-dominated runs "
-                                                  "(at 64 the rounds' ratios ranged 0.65-1.49 on the H100)")
-    p.add_argument("--first-tokens", type=int, default=8,
-                   help="new tokens of the first served request")
+    p.add_argument(
+        "--prompt-len", type=int, help="mean prompt length, +-16 (default 128; smoke 16)"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        help="default 256 (smoke 4): decode-dominated runs "
+        "(at 64 the rounds' ratios ranged 0.65-1.49 on the H100)",
+    )
+    p.add_argument(
+        "--first-tokens", type=int, default=8, help="new tokens of the first served request"
+    )
     p.add_argument("--warmups", type=int, default=2, help="workload runs before timing")
-    p.add_argument("--repeats", type=int, help="timed rounds, each a workload run per mode "
-                                               "(default 9; smoke 1)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="timed rounds, each a workload run per mode (default 9; smoke 1)",
+    )
     p.add_argument("--modes", default="full,on_demand", help="order of the modes")
-    p.add_argument("--first-repeats", type=int, default=3,
-                   help="builds per mode timed to the first served request (median)")
+    p.add_argument(
+        "--first-repeats",
+        type=int,
+        default=3,
+        help="builds per mode timed to the first served request (median)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the markdown result here")
     a = p.parse_args(argv)
@@ -123,8 +141,12 @@ def start_mode(a, model, table, prompts, device, on_demand: bool) -> tuple:
         run_graphplan(model, runner, table, prompts, a.new_tokens, device)
     graph_bytes = used(device) - base
     peak = torch.cuda.max_memory_reserved(device) - base if device.type == "cuda" else 0
-    return runner, {"graph_bytes": graph_bytes, "peak_bytes": peak,
-                    "before": runner.stats(), "tok_s_all": []}
+    return runner, {
+        "graph_bytes": graph_bytes,
+        "peak_bytes": peak,
+        "before": runner.stats(),
+        "tok_s_all": [],
+    }
 
 
 def timed_rounds(a, model, table, prompts, device, runners: dict, results: dict) -> None:
@@ -132,7 +154,7 @@ def timed_rounds(a, model, table, prompts, device, runners: dict, results: dict)
     so that clock and allocator drift fall on both modes alike."""
     names, last = list(runners), None
     for i in range(a.repeats):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             if name != last:  # a switch of runner: one untimed run first (see the docstring)
                 run_graphplan(model, runners[name], table, prompts, a.new_tokens, device)
             last = name
@@ -144,9 +166,13 @@ def timed_rounds(a, model, table, prompts, device, runners: dict, results: dict)
 def finish_mode(runner, r: dict) -> dict:
     after = runner.stats()
     od = after.get("on_demand", {})
-    r.update(tok_s=statistics.median(r["tok_s_all"]), graphs=len(runner.captured_graph_ids()),
-             on_demand_s=od.get("on_demand_seconds", 0.0),
-             timed_eager=sum(after["eager_steps"].values()) - sum(r.pop("before")["eager_steps"].values()))
+    r.update(
+        tok_s=statistics.median(r["tok_s_all"]),
+        graphs=len(runner.captured_graph_ids()),
+        on_demand_s=od.get("on_demand_seconds", 0.0),
+        timed_eager=sum(after["eager_steps"].values())
+        - sum(r.pop("before")["eager_steps"].values()),
+    )
     runner.release()
     return r
 
@@ -174,16 +200,21 @@ def run(a) -> int:
     first_request(a, model, table, prompts, device, True)
     firsts = {m: [] for m in modes}
     for i in range(a.first_repeats):  # alone, the order alternating; median
-        for mode in (modes if i % 2 == 0 else modes[::-1]):
-            firsts[mode].append(first_request(a, model, table, prompts, device,
-                                              mode == "on_demand"))
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            firsts[mode].append(
+                first_request(a, model, table, prompts, device, mode == "on_demand")
+            )
     results, runners = {}, {}
     for mode in modes:
         runs = sorted(firsts[mode], key=lambda r: r["ttfr"])
-        print(f"{mode}: first request served after {runs[len(runs) // 2]['ttfr']:.3f} s "
-              f"(of {[round(r['ttfr'], 3) for r in firsts[mode]]})", flush=True)
-        runners[mode], results[mode] = start_mode(a, model, table, prompts, device,
-                                                  mode == "on_demand")
+        print(
+            f"{mode}: first request served after {runs[len(runs) // 2]['ttfr']:.3f} s "
+            f"(of {[round(r['ttfr'], 3) for r in firsts[mode]]})",
+            flush=True,
+        )
+        runners[mode], results[mode] = start_mode(
+            a, model, table, prompts, device, mode == "on_demand"
+        )
         results[mode].update(runs[len(runs) // 2], ttfr_all=[r["ttfr"] for r in firsts[mode]])
     timed_rounds(a, model, table, prompts, device, runners, results)
     for mode, runner in runners.items():
@@ -200,26 +231,37 @@ def fmt(xs) -> str:
 
 
 def report(a, results: dict, table, device) -> list[str]:
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
+    dev = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "CPU"
+    )
     cmd = "python " + " ".join(shlex.quote(x) for x in sys.argv)
     size = SMOKE_SIZE if a.smoke else FULL_SIZE
-    lines = [f"# Capture on demand vs full capture (issue 15) — {dev}, "
-             f"{datetime.date.today().isoformat()}", "",
-             f"- device: {dev}; torch {torch.__version__}, Python {platform.python_version()}",
-             f"- command: `{cmd}`",
-             f"- model: LlamaForCausalLM {size}, {a.dtype}, random weights (seed {a.seed})",
-             f"- plan: {table.settings.name}, {len(table.graphs)} FULL decode graphs, sizes "
-             f"{table.capture_sizes[0]}..{table.capture_sizes[-1]}",
-             f"- first request: 1 prompt, {a.first_tokens} new tokens; workload: {a.requests} "
-             f"requests of ~{a.prompt_len} tokens, {a.new_tokens} new tokens each, {a.warmups} "
-             f"warm-up run(s), median of {a.repeats} rounds, modes alternating (ABBA)",
-             "", "| mode | graphs at start | capture s | first request served s | tokens/s "
-             "(median) | graphs at end | graph memory MiB | peak over base MiB | eager steps "
-             "timed (prefill included) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Capture on demand vs full capture (issue 15) — {dev}, "
+        f"{datetime.date.today().isoformat()}",
+        "",
+        f"- device: {dev}; torch {torch.__version__}, Python {platform.python_version()}",
+        f"- command: `{cmd}`",
+        f"- model: LlamaForCausalLM {size}, {a.dtype}, random weights (seed {a.seed})",
+        f"- plan: {table.settings.name}, {len(table.graphs)} FULL decode graphs, sizes "
+        f"{table.capture_sizes[0]}..{table.capture_sizes[-1]}",
+        f"- first request: 1 prompt, {a.first_tokens} new tokens; workload: {a.requests} "
+        f"requests of ~{a.prompt_len} tokens, {a.new_tokens} new tokens each, {a.warmups} "
+        f"warm-up run(s), median of {a.repeats} rounds, modes alternating (ABBA)",
+        "",
+        "| mode | graphs at start | capture s | first request served s | tokens/s "
+        "(median) | graphs at end | graph memory MiB | peak over base MiB | eager steps "
+        "timed (prefill included) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['start_graphs']} | {r['capture_s']:.3f} | {r['ttfr']:.3f} | "
-                     f"{r['tok_s']:.0f} | {r['graphs']} | {r['graph_bytes'] / MIB:.1f} | "
-                     f"{r['peak_bytes'] / MIB:.1f} | {r['timed_eager']} |")
+        lines.append(
+            f"| {name} | {r['start_graphs']} | {r['capture_s']:.3f} | {r['ttfr']:.3f} | "
+            f"{r['tok_s']:.0f} | {r['graphs']} | {r['graph_bytes'] / MIB:.1f} | "
+            f"{r['peak_bytes'] / MIB:.1f} | {r['timed_eager']} |"
+        )
     lines.append("")
     full, od = results.get("full"), results.get("on_demand")
     if full and od:
@@ -240,7 +282,8 @@ def report(a, results: dict, table, device) -> list[str]:
             f"{full['graph_bytes'] / MIB:.1f} MiB (peak {od['peak_bytes'] / MIB:.1f} vs "
             f"{full['peak_bytes'] / MIB:.1f}) — bar no higher: {'PASS' if mem_ok else 'FAIL'}",
             f"on-demand captures took {od['on_demand_s']:.3f} s in all, between steps; identical "
-            f"requests (greedy) full vs on demand: {same:.1%}"]
+            f"requests (greedy) full vs on demand: {same:.1%}",
+        ]
     return lines
 
 

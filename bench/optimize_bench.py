@@ -24,15 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from machine import machine  # noqa: E402
+from graphplan.compiler import compile_plan
+from graphplan.compiler.tools.optimize import optimize
+from graphplan.compiler.tools.trace import aggregate, check_trace, load_trace
 
-from graphplan.compiler import compile_plan  # noqa: E402
-from graphplan.compiler.optimize import optimize  # noqa: E402
-from graphplan.compiler.trace import aggregate, check_trace, load_trace  # noqa: E402
-import make_traces  # noqa: E402
+import make_traces
+from machine import machine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PLAN = ROOT / "plans" / "llama3-8b-h100.yaml"
 TRACES = [ROOT / "bench" / "traces" / f"{n}.jsonl" for n in ("chat", "long_prompt")]
@@ -62,21 +61,30 @@ def main(argv=None) -> int:
     where = machine()  # before the run, so the load average is the machine's, not ours
     table = compile_plan(PLAN)
     k = len(table.graphs)
-    lines = [f"plan {PLAN.relative_to(ROOT)}: vLLM default list, {len(table.capture_sizes)} sizes, "
-             f"{k} graphs (the budget for the optimized list)", ""]
-    lines += ["| trace | steps | padded tokens, vLLM list | optimized | cut | bar | result |",
-              "|---|---:|---:|---:|---:|---|---|"]
+    lines = [
+        f"plan {PLAN.relative_to(ROOT)}: vLLM default list, {len(table.capture_sizes)} sizes, "
+        f"{k} graphs (the budget for the optimized list)",
+        "",
+    ]
+    lines += [
+        "| trace | steps | padded tokens, vLLM list | optimized | cut | bar | result |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
     ok = True
     for path, keep_small in ((p, small) for p in TRACES for small in (True, False)):
         res, work, _, _ = end_to_end(table, path, k, keep_small=keep_small)
-        cut = 100.0 * (res.before.padded_tokens - res.after.padded_tokens) / res.before.padded_tokens
+        cut = (
+            100.0 * (res.before.padded_tokens - res.after.padded_tokens) / res.before.padded_tokens
+        )
         good = cut >= CUT_BAR and res.graphs <= k
         ok &= good
         how = "default" if keep_small else "--no-small"
-        lines.append(f"| {path.name} ({how}) | {work.steps} | {res.before.padded_tokens} "
-                     f"({res.before.per_step:.3f}/step) | {res.after.padded_tokens} "
-                     f"({res.after.per_step:.3f}/step, {res.graphs} graphs) | {cut:.1f} % | "
-                     f">= {CUT_BAR:.0f} % | {bar(good)} |")
+        lines.append(
+            f"| {path.name} ({how}) | {work.steps} | {res.before.padded_tokens} "
+            f"({res.before.per_step:.3f}/step) | {res.after.padded_tokens} "
+            f"({res.after.per_step:.3f}/step, {res.graphs} graphs) | {cut:.1f} % | "
+            f">= {CUT_BAR:.0f} % | {bar(good)} |"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         big = Path(tmp) / "big.jsonl"
         make_traces.write(big, make_traces.resample(TRACES, a.steps, seed=0))
@@ -87,24 +95,36 @@ def main(argv=None) -> int:
         total = best[2] + best[3]
         good = total <= TIME_BAR
         ok &= good
-        lines += ["", "| 1M-step run | steps | distinct (tokens, kind) | read+check+aggregate | "
-                  "DP+compile+price | total | bar | result |", "|---|---:|---:|---:|---:|---:|---|---|",
-                  f"| resampled chat+long_prompt ({size_mb:.0f} MB) | {best[1].steps} | "
-                  f"{len(best[1].tokens)} | {best[2]:.3f} s | {best[3]:.3f} s | {total:.3f} s | "
-                  f"<= {TIME_BAR:.0f} s | {bar(good)} |"]
+        lines += [
+            "",
+            "| 1M-step run | steps | distinct (tokens, kind) | read+check+aggregate | "
+            "DP+compile+price | total | bar | result |",
+            "|---|---:|---:|---:|---:|---:|---|---|",
+            f"| resampled chat+long_prompt ({size_mb:.0f} MB) | {best[1].steps} | "
+            f"{len(best[1].tokens)} | {best[2]:.3f} s | {best[3]:.3f} s | {total:.3f} s | "
+            f"<= {TIME_BAR:.0f} s | {bar(good)} |",
+        ]
         res, work, t_read, t_opt = end_to_end(table, TRACES[1], k, max_size=8192)
-        lines.append(f"| long_prompt, --max-size 8192 (no bar) | {work.steps} | "
-                     f"{len(work.tokens)} | {t_read:.3f} s | {t_opt:.3f} s | "
-                     f"{t_read + t_opt:.3f} s | - | {len(res.sizes)} sizes, "
-                     f"{res.graphs} graphs |")
+        lines.append(
+            f"| long_prompt, --max-size 8192 (no bar) | {work.steps} | "
+            f"{len(work.tokens)} | {t_read:.3f} s | {t_opt:.3f} s | "
+            f"{t_read + t_opt:.3f} s | - | {len(res.sizes)} sizes, "
+            f"{res.graphs} graphs |"
+        )
     lines += ["", f"overall: {bar(ok)}"]
     print("\n".join(lines))
     if a.record:
-        cmd = "python bench/optimize_bench.py" + (f" --steps {a.steps}" if a.steps != 1_000_000 else "")
-        head = ["# plan optimize benchmark", "",
-                f"- date: {datetime.date.today().isoformat()}",
-                f"- machine: {where}",
-                f"- command: `{cmd}` (from the repository root)", ""]
+        cmd = "python bench/optimize_bench.py" + (
+            f" --steps {a.steps}" if a.steps != 1_000_000 else ""
+        )
+        head = [
+            "# plan optimize benchmark",
+            "",
+            f"- date: {datetime.date.today().isoformat()}",
+            f"- machine: {where}",
+            f"- command: `{cmd}` (from the repository root)",
+            "",
+        ]
         Path(a.record).write_text("\n".join(head + lines) + "\n", encoding="utf-8")
     return 0 if ok else 1
 

@@ -12,22 +12,16 @@ what DBO's two-ubatch schedule can gain at most; bench/dbo_bench.py measures the
 
 from __future__ import annotations
 
-import os
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast stays off (device machines)
-    os.environ.setdefault(_k, _v)
+import torch
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from ranks import spawn_ranks  # noqa: E402  (bench/ is the script's folder)
-from timing import graph_time_per_call, publish  # noqa: E402
+from ranks import spawn_ranks
+from timing import graph_time_per_call, publish
 
 
 def _ints(s: str) -> list[int]:
@@ -36,10 +30,17 @@ def _ints(s: str) -> list[int]:
 
 def _worker(rank: int, world: int, a, out_dir: str) -> None:
     import torch.distributed as dist
+
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=a.init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120), device_id=dev)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        init_method=a.init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+        device_id=dev,
+    )
     groups = {}
     for ctas in a.ctas:
         opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
@@ -60,16 +61,18 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
         comm = {}
         for ctas, g in groups.items():
             comm[ctas] = 1e6 * graph_time_per_call(
-                lambda g=g: [dist.all_reduce(ys, group=g) for _ in range(L)], dev, a.reps)
-        for I in a.inter:
-            up = torch.randn(H, I, device=dev, dtype=dt) * H ** -0.5
-            down = torch.randn(I, H, device=dev, dtype=dt) * I ** -0.5
+                lambda g=g: [dist.all_reduce(ys, group=g) for _ in range(L)], dev, a.reps
+            )
+        for inter in a.inter:
+            up = torch.randn(H, inter, device=dev, dtype=dt) * H**-0.5
+            down = torch.randn(inter, H, device=dev, dtype=dt) * inter**-0.5
 
             def mlp():
                 x = xs
                 for _ in range(L):
                     x = x + torch.nn.functional.silu(x @ up) @ down
                 return x
+
             for sms in a.sms:
                 if sms and carve is None:
                     continue
@@ -77,6 +80,7 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
                     carve(sms)
                 comp = 1e6 * graph_time_per_call(mlp, dev, a.reps)
                 for ctas, g in groups.items():
+
                     def both(g=g):
                         main = torch.cuda.current_stream()
                         side.wait_stream(main)
@@ -85,13 +89,26 @@ def _worker(rank: int, world: int, a, out_dir: str) -> None:
                                 dist.all_reduce(ys, group=g)
                         mlp()
                         main.wait_stream(side)
+
                     t = 1e6 * graph_time_per_call(both, dev, a.reps)
-                    rows.append({"M": M, "I": I, "sms": sms, "ctas": ctas, "mlp": comp,
-                                 "comm": comm[ctas], "both": t})
+                    rows.append(
+                        {
+                            "M": M,
+                            "I": inter,
+                            "sms": sms,
+                            "ctas": ctas,
+                            "mlp": comp,
+                            "comm": comm[ctas],
+                            "both": t,
+                        }
+                    )
                 if carve is not None:
                     carve(0)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"rows": rows, "device": torch.cuda.get_device_name(dev), "carveout": carve is not None}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {"rows": rows, "device": torch.cuda.get_device_name(dev), "carveout": carve is not None}
+        )
+    )
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
@@ -116,18 +133,25 @@ def main(argv=None) -> int:
         return 2
     ranks = spawn_ranks(_worker, a.ranks, a)
     now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"# GEMM chain vs NCCL all-reduce concurrency, {a.ranks} ranks, {ranks[0]['device']}",
-             "", f"{now:%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {a.blas}, carveout switch "
-             f"{'present' if ranks[0]['carveout'] else 'absent'}; hidden {a.hidden}, {a.layers} "
-             f"layers per graph; `python bench/overlap_probe.py {' '.join(argv)}`", "",
-             "| M | I | carveout SMs | NCCL max_ctas | mlp us | all-reduce us | both us | "
-             "sum/both | overlap |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# GEMM chain vs NCCL all-reduce concurrency, {a.ranks} ranks, {ranks[0]['device']}",
+        "",
+        f"{now:%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {a.blas}, carveout switch "
+        f"{'present' if ranks[0]['carveout'] else 'absent'}; hidden {a.hidden}, {a.layers} "
+        f"layers per graph; `python bench/overlap_probe.py {' '.join(argv)}`",
+        "",
+        "| M | I | carveout SMs | NCCL max_ctas | mlp us | all-reduce us | both us | "
+        "sum/both | overlap |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(ranks[0]["rows"]):
         mlp, comm, both = (max(x["rows"][i][k] for x in ranks) for k in ("mlp", "comm", "both"))
         ov = (mlp + comm - both) / min(mlp, comm)
-        lines.append(f"| {r['M']} | {r['I']} | {r['sms']} | {r['ctas'] or 'default'} | "
-                     f"{mlp:.0f} | {comm:.0f} | {both:.0f} | {(mlp + comm) / both:.2f} | "
-                     f"{ov:.2f} |")
+        lines.append(
+            f"| {r['M']} | {r['I']} | {r['sms']} | {r['ctas'] or 'default'} | "
+            f"{mlp:.0f} | {comm:.0f} | {both:.0f} | {(mlp + comm) / both:.2f} | "
+            f"{ov:.2f} |"
+        )
     publish("\n".join(lines), a.out)
     return 0
 

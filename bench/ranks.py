@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import tempfile
 from pathlib import Path
+
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+"""NVLink multicast stays off on the device machines (their KINDS.md says why); a value already
+set in the environment wins."""
+
+
+def multicast_off() -> None:
+    """Set MULTICAST_OFF in this process's environment, which spawned ranks inherit; NCCL reads
+    it when a communicator is created, so this must run before the process group is."""
+    for k, v in MULTICAST_OFF.items():
+        os.environ.setdefault(k, v)
 
 
 def spawn_ranks(worker, ranks: int, a) -> list[dict]:
@@ -13,6 +29,8 @@ def spawn_ranks(worker, ranks: int, a) -> list[dict]:
     free TCP rendezvous on 127.0.0.1; each rank writes ``out_dir/rank{r}.json``, returned in
     rank order."""
     import torch.multiprocessing as mp
+
+    multicast_off()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         a.init = f"tcp://127.0.0.1:{s.getsockname()[1]}"

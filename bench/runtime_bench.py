@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
+from graphplan.compiler.table import DispatchTable
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
+from graphplan.runtime import GraphRunner
+
+from timing import publish, sync, time_per_call
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs  # noqa: E402
 
-from graphplan.compiler.table import DispatchTable  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
-from timing import sync, time_per_call, publish  # noqa: E402  (bench/ is the script's folder)
-
-DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"     # vLLM default sizes, FULL decode
+DECODE_TABLE = ROOT / "bench" / "tables" / "decode-51.json"  # vLLM default sizes, FULL decode
 LARGEST_TABLE = ROOT / "bench" / "tables" / "decode-512-only.json"  # the largest graph alone
 
 
@@ -52,6 +52,7 @@ def bare_graph(model, batch, device):
             static[k].copy_(v, non_blocking=True)
         g.replay()
         return out
+
     return g, step
 
 
@@ -67,6 +68,7 @@ def capture_stats(model, table_path, device) -> dict:
 def compile_warmup(model, sizes, device, budget_s: float) -> tuple[float, int]:
     """Seconds torch.compile(mode='reduce-overhead') takes to be ready for every size."""
     import torch._dynamo as dynamo
+
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(dynamo.config, name):
             setattr(dynamo.config, name, 1024)
@@ -98,12 +100,28 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    cfg = TinyLlamaConfig(vocab_size=4096, hidden=1024, layers=8, heads=16, kv_heads=4,
-                          intermediate=2816, max_model_len=256, num_cache_rows=512)
+    cfg = TinyLlamaConfig(
+        vocab_size=4096,
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=4,
+        intermediate=2816,
+        max_model_len=256,
+        num_cache_rows=512,
+    )
     batches = [int(b) for b in a.batches.split(",")]
     if a.quick:
-        cfg = TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2,
-                              intermediate=128, max_model_len=64, num_cache_rows=512)
+        cfg = TinyLlamaConfig(
+            vocab_size=256,
+            hidden=64,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            intermediate=128,
+            max_model_len=64,
+            num_cache_rows=512,
+        )
         batches, a.iters, a.repeats = [1, 8], 5, 2
     dtype = torch.bfloat16 if cuda else torch.float32
     model = TinyLlama(cfg, seed=0, device=device, dtype=dtype)
@@ -125,18 +143,24 @@ def main(argv=None) -> int:
             del g, bare
         rows.append((n, t_eager, t_replay, t_bare, t_runner, t_compile))
 
-    lines = [f"# runtime_bench — {datetime.date.today()}",
-             f"device: {torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}"
-             f"; torch {torch.__version__}; model: tiny Llama bf16, {cfg.layers} layers, hidden "
-             f"{cfg.hidden}, vocab {cfg.vocab_size}; uniform decode steps",
-             f"command: python bench/runtime_bench.py {' '.join(sys.argv[1:])}", "",
-             "| batch | eager us | replay() us | bare graph us | runner us | runner/bare | "
-             "eager/runner |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# runtime_bench — {datetime.date.today()}",
+        f"device: {torch.cuda.get_device_name(device) if cuda else platform.processor() or 'cpu'}"
+        f"; torch {torch.__version__}; model: tiny Llama bf16, {cfg.layers} layers, hidden "
+        f"{cfg.hidden}, vocab {cfg.vocab_size}; uniform decode steps",
+        f"command: python bench/runtime_bench.py {' '.join(sys.argv[1:])}",
+        "",
+        "| batch | eager us | replay() us | bare graph us | runner us | runner/bare | "
+        "eager/runner |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     ok = True
     for n, te, tr, tb, tn, _ in rows:
         ratio_bare, speedup = tn / tb if cuda else float("nan"), te / tn
-        lines.append(f"| {n} | {te * 1e6:.1f} | {tr * 1e6:.1f} | {tb * 1e6:.1f} | {tn * 1e6:.1f} | "
-                     f"{ratio_bare:.3f} | {speedup:.2f} |")
+        lines.append(
+            f"| {n} | {te * 1e6:.1f} | {tr * 1e6:.1f} | {tb * 1e6:.1f} | {tn * 1e6:.1f} | "
+            f"{ratio_bare:.3f} | {speedup:.2f} |"
+        )
         if cuda:
             ok &= ratio_bare <= 1.05
             ok &= n > 64 or speedup >= 3
@@ -146,12 +170,14 @@ def main(argv=None) -> int:
         single = capture_stats(model, LARGEST_TABLE, device)
         full = capture_stats(model, DECODE_TABLE, device)
         mem_ratio = full["bytes"] / max(single["bytes"], 1)
-        lines += [f"capture: {full['graphs']} graphs in {full['seconds']:.3f} s, "
-                  f"{full['bytes'] / 2**20:.1f} MiB in the shared pool; largest graph alone "
-                  f"{single['bytes'] / 2**20:.1f} MiB; ratio {mem_ratio:.2f} (bar <= 1.2)",
-                  f"capture memory estimate from the two largest graphs: "
-                  f"{(full['estimate_bytes'] or 0) / 2**20:.1f} MiB "
-                  f"({(full['estimate_error'] or 0):+.1%} vs actual)"]
+        lines += [
+            f"capture: {full['graphs']} graphs in {full['seconds']:.3f} s, "
+            f"{full['bytes'] / 2**20:.1f} MiB in the shared pool; largest graph alone "
+            f"{single['bytes'] / 2**20:.1f} MiB; ratio {mem_ratio:.2f} (bar <= 1.2)",
+            f"capture memory estimate from the two largest graphs: "
+            f"{(full['estimate_bytes'] or 0) / 2**20:.1f} MiB "
+            f"({(full['estimate_error'] or 0):+.1%} vs actual)",
+        ]
         ok &= full["seconds"] <= 2.0 and mem_ratio <= 1.2
         if not a.no_compile:
             sizes = table.capture_sizes
@@ -159,12 +185,15 @@ def main(argv=None) -> int:
             per = secs / done
             est = per * len(sizes)
             note = "" if done == len(sizes) else f" (stopped after {done} sizes; extrapolated)"
-            lines.append(f"torch.compile reduce-overhead warm-up for {len(sizes)} sizes: "
-                         f"{est:.1f} s{note}; graphplan capture / compile = "
-                         f"{full['seconds'] / est:.4f} (bar <= 0.1)")
+            lines.append(
+                f"torch.compile reduce-overhead warm-up for {len(sizes)} sizes: "
+                f"{est:.1f} s{note}; graphplan capture / compile = "
+                f"{full['seconds'] / est:.4f} (bar <= 0.1)"
+            )
             ok &= full["seconds"] <= est / 10
             # steady-state step of the compiled model at each batch, for the side-by-side table
             import torch._dynamo as dynamo
+
             compiled = torch.compile(model, mode="reduce-overhead")
             lines += ["", "| batch | torch.compile reduce-overhead us |", "|---:|---:|"]
             with torch.no_grad():
@@ -173,9 +202,13 @@ def main(argv=None) -> int:
                     t = time_per_call(lambda: compiled(**b), device, a.iters, a.repeats)
                     lines.append(f"| {n} | {t * 1e6:.1f} |")
             dynamo.reset()
-    lines += ["", "bars (H100/H200): runner <= 1.05 x bare graph at every batch; runner >= 3 x "
-              "eager at batch <= 64; 51-graph capture <= 2 s and <= 1/10 of torch.compile warm-up; "
-              "shared-pool memory <= 1.2 x the largest graph", f"result: {'PASS' if ok else 'FAIL'}"]
+    lines += [
+        "",
+        "bars (H100/H200): runner <= 1.05 x bare graph at every batch; runner >= 3 x "
+        "eager at batch <= 64; 51-graph capture <= 2 s and <= 1/10 of torch.compile warm-up; "
+        "shared-pool memory <= 1.2 x the largest graph",
+        f"result: {'PASS' if ok else 'FAIL'}",
+    ]
     publish("\n".join(lines), a.out)
     return 0
 

@@ -8,7 +8,7 @@ alone (reference_generate); a lost or wrong response fails the run (exit 1).
         --out bench/results/server_load_h100.md
 
 Bounded: at most clients x requests requests per mode, none sent after --time-limit seconds. The
-server runs as a subprocess (python -m examples.server), so clients and server do not share a GIL.
+server runs as a subprocess (python -m graphplan.server), so clients and server do not share a GIL.
 """
 
 from __future__ import annotations
@@ -32,39 +32,63 @@ from pathlib import Path
 
 import torch
 
+from graphplan.models.tiny_llama import reference_generate
+from graphplan.server import ModelSpec, build_model, load_table
+from graphplan.server.model import parse_sets
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from examples.server import ModelSpec, build_model, load_table  # noqa: E402
-from examples.server.model import parse_sets  # noqa: E402
-from tiny_llama import reference_generate  # noqa: E402  (examples/ is on the path now)
 
 
 def workload(a, vocab: int) -> list[list[tuple[list[int], int, bool]]]:
     """Per client: (prompt, max_tokens, stream) for each of its requests."""
     rng = random.Random(a.seed)
-    return [[([rng.randrange(vocab) for _ in range(rng.randint(1, a.prompt_len))],
-              rng.randint(max(1, a.max_tokens // 4), a.max_tokens),
-              rng.random() < a.stream_fraction)
-             for _ in range(a.requests)] for _ in range(a.clients)]
+    return [
+        [
+            (
+                [rng.randrange(vocab) for _ in range(rng.randint(1, a.prompt_len))],
+                rng.randint(max(1, a.max_tokens // 4), a.max_tokens),
+                rng.random() < a.stream_fraction,
+            )
+            for _ in range(a.requests)
+        ]
+        for _ in range(a.clients)
+    ]
 
 
 def start_server(a, spec: ModelSpec, sets: list[str], log_path: Path):
-    cmd = [sys.executable, "-m", "examples.server", "--plan", a.plan, "--port", "0",
-           "--device", a.device, "--no-progress", "--layers", str(spec.layers),
-           "--hidden", str(spec.hidden), "--vocab-size", str(spec.vocab_size),
-           "--max-model-len", str(spec.max_model_len), "--dtype", spec.dtype,
-           "--seed", str(spec.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphplan.server",
+        "--plan",
+        a.plan,
+        "--port",
+        "0",
+        "--device",
+        a.device,
+        "--no-progress",
+        "--layers",
+        str(spec.layers),
+        "--hidden",
+        str(spec.hidden),
+        "--vocab-size",
+        str(spec.vocab_size),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--dtype",
+        spec.dtype,
+        "--seed",
+        str(spec.seed),
+    ]
     for s in sets:
         cmd += ["--set", s]
     return run_server(cmd, log_path, a.startup_timeout)
 
 
 def run_server(cmd: list[str], log_path: Path, startup_timeout: float):
-    """Start ``python -m examples.server ...`` (``cmd``) from the repo root on port 0; returns
+    """Start ``python -m graphplan.server ...`` (``cmd``) from the repo root on port 0; returns
     (process, port) once /healthz answers 200. Its log goes to ``log_path``."""
-    path = os.pathsep.join([str(ROOT), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     log = open(log_path, "w")
 
@@ -74,6 +98,7 @@ def run_server(cmd: list[str], log_path: Path, startup_timeout: float):
             log.flush()
             lines.put(line)
         lines.put(None)
+
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
@@ -107,9 +132,12 @@ def get(port: int, path: str):
 
 
 def post_generate(conn, prompt, max_tokens, stream) -> list[int]:
-    conn.request("POST", "/generate", json.dumps(
-        {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}),
-        {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/generate",
+        json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": stream}),
+        {"Content-Type": "application/json"},
+    )
     r = conn.getresponse()
     text = r.read().decode()
     if r.status != 200:
@@ -138,7 +166,7 @@ def run_clients(port, work, expected, deadline) -> dict:
             t0 = time.perf_counter()
             try:
                 out = post_generate(conn, prompt, n, stream)
-            except Exception as e:  # noqa: BLE001 - counted as lost, then reconnect
+            except Exception as e:
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
                 with lock:
@@ -153,6 +181,7 @@ def run_clients(port, work, expected, deadline) -> dict:
                 else:
                     res["wrong"].append((c, i, out))
         conn.close()
+
     res["seconds"] = run_threads(client, len(work))
     return res
 
@@ -173,13 +202,17 @@ def scrape(port: int) -> dict:
 
     def total(name):
         return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
     steps = total("graphplan_server_step_seconds_count")
-    return {"replays": int(total("graphplan_graph_replays_total")),
-            "eager": int(total("graphplan_eager_steps_total")),
-            "padding": int(total("graphplan_graph_padding_tokens_total")),
-            "tokens": int(total("graphplan_server_step_tokens_total")),
-            "steps": int(steps), "step_s": total("graphplan_server_step_seconds_sum"),
-            "graphs": int(total("graphplan_captured_graphs"))}
+    return {
+        "replays": int(total("graphplan_graph_replays_total")),
+        "eager": int(total("graphplan_eager_steps_total")),
+        "padding": int(total("graphplan_graph_padding_tokens_total")),
+        "tokens": int(total("graphplan_server_step_tokens_total")),
+        "steps": int(steps),
+        "step_s": total("graphplan_server_step_seconds_sum"),
+        "graphs": int(total("graphplan_captured_graphs")),
+    }
 
 
 @torch.no_grad()
@@ -190,7 +223,8 @@ def diverges(model, prompt, got, want) -> str:
     i = next(k for k, (a, b) in enumerate(zip_longest(got, want)) if a != b)
     if i >= min(len(got), len(want)):
         return f"{len(got)} tokens, expected {len(want)}"
-    from tiny_llama import make_batch
+    from graphplan.models.tiny_llama import make_batch
+
     logits = model(**make_batch(model, [(0, 0, prompt + want[:i])]))[-1]
     gap = float(logits[want[i]] - logits[got[i]])
     return f"token {i}: got {got[i]}, expected {want[i]}; reference logit gap {gap:.2e}"
@@ -222,8 +256,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--out", help="also write the report (markdown) here")
     a = p.parse_args(argv)
-    spec = ModelSpec(layers=a.layers, hidden=a.hidden, vocab_size=a.vocab_size,
-                     max_model_len=a.max_model_len, seed=a.seed, dtype=a.dtype)
+    spec = ModelSpec(
+        layers=a.layers,
+        hidden=a.hidden,
+        vocab_size=a.vocab_size,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        dtype=a.dtype,
+    )
     table = load_table(a.plan)
     work = workload(a, spec.vocab_size)
     t0 = time.perf_counter()
@@ -245,17 +285,32 @@ def main(argv=None) -> int:
         finally:
             proc.terminate()
             rc = proc.wait(60)
-        m = {k: after[k] - before[k] for k in ("replays", "eager", "padding", "tokens", "steps",
-                                                "step_s")}
+        m = {
+            k: after[k] - before[k]
+            for k in ("replays", "eager", "padding", "tokens", "steps", "step_s")
+        }
         steps = max(m["steps"], 1)
-        rows.append({"mode": mode, "sent": len(r["lat"]) + len(r["lost"]), "ok": r["ok"],
-                     "lost": len(r["lost"]), "wrong": len(r["wrong"]),
-                     "tok_s": r["tokens"] / r["seconds"], "req_s": len(r["lat"]) / r["seconds"],
-                     "p50": pct(r["lat"], 50) * 1e3, "p90": pct(r["lat"], 90) * 1e3,
-                     "p99": pct(r["lat"], 99) * 1e3, "graphs": after["graphs"],
-                     "replay_pct": 100 * m["replays"] / steps, "eager": m["eager"],
-                     "pad_pct": 100 * m["padding"] / max(m["padding"] + m["tokens"], 1),
-                     "step_ms": 1e3 * m["step_s"] / steps, "exit": rc, "not_sent": r["not_sent"]})
+        rows.append(
+            {
+                "mode": mode,
+                "sent": len(r["lat"]) + len(r["lost"]),
+                "ok": r["ok"],
+                "lost": len(r["lost"]),
+                "wrong": len(r["wrong"]),
+                "tok_s": r["tokens"] / r["seconds"],
+                "req_s": len(r["lat"]) / r["seconds"],
+                "p50": pct(r["lat"], 50) * 1e3,
+                "p90": pct(r["lat"], 90) * 1e3,
+                "p99": pct(r["lat"], 99) * 1e3,
+                "graphs": after["graphs"],
+                "replay_pct": 100 * m["replays"] / steps,
+                "eager": m["eager"],
+                "pad_pct": 100 * m["padding"] / max(m["padding"] + m["tokens"], 1),
+                "step_ms": 1e3 * m["step_s"] / steps,
+                "exit": rc,
+                "not_sent": r["not_sent"],
+            }
+        )
         for msg in r["lost"][:5]:
             print(f"{mode}: lost {msg}", file=sys.stderr)
         for c, i, out in r["wrong"][:5]:
@@ -270,34 +325,48 @@ def main(argv=None) -> int:
 
 
 def report(a, argv, rows, ref_s) -> str:
-    dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else \
-        (platform.processor() or platform.machine()) + f", {os.cpu_count()} CPUs"
+    dev = (
+        torch.cuda.get_device_name()
+        if a.device.startswith("cuda")
+        else (platform.processor() or platform.machine()) + f", {os.cpu_count()} CPUs"
+    )
     cmd = "python bench/server_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    out = [f"# Server load test: {a.clients} clients x {a.requests} requests, graphs vs eager", "",
-           f"- device: {dev}; torch {torch.__version__}; {datetime.date.today().isoformat()}",
-           f"- command: `{cmd}`",
-           f"- model: {a.layers} layers, hidden {a.hidden}, vocab {a.vocab_size}, {a.dtype}; plan "
-           f"{a.plan}; prompts 1..{a.prompt_len} tokens, max_tokens {max(1, a.max_tokens // 4)}.."
-           f"{a.max_tokens}, {a.stream_fraction:.0%} streamed",
-           f"- every response compared with reference_generate of its prompt alone "
-           f"({ref_s:.1f} s to compute)", "",
-           "| mode | ok/sent | lost | wrong | tokens/s | req/s | p50 ms | p90 ms | p99 ms | "
-           "graphs | steps replayed | eager steps | padding | mean step ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"# Server load test: {a.clients} clients x {a.requests} requests, graphs vs eager",
+        "",
+        f"- device: {dev}; torch {torch.__version__}; {datetime.date.today().isoformat()}",
+        f"- command: `{cmd}`",
+        f"- model: {a.layers} layers, hidden {a.hidden}, vocab {a.vocab_size}, {a.dtype}; plan "
+        f"{a.plan}; prompts 1..{a.prompt_len} tokens, max_tokens {max(1, a.max_tokens // 4)}.."
+        f"{a.max_tokens}, {a.stream_fraction:.0%} streamed",
+        f"- every response compared with reference_generate of its prompt alone "
+        f"({ref_s:.1f} s to compute)",
+        "",
+        "| mode | ok/sent | lost | wrong | tokens/s | req/s | p50 ms | p90 ms | p99 ms | "
+        "graphs | steps replayed | eager steps | padding | mean step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['mode']} | {r['ok']}/{r['sent']} | {r['lost']} | {r['wrong']} | "
-                   f"{r['tok_s']:.0f} | {r['req_s']:.1f} | {r['p50']:.0f} | {r['p90']:.0f} | "
-                   f"{r['p99']:.0f} | {r['graphs']} | {r['replay_pct']:.0f}% | {r['eager']} | "
-                   f"{r['pad_pct']:.0f}% | {r['step_ms']:.2f} |")
+        out.append(
+            f"| {r['mode']} | {r['ok']}/{r['sent']} | {r['lost']} | {r['wrong']} | "
+            f"{r['tok_s']:.0f} | {r['req_s']:.1f} | {r['p50']:.0f} | {r['p90']:.0f} | "
+            f"{r['p99']:.0f} | {r['graphs']} | {r['replay_pct']:.0f}% | {r['eager']} | "
+            f"{r['pad_pct']:.0f}% | {r['step_ms']:.2f} |"
+        )
     by = {r["mode"]: r for r in rows}
     if "graphs" in by and "eager" in by:
         g, e = by["graphs"], by["eager"]
-        out += ["", f"graphs / eager: throughput x{g['tok_s'] / e['tok_s']:.2f}, "
-                f"p50 latency x{g['p50'] / e['p50']:.2f}, "
-                f"mean step x{g['step_ms'] / e['step_ms']:.2f}"]
+        out += [
+            "",
+            f"graphs / eager: throughput x{g['tok_s'] / e['tok_s']:.2f}, "
+            f"p50 latency x{g['p50'] / e['p50']:.2f}, "
+            f"mean step x{g['step_ms'] / e['step_ms']:.2f}",
+        ]
     if not a.device.startswith("cuda"):
-        out.append("On the CPU the runner replays its graph stand-in (it re-runs the recorded "
-                   "call), so the ratio checks the plumbing, not what CUDA graphs save.")
+        out.append(
+            "On the CPU the runner replays its graph stand-in (it re-runs the recorded "
+            "call), so the ratio checks the plumbing, not what CUDA graphs save."
+        )
     if any(r["not_sent"] for r in rows):
         left = ", ".join(f"{r['mode']} {r['not_sent']}" for r in rows)
         out.append(f"not sent (time limit): {left}")

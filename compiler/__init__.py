@@ -6,16 +6,30 @@ runtime uses) stays light.
 
 from __future__ import annotations
 
-from graphplan.compiler.errors import (BatchError, Diagnostic, GraphplanError, OutputError, PlanError,
-                             TableError)
-from graphplan.compiler.records import (BatchDescriptor, CudagraphMode, Graph, RuntimeMode,
-                                        TableSettings, Why)
-from graphplan.compiler.table import DispatchTable, Route
-from graphplan.compiler.table_format import COMPILER_VERSION as __version__
+from .errors import BatchError, Diagnostic, GraphplanError, OutputError, PlanError, TableError
+from .records import BatchDescriptor, CudagraphMode, Graph, RuntimeMode, TableSettings, Why
+from .table import DispatchTable, Route
+from .table_format import COMPILER_VERSION as __version__
 
-__all__ = ["compile_plan", "load_plan", "DispatchTable", "Route", "BatchDescriptor", "Graph",
-           "RuntimeMode", "CudagraphMode", "TableSettings", "Why", "Diagnostic", "GraphplanError", "PlanError", "TableError",
-           "BatchError", "OutputError", "__version__"]
+__all__ = [
+    "compile_plan",
+    "load_plan",
+    "DispatchTable",
+    "Route",
+    "BatchDescriptor",
+    "Graph",
+    "RuntimeMode",
+    "CudagraphMode",
+    "TableSettings",
+    "Why",
+    "Diagnostic",
+    "GraphplanError",
+    "PlanError",
+    "TableError",
+    "BatchError",
+    "OutputError",
+    "__version__",
+]
 
 
 def compile_plan(source, overrides: dict | None = None) -> DispatchTable:
@@ -29,7 +43,8 @@ def compile_plan(source, overrides: dict | None = None) -> DispatchTable:
 
 def compile_loaded(loaded):
     """(table, located diagnostics) for a LoadedPlan; the CLI prints the diagnostics."""
-    from graphplan.compiler.resolve import resolve
+    from .resolve import resolve
+
     try:
         parts, diags = resolve(loaded.spec, loaded.plan)
     except PlanError as e:
@@ -38,5 +53,6 @@ def compile_loaded(loaded):
 
 
 def load_plan(source, overrides: dict | None = None):
-    from graphplan.compiler.load import load_plan as _load
+    from .load import load_plan as _load
+
     return _load(source, overrides)

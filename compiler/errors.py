@@ -33,8 +33,13 @@ class Diagnostic:
         return f"{where}: {self.severity}[{self.code}]: {path}{self.message}{hint}"
 
     def to_json(self) -> dict:
-        return {"code": self.code, "severity": self.severity, "path": self.path,
-                "message": self.message, "hint": self.hint}
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "path": self.path,
+            "message": self.message,
+            "hint": self.hint,
+        }
 
 
 class GraphplanError(Exception):
@@ -73,9 +78,13 @@ def did_you_mean(word: object, choices) -> str:
         return ""
     found = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
     if not found:
-        found = [c for c in map(str, choices) if c.lower() == word.lower() or c.startswith(word)][:1]
+        found = [c for c in map(str, choices) if c.lower() == word.lower() or c.startswith(word)][
+            :1
+        ]
     return f"did you mean '{found[0]}'?" if found else ""
 
 
 def plan_error(code: str, path: str, message: str, hint: str = "") -> PlanError:
-    return PlanError([Diagnostic(code=code, path=path, message=message, hint=hint, severity="error")])
+    return PlanError(
+        [Diagnostic(code=code, path=path, message=message, hint=hint, severity="error")]
+    )

@@ -8,24 +8,30 @@ import os
 import tempfile
 from pathlib import Path
 
-from graphplan.compiler.errors import OutputError
-from graphplan.compiler.limits import read_regular_file
+from .errors import OutputError
+from .limits import read_regular_file
 
 MAX_JSON_BYTES = 64 << 20
 """Largest table or profile read (64 MiB; the 64K-token, LoRA-8, DP-8 plan's table is ~1 MiB)."""
 
 
 def canonical_json(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode()
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: str,
-              limit: int = MAX_JSON_BYTES):
+def read_json(
+    path: str | os.PathLike,
+    error: type[Exception],
+    what: str,
+    hint: str,
+    limit: int = MAX_JSON_BYTES,
+):
     """Parse a JSON file; every failure is ``error`` naming the file, the problem and ``hint``.
     Only regular files are read, their size checked before reading; NaN/Infinity, integers of
     more than 4300 digits and nesting deeper than the interpreter allows are refused."""
@@ -36,8 +42,10 @@ def read_json(path: str | os.PathLike, error: type[Exception], what: str, hint: 
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{p}: not a graphplan {what}: not JSON ({e}); {hint}") from None
     except (ValueError, RecursionError) as e:
-        raise error(f"{p}: not a graphplan {what}: {str(e).splitlines()[0] if str(e) else 'nested too deeply'}"
-                    f"; {hint}") from None
+        raise error(
+            f"{p}: not a graphplan {what}: {str(e).splitlines()[0] if str(e) else 'nested too deeply'}"
+            f"; {hint}"
+        ) from None
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -47,8 +55,9 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
     except OSError as e:
-        raise OutputError(f"{p}: cannot write here ({e.strerror or e}); choose a writable "
-                          "directory with -o") from None
+        raise OutputError(
+            f"{p}: cannot write here ({e.strerror or e}); choose a writable directory with -o"
+        ) from None
     try:
         umask = os.umask(0)
         os.umask(umask)

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from graphplan.compiler.errors import Diagnostic, PlanError
+from .errors import Diagnostic, PlanError
 
 MAX_PLAN_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 32
@@ -28,23 +28,44 @@ MAX_INT_BITS = 1000
 turn a 5000-digit number into text); the schema's maximums then bound the rest."""
 
 
-def fail(file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0,
-         path: str = ""):
-    raise PlanError([Diagnostic(code=code, message=message, hint=hint, severity="error",
-                                file=file, line=line, col=col, path=path)])
+def fail(
+    file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0, path: str = ""
+):
+    raise PlanError(
+        [
+            Diagnostic(
+                code=code,
+                message=message,
+                hint=hint,
+                severity="error",
+                file=file,
+                line=line,
+                col=col,
+                path=path,
+            )
+        ]
+    )
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_regular_file(path: Path, limit: int = MAX_PLAN_BYTES, what: str = "plan",
-                      hint: str = "give a plan file, e.g. plans/llama3-8b-h100.yaml",
-                      error: type[Exception] | None = None) -> bytes:
+def read_regular_file(
+    path: Path,
+    limit: int = MAX_PLAN_BYTES,
+    what: str = "plan",
+    hint: str = "give a plan file, e.g. plans/llama3-8b-h100.yaml",
+    error: type[Exception] | None = None,
+) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes: FIFOs, devices and sockets are
     refused before they are opened for reading, the size is checked before reading, and at most
     ``limit + 1`` bytes are ever read. Failures are PlanErrors naming the file (or ``error``
@@ -55,8 +76,9 @@ def read_regular_file(path: Path, limit: int = MAX_PLAN_BYTES, what: str = "plan
         return _read_regular(Path(path), limit, what, hint)
     except PlanError as e:
         d = e.diagnostics[0]
-        raise error(f"{d.file}: cannot read {what}: {d.message}"
-                    + (f" ({d.hint})" if d.hint else "")) from None
+        raise error(
+            f"{d.file}: cannot read {what}: {d.message}" + (f" ({d.hint})" if d.hint else "")
+        ) from None
 
 
 def _read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
@@ -64,8 +86,12 @@ def _read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        fail(f, "not-found", "no such file",
-             "check the path; shipped plans are in plans/" if what == "plan" else hint)
+        fail(
+            f,
+            "not-found",
+            "no such file",
+            "check the path; shipped plans are in plans/" if what == "plan" else hint,
+        )
     except OSError as e:
         fail(f, "unreadable", f"cannot read: {e.strerror or e}")
     if stat.S_ISDIR(st.st_mode):
@@ -81,8 +107,9 @@ def _read_regular(path: Path, limit: int, what: str, hint: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            fail(f, "not-a-file", f"is {_kind(st.st_mode)}; graphplan reads only regular files",
-                 hint)
+            fail(
+                f, "not-a-file", f"is {_kind(st.st_mode)}; graphplan reads only regular files", hint
+            )
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, min(1 << 20, limit + 1 - size))
@@ -112,8 +139,13 @@ def check_value(value, file: str, path: str = "") -> None:
             fail(file, "too-large", f"more than {MAX_NODES} values", "plans are small", path=path)
         if isinstance(v, (dict, list, tuple)):
             if depth >= MAX_DEPTH:
-                fail(file, "too-deep", f"nested more than {MAX_DEPTH} levels",
-                     "plans nest a few levels", path=path)
+                fail(
+                    file,
+                    "too-deep",
+                    f"nested more than {MAX_DEPTH} levels",
+                    "plans nest a few levels",
+                    path=path,
+                )
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, child in items:
                 if isinstance(k, str):
@@ -126,13 +158,24 @@ def check_value(value, file: str, path: str = "") -> None:
             pass
         elif isinstance(v, int):
             if v.bit_length() > MAX_INT_BITS:
-                fail(file, "out-of-range", f"an integer of {v.bit_length()} bits; plan integers "
-                     f"are far below 2**{MAX_INT_BITS}", "use a plan-sized number", path=where)
+                fail(
+                    file,
+                    "out-of-range",
+                    f"an integer of {v.bit_length()} bits; plan integers "
+                    f"are far below 2**{MAX_INT_BITS}",
+                    "use a plan-sized number",
+                    path=where,
+                )
         elif isinstance(v, float):
             if not math.isfinite(v):
-                fail(file, "not-finite", f"{v} is not a finite number", "write a number",
-                     path=where)
+                fail(
+                    file, "not-finite", f"{v} is not a finite number", "write a number", path=where
+                )
         if chars > MAX_PLAN_BYTES:
-            fail(file, "too-large", f"more than {MAX_PLAN_BYTES} characters of text",
-                 "plans are small", path=path)
-
+            fail(
+                file,
+                "too-large",
+                f"more than {MAX_PLAN_BYTES} characters of text",
+                "plans are small",
+                path=path,
+            )

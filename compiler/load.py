@@ -11,11 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from graphplan.compiler.errors import Diagnostic, PlanError
-from graphplan.compiler.limits import (MAX_DEPTH, MAX_NODES, MAX_PLAN_BYTES, check_value,
-                                       read_regular_file)
-from graphplan.compiler.schema import fill_defaults, schema_errors
-from graphplan.compiler.spec import PlanSpec, plan_from_dict
+from .errors import Diagnostic, PlanError
+from .limits import MAX_DEPTH, MAX_NODES, MAX_PLAN_BYTES, check_value, read_regular_file
+from .schema import fill_defaults, schema_errors
+from .spec import PlanSpec, plan_from_dict
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -36,8 +35,19 @@ class LoadedPlan:
 
 
 def _fail(file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0):
-    raise PlanError([Diagnostic(code=code, message=message, hint=hint, severity="error",
-                                file=file, line=line, col=col)])
+    raise PlanError(
+        [
+            Diagnostic(
+                code=code,
+                message=message,
+                hint=hint,
+                severity="error",
+                file=file,
+                line=line,
+                col=col,
+            )
+        ]
+    )
 
 
 def read_text(path: Path) -> str:
@@ -46,10 +56,16 @@ def read_text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        _fail(f, "not-utf8", f"byte 0x{raw[e.start]:02x} is not UTF-8", "save the plan as UTF-8",
-              line, col)
+        _fail(
+            f,
+            "not-utf8",
+            f"byte 0x{raw[e.start]:02x} is not UTF-8",
+            "save the plan as UTF-8",
+            line,
+            col,
+        )
 
 
 _INT_TAG = "tag:yaml.org,2002:int"
@@ -62,8 +78,14 @@ def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
     walk = {"open": set(), "size": {}, "total": 0} if walk is None else walk
     out.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
     if id(node) in walk["open"]:
-        _fail(file, "recursive-alias", "an alias refers to a node that contains it",
-              "remove the alias", node.start_mark.line + 1, node.start_mark.column + 1)
+        _fail(
+            file,
+            "recursive-alias",
+            "an alias refers to a node that contains it",
+            "remove the alias",
+            node.start_mark.line + 1,
+            node.start_mark.column + 1,
+        )
     if id(node) in walk["size"]:  # an alias seen before: count its expansion, positions known
         walk["total"] += walk["size"][id(node)]
     else:
@@ -74,30 +96,52 @@ def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
             seen = {}
             for k, v in node.value:
                 if not isinstance(k, yaml.ScalarNode):
-                    _fail(file, "bad-key", "a key must be a plain word, not a list or mapping",
-                          "write `name: value`", k.start_mark.line + 1, k.start_mark.column + 1)
+                    _fail(
+                        file,
+                        "bad-key",
+                        "a key must be a plain word, not a list or mapping",
+                        "write `name: value`",
+                        k.start_mark.line + 1,
+                        k.start_mark.column + 1,
+                    )
                 key = k.value
                 if key in seen:
-                    _fail(file, "duplicate-key", f"key '{key}' appears twice (first at line "
-                          f"{seen[key]})", "remove one of them", k.start_mark.line + 1,
-                          k.start_mark.column + 1)
+                    _fail(
+                        file,
+                        "duplicate-key",
+                        f"key '{key}' appears twice (first at line {seen[key]})",
+                        "remove one of them",
+                        k.start_mark.line + 1,
+                        k.start_mark.column + 1,
+                    )
                 seen[key] = k.start_mark.line + 1
-                out.setdefault(path + (key, "<key>"),
-                               (k.start_mark.line + 1, k.start_mark.column + 1))
+                out.setdefault(
+                    path + (key, "<key>"), (k.start_mark.line + 1, k.start_mark.column + 1)
+                )
                 _positions(v, path + (key,), out, file, walk)
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
                 _positions(v, path + (i,), out, file, walk)
         elif node.tag == _INT_TAG and len(node.value) > 300:  # int("9" * 5000) is a ValueError
-            _fail(file, "out-of-range", f"a {len(node.value)}-character integer; plan integers "
-                  "have a few digits", "use a plan-sized number", node.start_mark.line + 1,
-                  node.start_mark.column + 1)
+            _fail(
+                file,
+                "out-of-range",
+                f"a {len(node.value)}-character integer; plan integers have a few digits",
+                "use a plan-sized number",
+                node.start_mark.line + 1,
+                node.start_mark.column + 1,
+            )
         walk["open"].discard(id(node))
         walk["size"][id(node)] = walk["total"] - before
     if walk["total"] > MAX_NODES:
-        _fail(file, "too-large", f"more than {MAX_NODES} values (aliases expanded)",
-              "plans are small: use a preset or ranges, and no nested aliases",
-              node.start_mark.line + 1, node.start_mark.column + 1)
+        _fail(
+            file,
+            "too-large",
+            f"more than {MAX_NODES} values (aliases expanded)",
+            "plans are small: use a preset or ranges, and no nested aliases",
+            node.start_mark.line + 1,
+            node.start_mark.column + 1,
+        )
     return out
 
 
@@ -109,8 +153,14 @@ def _check_depth(text: str, file: str) -> None:
         if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
             depth += 1
             if depth > MAX_DEPTH:
-                _fail(file, "too-deep", f"nested more than {MAX_DEPTH} levels",
-                      "plans nest a few levels", ev.start_mark.line + 1, ev.start_mark.column + 1)
+                _fail(
+                    file,
+                    "too-deep",
+                    f"nested more than {MAX_DEPTH} levels",
+                    "plans nest a few levels",
+                    ev.start_mark.line + 1,
+                    ev.start_mark.column + 1,
+                )
         elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             depth -= 1
 
@@ -121,15 +171,25 @@ def parse_yaml(text: str, file: str) -> tuple[object, dict]:
         _check_depth(text, file)
         node = loader.get_single_node()
         if node is None:
-            _fail(file, "empty", "the plan is empty",
-                  "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
+            _fail(
+                file,
+                "empty",
+                "the plan is empty",
+                "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml",
+            )
         positions = _positions(node, file=file)
         data = loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e)
-        _fail(file, "yaml", f"invalid YAML: {problem}", "check indentation, colons and quotes",
-              mark.line + 1 if mark else 0, mark.column + 1 if mark else 0)
+        _fail(
+            file,
+            "yaml",
+            f"invalid YAML: {problem}",
+            "check indentation, colons and quotes",
+            mark.line + 1 if mark else 0,
+            mark.column + 1 if mark else 0,
+        )
     finally:
         loader.dispose()
     return data, positions
@@ -161,8 +221,12 @@ def check_overrides(overrides: dict, file: str) -> None:
     """``--set`` values (and API/server dicts) get the bounds of the plan file."""
     for key, value in overrides.items():
         if not isinstance(key, str) or not key or len(key) > 256:
-            _fail(file, "bad-override", f"--set {str(key)[:64]!r}: a key is a dotted plan path or "
-                  "a template variable name", "e.g. --set scheduler.max_num_seqs=128")
+            _fail(
+                file,
+                "bad-override",
+                f"--set {str(key)[:64]!r}: a key is a dotted plan path or a template variable name",
+                "e.g. --set scheduler.max_num_seqs=128",
+            )
         check_value(value, file, key)
 
 
@@ -217,12 +281,17 @@ def read_plan(path: Path, overrides: dict) -> tuple[str, object, dict]:
     check_overrides(overrides, file)
     text = read_text(path)
     if path.name.endswith(".j2"):
-        from graphplan.compiler.template import render  # Jinja2 only when a template is used
+        from .template import render  # Jinja2 only when a template is used
+
         text = render(text, overrides, file)
         overrides = {}
     if not text.strip():
-        _fail(file, "empty", "the plan is empty",
-              "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml")
+        _fail(
+            file,
+            "empty",
+            "the plan is empty",
+            "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml",
+        )
     data, positions = parse_yaml(text, file)
     _locate_bounds(data, positions, file)
     if overrides:
@@ -244,17 +313,35 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
         file = str(source)
         _, data, positions = read_plan(Path(source), overrides)
     else:
-        raise TypeError(f"compile_plan: source must be a path or a dict, not {type(source).__name__}")
+        raise TypeError(
+            f"compile_plan: source must be a path or a dict, not {type(source).__name__}"
+        )
     if not isinstance(data, dict):
-        _fail(file, "not-a-mapping", f"the plan must be a mapping of keys to values, not "
-              f"{type(data).__name__}", "start with `version: 1` and `name: ...`", 1, 1)
+        _fail(
+            file,
+            "not-a-mapping",
+            f"the plan must be a mapping of keys to values, not {type(data).__name__}",
+            "start with `version: 1` and `name: ...`",
+            1,
+            1,
+        )
     errors = schema_errors(data)
     if errors:
         located = []
         for path, code, message, hint in errors:
             line, col = _position(positions, path)
-            located.append(Diagnostic(code=code, path=_dotted(path), message=message, hint=hint,
-                                      severity="error", file=file, line=line, col=col))
+            located.append(
+                Diagnostic(
+                    code=code,
+                    path=_dotted(path),
+                    message=message,
+                    hint=hint,
+                    severity="error",
+                    file=file,
+                    line=line,
+                    col=col,
+                )
+            )
         raise PlanError(sorted(located, key=lambda d: (d.line, d.col)))
     plan = fill_defaults(data)
     return LoadedPlan(spec=plan_from_dict(plan), plan=plan, file=file, positions=positions)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphplan.compiler.errors import Diagnostic, PlanError
-from graphplan.compiler.modes import resolve_mode
-from graphplan.compiler.sizes import resolve_sizes
-from graphplan.compiler.records import (ROUTINES, BatchDescriptor, CudagraphMode, Graph, RuntimeMode,
-                                        TableSettings, UbatchSettings)
-from graphplan.compiler.spec import LoraSpec, PlanSpec, plan_from_dict
+from .errors import Diagnostic, PlanError
+from .modes import resolve_mode
+from .records import (
+    ROUTINES,
+    BatchDescriptor,
+    CudagraphMode,
+    Graph,
+    RuntimeMode,
+    TableSettings,
+    UbatchSettings,
+)
+from .sizes import resolve_sizes
+from .spec import LoraSpec, PlanSpec, plan_from_dict
 
 STRICT_CODES = frozenset({"mode-downgrade", "size-dropped", "size-rounded"})
 """Diagnostics that ``strict: true`` turns into errors: each loses throughput silently."""
@@ -22,35 +29,56 @@ def check_rules(spec: PlanSpec) -> list[Diagnostic]:
     warnings: list[Diagnostic] = []
 
     def error(code: str, path: str, message: str, hint: str) -> None:
-        errors.append(Diagnostic(code=code, path=path, message=message, hint=hint, severity="error"))
+        errors.append(
+            Diagnostic(code=code, path=path, message=message, hint=hint, severity="error")
+        )
 
     if s.max_num_batched_tokens < s.max_num_seqs:
-        error("tokens-below-seqs", "scheduler.max_num_batched_tokens",
-              f"{s.max_num_batched_tokens} is below max_num_seqs={s.max_num_seqs}; every request "
-              "needs at least one token per step", f"raise it to at least {s.max_num_seqs}")
+        error(
+            "tokens-below-seqs",
+            "scheduler.max_num_batched_tokens",
+            f"{s.max_num_batched_tokens} is below max_num_seqs={s.max_num_seqs}; every request "
+            "needs at least one token per step",
+            f"raise it to at least {s.max_num_seqs}",
+        )
     if s.decode_query_len > s.max_num_batched_tokens:
-        error("query-len-above-tokens", "scheduler.decode_query_len",
-              f"{s.decode_query_len} exceeds max_num_batched_tokens={s.max_num_batched_tokens}",
-              "lower the number of speculative tokens")
+        error(
+            "query-len-above-tokens",
+            "scheduler.decode_query_len",
+            f"{s.decode_query_len} exceeds max_num_batched_tokens={s.max_num_batched_tokens}",
+            "lower the number of speculative tokens",
+        )
     elif s.decode_query_len * s.max_num_seqs > s.max_num_batched_tokens:
-        warnings.append(Diagnostic(
-            code="decode-capped", path="scheduler.decode_query_len",
-            message=f"a decode step of all max_num_seqs={s.max_num_seqs} requests needs "
-                    f"{s.decode_query_len * s.max_num_seqs} tokens > max_num_batched_tokens="
-                    f"{s.max_num_batched_tokens}; at most {s.max_num_batched_tokens // s.decode_query_len}"
-                    " requests decode together",
-            hint="raise max_num_batched_tokens or lower max_num_seqs"))
+        warnings.append(
+            Diagnostic(
+                code="decode-capped",
+                path="scheduler.decode_query_len",
+                message=f"a decode step of all max_num_seqs={s.max_num_seqs} requests needs "
+                f"{s.decode_query_len * s.max_num_seqs} tokens > max_num_batched_tokens="
+                f"{s.max_num_batched_tokens}; at most {s.max_num_batched_tokens // s.decode_query_len}"
+                " requests decode together",
+                hint="raise max_num_batched_tokens or lower max_num_seqs",
+            )
+        )
     if ub.enabled:
         if spec.parallel.data_parallel_size < 2:
-            error("ubatch-needs-dp", "parallel.ubatch.enabled",
-                  "micro-batching (DBO) overlaps the communication between DP ranks, and "
-                  "data_parallel_size is 1", "set parallel.data_parallel_size >= 2 or disable ubatch")
+            error(
+                "ubatch-needs-dp",
+                "parallel.ubatch.enabled",
+                "micro-batching (DBO) overlaps the communication between DP ranks, and "
+                "data_parallel_size is 1",
+                "set parallel.data_parallel_size >= 2 or disable ubatch",
+            )
         for name in ("decode_token_threshold", "prefill_token_threshold"):
             value = getattr(ub, name)
             if value < ub.num_ubatches:
-                error("ubatch-threshold", f"parallel.ubatch.{name}",
-                      f"{value} is below num_ubatches={ub.num_ubatches}: a micro-batch would be "
-                      "empty", f"set it to at least {ub.num_ubatches}")
+                error(
+                    "ubatch-threshold",
+                    f"parallel.ubatch.{name}",
+                    f"{value} is below num_ubatches={ub.num_ubatches}: a micro-batch would be "
+                    "empty",
+                    f"set it to at least {ub.num_ubatches}",
+                )
     if errors:
         raise PlanError(errors)
     return warnings
@@ -71,8 +99,9 @@ def lora_cases(lora: LoraSpec) -> tuple[list[int], list[int]]:
     return cases, of_count
 
 
-def graph_keys(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]
-               ) -> list[tuple[str, RuntimeMode, BatchDescriptor]]:
+def graph_keys(
+    spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]
+) -> list[tuple[str, RuntimeMode, BatchDescriptor]]:
     """Every graph to capture, unordered: (routine, mode, key)."""
     q, seqs = spec.scheduler.decode_query_len, spec.scheduler.max_num_seqs
     ub = spec.parallel.ubatch
@@ -82,46 +111,94 @@ def graph_keys(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: lis
         has = lora > 0
         for s in sizes:
             if mode.mixed_mode is RuntimeMode.FULL:
-                out.append(("full_mixed", RuntimeMode.FULL, BatchDescriptor(
-                    num_tokens=s, num_reqs=min(s, seqs), uniform=False, has_lora=has,
-                    num_active_loras=lora)))
+                out.append(
+                    (
+                        "full_mixed",
+                        RuntimeMode.FULL,
+                        BatchDescriptor(
+                            num_tokens=s,
+                            num_reqs=min(s, seqs),
+                            uniform=False,
+                            has_lora=has,
+                            num_active_loras=lora,
+                        ),
+                    )
+                )
             elif mode.mixed_mode is RuntimeMode.PIECEWISE:
-                out.append(("piecewise", RuntimeMode.PIECEWISE, BatchDescriptor(
-                    num_tokens=s, num_reqs=None, uniform=False, has_lora=has, num_active_loras=lora)))
+                out.append(
+                    (
+                        "piecewise",
+                        RuntimeMode.PIECEWISE,
+                        BatchDescriptor(
+                            num_tokens=s,
+                            num_reqs=None,
+                            uniform=False,
+                            has_lora=has,
+                            num_active_loras=lora,
+                        ),
+                    )
+                )
         if mode.decode_mode is not RuntimeMode.FULL:
             continue
         for s in decode_sizes:
             ubatched = ub.enabled and s >= ub.decode_token_threshold
-            key = dict(num_tokens=s, num_reqs=min(s // q, seqs), uniform=True, has_lora=has,
-                       num_active_loras=lora)
+            key = dict(
+                num_tokens=s,
+                num_reqs=min(s // q, seqs),
+                uniform=True,
+                has_lora=has,
+                num_active_loras=lora,
+            )
             if mode.separate_routine and (ub.plain_twins or not ubatched):
                 out.append(("full_decode", RuntimeMode.FULL, BatchDescriptor(**key)))
             if ubatched:
-                out.append(("full_decode_ubatched", RuntimeMode.FULL,
-                            BatchDescriptor(**key, num_ubatches=ub.num_ubatches)))
+                out.append(
+                    (
+                        "full_decode_ubatched",
+                        RuntimeMode.FULL,
+                        BatchDescriptor(**key, num_ubatches=ub.num_ubatches),
+                    )
+                )
     return out
 
 
-def check_graph_count(spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]) -> None:
+def check_graph_count(
+    spec: PlanSpec, mode: CudagraphMode, sizes: list[int], cases: list[int]
+) -> None:
     """Refuse a plan whose graphs would exceed ``limits.max_graphs``, whatever produced them
     (presets with large ceilings, ranges, lists, many LoRA cases)."""
     limit = spec.limits.max_graphs
     # every LoRA case captures the same keys: count one case, multiply
     count = len(graph_keys(spec, mode, sizes, cases[:1])) * len(cases) if sizes else 0
     if count > limit:
-        raise PlanError([Diagnostic(
-            code="too-many-graphs", path="limits.max_graphs", severity="error",
-            message=f"the plan compiles to {count} graphs ({len(sizes)} capture sizes x "
+        raise PlanError(
+            [
+                Diagnostic(
+                    code="too-many-graphs",
+                    path="limits.max_graphs",
+                    severity="error",
+                    message=f"the plan compiles to {count} graphs ({len(sizes)} capture sizes x "
                     f"{len(cases)} LoRA case(s) x routines); the limit is {limit}",
-            hint=f"use fewer capture sizes (a smaller preset ceiling, ranges with a larger "
-                 f"step) or fewer LoRA cases; to capture this many on purpose, set "
-                 f"limits.max_graphs: {count}")])
+                    hint=f"use fewer capture sizes (a smaller preset ceiling, ranges with a larger "
+                    f"step) or fewer LoRA cases; to capture this many on purpose, set "
+                    f"limits.max_graphs: {count}",
+                )
+            ]
+        )
 
 
 def capture_order(keys):
     """PIECEWISE first, then FULL; each largest (num_tokens, num_active_loras) first."""
-    return sorted(keys, key=lambda k: (k[1] is RuntimeMode.FULL, -k[2].num_tokens,
-                                       -k[2].num_active_loras, -k[2].num_ubatches, not k[2].uniform))
+    return sorted(
+        keys,
+        key=lambda k: (
+            k[1] is RuntimeMode.FULL,
+            -k[2].num_tokens,
+            -k[2].num_active_loras,
+            -k[2].num_ubatches,
+            not k[2].uniform,
+        ),
+    )
 
 
 def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
@@ -133,32 +210,59 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
     diags += mode_diags
     sizes: list[int] = []
     if mode is not CudagraphMode.NONE:
-        sizes, size_diags = resolve_sizes(spec.cudagraph.capture_sizes, spec.scheduler,
-                                          round_to_q=mode.decode_mode is RuntimeMode.FULL)
+        sizes, size_diags = resolve_sizes(
+            spec.cudagraph.capture_sizes,
+            spec.scheduler,
+            round_to_q=mode.decode_mode is RuntimeMode.FULL,
+        )
         diags += size_diags
         decode_top = q * spec.scheduler.max_num_seqs
         if mode.mixed_mode is RuntimeMode.NONE and sizes and sizes[-1] > decode_top:
             unused = [s for s in sizes if s > decode_top]
-            diags.append(Diagnostic(
-                code="size-unused", path="cudagraph.capture_sizes",
-                message=f"{len(unused)} size(s) above q*max_num_seqs={decode_top} capture nothing "
-                        f"in mode {mode.name} (no mixed routine): {unused[0]}..{unused[-1]}",
-                hint=f"lower the preset ceiling to {decode_top}"))
+            diags.append(
+                Diagnostic(
+                    code="size-unused",
+                    path="cudagraph.capture_sizes",
+                    message=f"{len(unused)} size(s) above q*max_num_seqs={decode_top} capture nothing "
+                    f"in mode {mode.name} (no mixed routine): {unused[0]}..{unused[-1]}",
+                    hint=f"lower the preset ceiling to {decode_top}",
+                )
+            )
         if not sizes:
-            diags.append(Diagnostic(code="no-sizes", path="cudagraph.capture_sizes",
-                                    message="no capture sizes remain: every batch runs eager",
-                                    hint="add sizes <= max_num_batched_tokens"))
+            diags.append(
+                Diagnostic(
+                    code="no-sizes",
+                    path="cudagraph.capture_sizes",
+                    message="no capture sizes remain: every batch runs eager",
+                    hint="add sizes <= max_num_batched_tokens",
+                )
+            )
     ub = spec.parallel.ubatch
     if ub.enabled and mode.decode_mode is not RuntimeMode.FULL:
-        diags.append(Diagnostic(code="ubatch-no-graphs", path="parallel.ubatch.enabled",
-                                message=f"mode {mode.name} has no FULL decode graphs, so "
-                                "micro-batched steps run eager", hint="use a FULL decode mode"))
+        diags.append(
+            Diagnostic(
+                code="ubatch-no-graphs",
+                path="parallel.ubatch.enabled",
+                message=f"mode {mode.name} has no FULL decode graphs, so "
+                "micro-batched steps run eager",
+                hint="use a FULL decode mode",
+            )
+        )
     if spec.cudagraph.strict:
         strict = [d for d in diags if d.code in STRICT_CODES]
         if strict:
-            raise PlanError([Diagnostic(**{**_fields(d), "severity": "error",
-                                           "hint": d.hint + "; or set strict: false"})
-                             for d in strict])
+            raise PlanError(
+                [
+                    Diagnostic(
+                        **{
+                            **_fields(d),
+                            "severity": "error",
+                            "hint": d.hint + "; or set strict: false",
+                        }
+                    )
+                    for d in strict
+                ]
+            )
     cases, of_count = lora_cases(spec.lora)
     check_graph_count(spec, mode, sizes, cases)  # before any graph is built
     ordered = capture_order(graph_keys(spec, mode, sizes, cases))
@@ -169,22 +273,38 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
     for g in graphs:
         routes[g.routine][case_pos[g.key.num_active_loras], size_pos[g.key.num_tokens]] = g.id
     settings = TableSettings(
-        name=spec.name, mode=mode, requested_mode=spec.cudagraph.mode,
+        name=spec.name,
+        mode=mode,
+        requested_mode=spec.cudagraph.mode,
         attention_support=spec.cudagraph.attention_support,
-        splitting_ops=spec.cudagraph.splitting_ops, decode_query_len=q,
+        splitting_ops=spec.cudagraph.splitting_ops,
+        decode_query_len=q,
         max_num_seqs=spec.scheduler.max_num_seqs,
         max_num_batched_tokens=spec.scheduler.max_num_batched_tokens,
-        capture_sizes=tuple(sizes), lora_enabled=spec.lora.enabled, lora_cases=tuple(cases),
+        capture_sizes=tuple(sizes),
+        lora_enabled=spec.lora.enabled,
+        lora_cases=tuple(cases),
         lora_case_of_count=tuple(of_count),
-        ubatch=UbatchSettings(enabled=ub.enabled, num_ubatches=ub.num_ubatches,
-                              decode_token_threshold=ub.decode_token_threshold,
-                              prefill_token_threshold=ub.prefill_token_threshold,
-                              plain_twins=ub.plain_twins),
-        data_parallel_size=spec.parallel.data_parallel_size, dp_backend=spec.parallel.backend,
-        sync_timeout_s=float(spec.parallel.sync_timeout_s), on_demand=spec.cudagraph.on_demand.enabled,
-        start_sizes=start_sizes(spec.cudagraph.on_demand, sizes, diags))
-    parts = dict(plan=plan, settings=settings, graphs=graphs, routes=routes,
-                 diagnostics=tuple(d.to_json() for d in diags))
+        ubatch=UbatchSettings(
+            enabled=ub.enabled,
+            num_ubatches=ub.num_ubatches,
+            decode_token_threshold=ub.decode_token_threshold,
+            prefill_token_threshold=ub.prefill_token_threshold,
+            plain_twins=ub.plain_twins,
+        ),
+        data_parallel_size=spec.parallel.data_parallel_size,
+        dp_backend=spec.parallel.backend,
+        sync_timeout_s=float(spec.parallel.sync_timeout_s),
+        on_demand=spec.cudagraph.on_demand.enabled,
+        start_sizes=start_sizes(spec.cudagraph.on_demand, sizes, diags),
+    )
+    parts = dict(
+        plan=plan,
+        settings=settings,
+        graphs=graphs,
+        routes=routes,
+        diagnostics=tuple(d.to_json() for d in diags),
+    )
     return parts, diags
 
 
@@ -200,11 +320,15 @@ def start_sizes(on_demand, sizes: list[int], diags: list[Diagnostic]) -> tuple[i
         else:
             out.add(next(c for c in sizes if c >= s))
     if above:
-        diags.append(Diagnostic(
-            code="start-size-dropped", path="cudagraph.on_demand.start_sizes",
-            message=f"{len(above)} start size(s) above the largest capture size {sizes[-1]} "
-                    f"run eager and capture nothing: {sorted(above)}",
-            hint="list sizes up to the largest capture size"))
+        diags.append(
+            Diagnostic(
+                code="start-size-dropped",
+                path="cudagraph.on_demand.start_sizes",
+                message=f"{len(above)} start size(s) above the largest capture size {sizes[-1]} "
+                f"run eager and capture nothing: {sorted(above)}",
+                hint="list sizes up to the largest capture size",
+            )
+        )
     return tuple(sorted(out))
 
 

@@ -8,7 +8,7 @@ import math
 from functools import lru_cache
 from importlib import resources
 
-from graphplan.compiler.errors import did_you_mean
+from .errors import did_you_mean
 
 
 @lru_cache(maxsize=None)
@@ -32,6 +32,7 @@ def _is_number(checker, v) -> bool:
 @lru_cache(maxsize=None)
 def _validator(name: str = "plan.schema.json"):
     import jsonschema
+
     base = jsonschema.Draft202012Validator
     checker = base.TYPE_CHECKER.redefine_many({"integer": _is_integer, "number": _is_number})
     strict = jsonschema.validators.extend(base, type_checker=checker)
@@ -46,6 +47,7 @@ def _subschema(schema: dict, instance) -> dict:
             schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
         elif "if" in schema:
             import jsonschema
+
             ok = jsonschema.Draft202012Validator(schema["if"]).is_valid(instance)
             schema = schema["then"] if ok else schema["else"]
         else:
@@ -69,8 +71,15 @@ def fill_defaults(instance, schema: dict | None = None):
 
 
 def _type_name(v) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
-            dict: "mapping", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "list",
+        dict: "mapping",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def schema_errors(instance, name: str = "plan.schema.json") -> list[tuple[tuple, str, str, str]]:
@@ -92,26 +101,56 @@ def schema_errors(instance, name: str = "plan.schema.json") -> list[tuple[tuple,
             want = val if isinstance(val, str) else " or ".join(val)
             got = e.instance
             if isinstance(got, float) and not math.isfinite(got):
-                out.append((path, "not-finite", f"{got} is not a finite number",
-                            "write a number (NaN and Infinity are refused)"))
+                out.append(
+                    (
+                        path,
+                        "not-finite",
+                        f"{got} is not a finite number",
+                        "write a number (NaN and Infinity are refused)",
+                    )
+                )
             elif isinstance(got, float) and got.is_integer() and "integer" in want:
-                out.append((path, "wrong-type", f"expected integer, got {got!r}",
-                            f"write {int(got)}: integers have no fractional part"))
+                out.append(
+                    (
+                        path,
+                        "wrong-type",
+                        f"expected integer, got {got!r}",
+                        f"write {int(got)}: integers have no fractional part",
+                    )
+                )
             else:
-                out.append((path, "wrong-type", f"expected {want}, got {_type_name(got)} "
-                            f"{got!r}"[:200], ""))
+                out.append(
+                    (
+                        path,
+                        "wrong-type",
+                        f"expected {want}, got {_type_name(got)} {got!r}"[:200],
+                        "",
+                    )
+                )
         elif v in ("minimum", "maximum", "exclusiveMinimum"):
             word = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">"}[v]
             out.append((path, "out-of-range", f"{e.instance!r} must be {word} {val}", ""))
         elif v == "maxItems":
-            out.append((path, "too-many-items", f"{len(e.instance)} items; at most {val}",
-                        "use a preset or ranges instead of a long list"))
+            out.append(
+                (
+                    path,
+                    "too-many-items",
+                    f"{len(e.instance)} items; at most {val}",
+                    "use a preset or ranges instead of a long list",
+                )
+            )
         elif v == "required":
             missing = [k for k in val if k not in e.instance]
             out.append((path, "missing-key", f"missing required key(s): {', '.join(missing)}", ""))
         elif v == "const":
-            out.append((path, "bad-value", f"{e.instance!r}: this graphplan reads version {val}",
-                        f"write version: {val}"))
+            out.append(
+                (
+                    path,
+                    "bad-value",
+                    f"{e.instance!r}: this graphplan reads version {val}",
+                    f"write version: {val}",
+                )
+            )
         else:
             out.append((path, "invalid", e.message[:300], ""))
     return out

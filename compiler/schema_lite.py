@@ -39,9 +39,13 @@ def first_error(instance, schema: dict, root: dict | None = None, path: str = ""
         types = t if isinstance(t, list) else [t]
         if not any(_TYPES[x](instance) for x in types):
             return where, f"expected {' or '.join(types)}, got {type(instance).__name__}"
-    if "const" in schema and (instance != schema["const"] or type(instance) is not type(schema["const"])):
+    if "const" in schema and (
+        instance != schema["const"] or type(instance) is not type(schema["const"])
+    ):
         return where, f"must be {schema['const']!r}"
-    if "enum" in schema and not any(instance == e and type(instance) is type(e) for e in schema["enum"]):
+    if "enum" in schema and not any(
+        instance == e and type(instance) is type(e) for e in schema["enum"]
+    ):
         return where, f"{instance!r} is not one of {schema['enum']}"
     if type(instance) in (int, float):
         if "minimum" in schema and instance < schema["minimum"]:
@@ -51,12 +55,16 @@ def first_error(instance, schema: dict, root: dict | None = None, path: str = ""
         if "exclusiveMinimum" in schema and instance <= schema["exclusiveMinimum"]:
             return where, f"{instance} must be above {schema['exclusiveMinimum']}"
     if isinstance(instance, str):
-        if len(instance) < schema.get("minLength", 0) or len(instance) > schema.get("maxLength", 1 << 62):
+        if len(instance) < schema.get("minLength", 0) or len(instance) > schema.get(
+            "maxLength", 1 << 62
+        ):
             return where, "string length out of range"
         if "pattern" in schema and not re.search(schema["pattern"], instance):
             return where, f"{instance!r} does not match {schema['pattern']}"
     if isinstance(instance, list):
-        if len(instance) > schema.get("maxItems", 1 << 62) or len(instance) < schema.get("minItems", 0):
+        if len(instance) > schema.get("maxItems", 1 << 62) or len(instance) < schema.get(
+            "minItems", 0
+        ):
             return where, f"{len(instance)} items is out of range"
         if schema.get("uniqueItems") and len({repr(x) for x in instance}) != len(instance):
             return where, "items must be distinct"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from graphplan.compiler.errors import Diagnostic, plan_error
-from graphplan.compiler.spec import CaptureSizesSpec, SchedulerSpec
+from .errors import Diagnostic, plan_error
+from .spec import CaptureSizesSpec, SchedulerSpec
 
 MAX_SIZES = 4096
 """More capture sizes than this is a mistake (each one is a graph per LoRA case and routine); the
@@ -20,14 +20,18 @@ _PATH = "cudagraph.capture_sizes"
 
 def _grid(limit: int) -> list[int]:
     """vLLM's step grid ``[1, 2, 4] + range(8, .., 8) + range(256, .., 16)`` up to ``limit``."""
-    return ([s for s in (1, 2, 4) if s <= limit] + list(range(8, min(limit + 1, 256), 8))
-            + list(range(256, limit + 1, 16)))
+    return (
+        [s for s in (1, 2, 4) if s <= limit]
+        + list(range(8, min(limit + 1, 256), 8))
+        + list(range(256, limit + 1, 16))
+    )
 
 
 def vllm_max(sched: SchedulerSpec, ceiling: int) -> int:
     """The vllm preset's max: ``min(max_num_seqs * q * 2, ceiling, max_num_batched_tokens)``."""
-    return min(sched.max_num_seqs * sched.decode_query_len * 2, ceiling,
-               sched.max_num_batched_tokens)
+    return min(
+        sched.max_num_seqs * sched.decode_query_len * 2, ceiling, sched.max_num_batched_tokens
+    )
 
 
 def vllm_sizes(sched: SchedulerSpec, ceiling: int) -> list[int]:
@@ -52,11 +56,20 @@ def sglang_sizes(sched: SchedulerSpec, max_bs: int) -> list[int]:
     q, seqs = sched.decode_query_len, sched.max_num_seqs
     top = min(max_bs or 256, seqs, sched.max_num_batched_tokens // q)
     if q == 1:
-        bs = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) \
+        bs = (
+            [1, 2, 4, 8, 12]
+            + list(range(16, 257, 8))
+            + list(range(272, 512, 16))
             + list(range(512, top + 1, 32))
+        )
     else:  # SGLang's denser list for speculative decoding
-        bs = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) \
-            + list(range(72, 257, 8)) + list(range(272, top + 1, 16))
+        bs = (
+            list(range(1, 9))
+            + list(range(10, 33, 2))
+            + list(range(40, 65, 4))
+            + list(range(72, 257, 8))
+            + list(range(272, top + 1, 16))
+        )
     bs = [b for b in bs if b <= top]
     if top >= 1 and top not in bs:
         bs.append(top)
@@ -76,7 +89,7 @@ def trtllm_sizes(sched: SchedulerSpec, max_bs: int, padding: bool) -> list[int]:
     else:
         bs = list(range(1, 32)) + [32, 64, 128]
         if top > 1:
-            bs += [2 ** i for i in range(8, math.ceil(math.log2(top)))]
+            bs += [2**i for i in range(8, math.ceil(math.log2(top)))]
     bs = sorted(b for b in set(bs) if b <= top)
     if top >= 1 and (not bs or bs[-1] != top):
         bs.append(top)
@@ -87,20 +100,29 @@ def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[in
     """The sizes a plan asks for, each with the plan path that asked for it."""
     if cs.kind == "list":
         if len(cs.sizes) > MAX_SIZES:
-            raise plan_error("too-many-sizes", _PATH, f"{len(cs.sizes)} sizes; at most {MAX_SIZES}",
-                             "use {preset: vllm} or ranges with a larger step")
+            raise plan_error(
+                "too-many-sizes",
+                _PATH,
+                f"{len(cs.sizes)} sizes; at most {MAX_SIZES}",
+                "use {preset: vllm} or ranges with a larger step",
+            )
         return [(s, f"{_PATH}[{i}]") for i, s in enumerate(cs.sizes)]
     if cs.kind == "ranges":
         out = []
         for j, r in enumerate(cs.ranges):
             where = f"{_PATH}.ranges[{j}]"
             if r.to < r.start:
-                raise plan_error("bad-range", where, f"to ({r.to}) is below from ({r.start})",
-                                 "swap them")
+                raise plan_error(
+                    "bad-range", where, f"to ({r.to}) is below from ({r.start})", "swap them"
+                )
             count = (r.to - r.start) // r.step + 1
             if len(out) + count > MAX_SIZES:
-                raise plan_error("too-many-sizes", where, f"the ranges generate more than "
-                                 f"{MAX_SIZES} sizes", "use a larger step")
+                raise plan_error(
+                    "too-many-sizes",
+                    where,
+                    f"the ranges generate more than {MAX_SIZES} sizes",
+                    "use a larger step",
+                )
             out += [(s, where) for s in range(r.start, r.to + 1, r.step)]
         return out + [(s, f"{_PATH}.include[{i}]") for i, s in enumerate(cs.include)]
     if cs.preset == "vllm":
@@ -110,14 +132,18 @@ def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[in
     else:
         sizes = trtllm_sizes(sched, cs.max_size, cs.enable_padding)
     if len(sizes) > MAX_SIZES:  # the same bound as lists and ranges
-        raise plan_error("too-many-sizes", _PATH, f"preset {cs.preset} generates {len(sizes)} "
-                         f"sizes here; at most {MAX_SIZES}", "lower the preset's ceiling or "
-                         "max_size, or use ranges with a larger step")
+        raise plan_error(
+            "too-many-sizes",
+            _PATH,
+            f"preset {cs.preset} generates {len(sizes)} sizes here; at most {MAX_SIZES}",
+            "lower the preset's ceiling or max_size, or use ranges with a larger step",
+        )
     return [(s, _PATH) for s in sizes]
 
 
-def resolve_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec, round_to_q: bool
-                  ) -> tuple[list[int], list[Diagnostic]]:
+def resolve_sizes(
+    cs: CaptureSizesSpec, sched: SchedulerSpec, round_to_q: bool
+) -> tuple[list[int], list[Diagnostic]]:
     """De-duplicate, sort, drop sizes above max_num_batched_tokens, then (FULL decode, q > 1)
     round up to multiples of q and drop those above the max: the vllm preset's computed max (a
     generated list can stop below it, e.g. q=3, max_num_seqs=1: sizes 1-4, max 6 -> [3, 6]), else
@@ -127,38 +153,65 @@ def resolve_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec, round_to_q: bool
     seen: dict[int, str] = {}
     for size, where in requested_sizes(cs, sched):
         if size > limit:
-            diags.append(Diagnostic(code="size-dropped", path=where, message=f"size {size} is "
-                                    f"above scheduler.max_num_batched_tokens={limit}; dropped",
-                                    hint="remove it or raise max_num_batched_tokens"))
+            diags.append(
+                Diagnostic(
+                    code="size-dropped",
+                    path=where,
+                    message=f"size {size} is "
+                    f"above scheduler.max_num_batched_tokens={limit}; dropped",
+                    hint="remove it or raise max_num_batched_tokens",
+                )
+            )
         elif size in seen:
-            diags.append(Diagnostic(code="size-duplicate", path=where, message=f"size {size} "
-                                    f"repeats {seen[size]}", hint="remove the duplicate"))
+            diags.append(
+                Diagnostic(
+                    code="size-duplicate",
+                    path=where,
+                    message=f"size {size} repeats {seen[size]}",
+                    hint="remove the duplicate",
+                )
+            )
         else:
             seen[size] = where
     sizes = sorted(seen)
     if not (round_to_q and q > 1 and sizes):
         return sizes, diags
-    top = vllm_max(sched, cs.ceiling) if cs.kind == "preset" and cs.preset == "vllm" \
-        else sizes[-1]
+    top = vllm_max(sched, cs.ceiling) if cs.kind == "preset" and cs.preset == "vllm" else sizes[-1]
     rounded: set[int] = set()
     for s in sizes:
         r = -(-s // q) * q
         if r > top:
-            diags.append(Diagnostic(code="size-dropped", path=seen[s], message=f"size {s} rounds "
-                                    f"up to {r} (a multiple of decode_query_len={q}), above the "
-                                    f"max size {top}; dropped", hint=f"use multiples of {q}"))
+            diags.append(
+                Diagnostic(
+                    code="size-dropped",
+                    path=seen[s],
+                    message=f"size {s} rounds "
+                    f"up to {r} (a multiple of decode_query_len={q}), above the "
+                    f"max size {top}; dropped",
+                    hint=f"use multiples of {q}",
+                )
+            )
         else:
             if r != s:
-                diags.append(Diagnostic(code="size-rounded", path=seen[s], message=f"size {s} "
-                                        f"moved to {r}, a multiple of decode_query_len={q}",
-                                        hint=f"use multiples of {q}"))
+                diags.append(
+                    Diagnostic(
+                        code="size-rounded",
+                        path=seen[s],
+                        message=f"size {s} moved to {r}, a multiple of decode_query_len={q}",
+                        hint=f"use multiples of {q}",
+                    )
+                )
             rounded.add(r)
     if cs.kind == "preset":
         diags = _merge_preset(diags, cs.preset, q)
     if not rounded:
         if q > top:
-            raise plan_error("no-sizes", _PATH, f"no capture size is >= decode_query_len={q}",
-                             f"add a size that is a multiple of {q}")
+            raise plan_error(
+                "no-sizes",
+                _PATH,
+                f"no capture size is >= decode_query_len={q}",
+                f"add a size that is a multiple of {q}",
+            )
         rounded = {q}
     return sorted(rounded), diags
 
@@ -172,9 +225,20 @@ def _merge_preset(diags: list[Diagnostic], preset: str, q: int) -> list[Diagnost
         if len(group) == 1:
             out += group
             continue
-        verb = {"size-rounded": "moved to multiples of", "size-dropped": "dropped after rounding to"}
-        words = ", ".join(g.message.split(" ")[1] for g in group[:8]) + (", ..." if len(group) > 8 else "")
-        out.append(Diagnostic(code=code, path=_PATH, message=f"preset {preset}: {len(group)} sizes "
-                              f"{verb.get(code, code)} decode_query_len={q} ({words})",
-                              hint=group[0].hint))
+        verb = {
+            "size-rounded": "moved to multiples of",
+            "size-dropped": "dropped after rounding to",
+        }
+        words = ", ".join(g.message.split(" ")[1] for g in group[:8]) + (
+            ", ..." if len(group) > 8 else ""
+        )
+        out.append(
+            Diagnostic(
+                code=code,
+                path=_PATH,
+                message=f"preset {preset}: {len(group)} sizes "
+                f"{verb.get(code, code)} decode_query_len={q} ({words})",
+                hint=group[0].hint,
+            )
+        )
     return out

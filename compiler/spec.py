@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphplan.compiler.records import AttentionSupport, CudagraphMode
+from .records import AttentionSupport, CudagraphMode
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,8 +113,13 @@ def _sizes_from_dict(d) -> CaptureSizesSpec:
     if "ranges" in d:
         ranges = tuple(SizeRange(start=r["from"], to=r["to"], step=r["step"]) for r in d["ranges"])
         return CaptureSizesSpec(kind="ranges", ranges=ranges, include=tuple(d.get("include", ())))
-    return CaptureSizesSpec(kind="preset", preset=d["preset"], ceiling=d["ceiling"],
-                            max_size=d["max_size"], enable_padding=d["enable_padding"])
+    return CaptureSizesSpec(
+        kind="preset",
+        preset=d["preset"],
+        ceiling=d["ceiling"],
+        max_size=d["max_size"],
+        enable_padding=d["enable_padding"],
+    )
 
 
 def plan_from_dict(d: dict) -> PlanSpec:
@@ -130,12 +135,17 @@ def plan_from_dict(d: dict) -> PlanSpec:
             splitting_ops=tuple(cg["splitting_ops"]),
             capture_sizes=_sizes_from_dict(cg["capture_sizes"]),
             strict=cg["strict"],
-            on_demand=OnDemandSpec(enabled=cg["on_demand"]["enabled"],
-                                   start_sizes=tuple(cg["on_demand"]["start_sizes"])),
+            on_demand=OnDemandSpec(
+                enabled=cg["on_demand"]["enabled"],
+                start_sizes=tuple(cg["on_demand"]["start_sizes"]),
+            ),
         ),
         lora=LoraSpec(**d["lora"]),
         parallel=ParallelSpec(
-            data_parallel_size=par["data_parallel_size"], backend=par["backend"],
-            sync_timeout_s=par["sync_timeout_s"], ubatch=UbatchSpec(**par["ubatch"])),
+            data_parallel_size=par["data_parallel_size"],
+            backend=par["backend"],
+            sync_timeout_s=par["sync_timeout_s"],
+            ubatch=UbatchSpec(**par["ubatch"]),
+        ),
         limits=LimitsSpec(**d["limits"]),
     )

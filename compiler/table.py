@@ -11,15 +11,24 @@ import os
 
 import numpy as np
 
-from graphplan.compiler import table_format
-from graphplan.compiler.errors import BatchError, TableError
-from graphplan.compiler.fileio import canonical_json, read_json, write_atomic
-from graphplan.compiler.records import (ROUTINES, BatchDescriptor, Graph, RuntimeMode,
-                                        TableSettings, Why)
-from graphplan.compiler.table_format import COMPILER_VERSION
+from . import table_format
+from .errors import BatchError, TableError
+from .fileio import canonical_json, read_json, write_atomic
+from .records import ROUTINES, BatchDescriptor, Graph, RuntimeMode, TableSettings, Why
+from .table_format import COMPILER_VERSION
 
-__all__ = ["DispatchTable", "Route", "RouteContext", "RuntimeMode", "BatchDescriptor", "Graph",
-           "TableSettings", "Why", "ROUTINES", "COMPILER_VERSION"]
+__all__ = [
+    "DispatchTable",
+    "Route",
+    "RouteContext",
+    "RuntimeMode",
+    "BatchDescriptor",
+    "Graph",
+    "TableSettings",
+    "Why",
+    "ROUTINES",
+    "COMPILER_VERSION",
+]
 
 
 class RouteContext(tuple):
@@ -40,7 +49,15 @@ class RouteContext(tuple):
 class Route:
     """Where one batch goes. ``reasons`` is computed on demand, so routing allocates one object."""
 
-    __slots__ = ("mode", "graph_id", "padded_tokens", "padded_reqs", "wants_ubatch", "why", "context")
+    __slots__ = (
+        "mode",
+        "graph_id",
+        "padded_tokens",
+        "padded_reqs",
+        "wants_ubatch",
+        "why",
+        "context",
+    )
 
     def __init__(self, mode, graph_id, padded_tokens, padded_reqs, wants_ubatch, why, context):
         self.mode: RuntimeMode = mode
@@ -59,32 +76,54 @@ class Route:
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        from graphplan.compiler.explain_route import route_reasons  # only when asked: explain, logs
+        from .explain import route_reasons  # only when asked: explain, logs
+
         return route_reasons(self, RouteContext(self.context))
 
     def to_json(self) -> dict:
         g = self.graph
-        return {"mode": self.mode.name, "graph_id": self.graph_id, "graph": table_format.key_json(g) if g else None,
-                "padded_tokens": self.padded_tokens, "padded_reqs": self.padded_reqs,
-                "wants_ubatch": self.wants_ubatch, "reasons": list(self.reasons)}
+        return {
+            "mode": self.mode.name,
+            "graph_id": self.graph_id,
+            "graph": table_format.key_json(g) if g else None,
+            "padded_tokens": self.padded_tokens,
+            "padded_reqs": self.padded_reqs,
+            "wants_ubatch": self.wants_ubatch,
+            "reasons": list(self.reasons),
+        }
 
     def __repr__(self) -> str:
-        return (f"Route(mode={self.mode.name!r}, graph_id={self.graph_id}, padded_tokens="
-                f"{self.padded_tokens}, padded_reqs={self.padded_reqs}, "
-                f"wants_ubatch={self.wants_ubatch})")
+        return (
+            f"Route(mode={self.mode.name!r}, graph_id={self.graph_id}, padded_tokens="
+            f"{self.padded_tokens}, padded_reqs={self.padded_reqs}, "
+            f"wants_ubatch={self.wants_ubatch})"
+        )
 
 
 # allow= -> row offset in DispatchTable._outcomes (RuntimeMode members hash as their ints)
-_ALLOW = {RuntimeMode.NONE: 4, RuntimeMode.PIECEWISE: 8, RuntimeMode.FULL: 12,
-          "NONE": 4, "PIECEWISE": 8, "FULL": 12}
+_ALLOW = {
+    RuntimeMode.NONE: 4,
+    RuntimeMode.PIECEWISE: 8,
+    RuntimeMode.FULL: 12,
+    "NONE": 4,
+    "PIECEWISE": 8,
+    "FULL": 12,
+}
 
 
 class DispatchTable:
     """Compiled routes: batch descriptors -> graphs, with every fallback explained."""
 
-    def __init__(self, *, plan: dict, settings: TableSettings, graphs: tuple[Graph, ...],
-                 routes: dict[str, np.ndarray], diagnostics: tuple[dict, ...],
-                 compiler_version: str = COMPILER_VERSION):
+    def __init__(
+        self,
+        *,
+        plan: dict,
+        settings: TableSettings,
+        graphs: tuple[Graph, ...],
+        routes: dict[str, np.ndarray],
+        diagnostics: tuple[dict, ...],
+        compiler_version: str = COMPILER_VERSION,
+    ):
         self.plan = plan
         """The plan as written, defaults filled (shown by report/diff; never read for rules)."""
         self.settings = settings
@@ -117,8 +156,11 @@ class DispatchTable:
         self._case_of_count: list[int] = list(r.lora_case_of_count)
         ub = r.ubatch
         # ubatch threshold by uniform (False, True); unreachable when ubatching is off
-        self._thr = (ub.prefill_token_threshold, ub.decode_token_threshold) \
-            if ub.enabled else (1 << 62, 1 << 62)
+        self._thr = (
+            (ub.prefill_token_threshold, ub.decode_token_threshold)
+            if ub.enabled
+            else (1 << 62, 1 << 62)
+        )
         self._m = {k: v.tolist() for k, v in self.routes.items()}
         self._decode_reqs = [min(s // self.q, self.max_num_seqs) for s in self._sizes]
         self._mixed_reqs = [min(s, self.max_num_seqs) for s in self._sizes]
@@ -136,20 +178,32 @@ class DispatchTable:
         self._outcomes = [None] * 16
         self._route = self.route = self._make_route()
 
-    def _outcome(self, allow: RuntimeMode | None, ubatched: bool, uniform: bool, c: int,
-                 i: int) -> tuple:
+    def _outcome(
+        self, allow: RuntimeMode | None, ubatched: bool, uniform: bool, c: int, i: int
+    ) -> tuple:
         """(mode, graph id, padded tokens, padded reqs, why) for lora case c and size index i;
         padded tokens / reqs None mean the looked-up token count / the caller's num_reqs."""
         if i < 0:
-            return (RuntimeMode.NONE, -1, None, None,
-                    Why.NO_GRAPHS if not self._sizes or not self.graphs else Why.TOO_BIG)
+            return (
+                RuntimeMode.NONE,
+                -1,
+                None,
+                None,
+                Why.NO_GRAPHS if not self._sizes or not self.graphs else Why.TOO_BIG,
+            )
         m, s = self._m, self._sizes[i]
         if allow is None or allow is RuntimeMode.FULL:
             if ubatched:
                 g = m["full_decode_ubatched"][c][i] if uniform else -1
                 if g >= 0:
                     return (RuntimeMode.FULL, g, s, self._decode_reqs[i], Why.FULL_UBATCHED)
-                return (RuntimeMode.NONE, -1, None, None, Why.NO_UBATCH_GRAPH if uniform else Why.UBATCH_MIXED)
+                return (
+                    RuntimeMode.NONE,
+                    -1,
+                    None,
+                    None,
+                    Why.NO_UBATCH_GRAPH if uniform else Why.UBATCH_MIXED,
+                )
             if uniform:
                 g = m["full_decode"][c][i]
                 if g >= 0:
@@ -177,14 +231,24 @@ class DispatchTable:
         allow = (None, RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL)[k >> 2]
         ubatched, uniform = bool(k & 2), bool(k & 1)
         idx = list(range(len(self._sizes))) + [-1]
-        rows = [[self._outcome(allow, ubatched, uniform, c, i) for i in idx]
-                for c in range(len(self.settings.lora_cases))]
+        rows = [
+            [self._outcome(allow, ubatched, uniform, c, i) for i in idx]
+            for c in range(len(self.settings.lora_cases))
+        ]
         self._outcomes[k] = rows
         return rows
 
-    def route(self, num_tokens: int, num_reqs: int | None = None, max_query_len: int | None = None,
-              num_active_loras: int = 0, *, allow: RuntimeMode | str | None = None,
-              pad_to: int | None = None, ubatched: bool = False) -> Route:
+    def route(
+        self,
+        num_tokens: int,
+        num_reqs: int | None = None,
+        max_query_len: int | None = None,
+        num_active_loras: int = 0,
+        *,
+        allow: RuntimeMode | str | None = None,
+        pad_to: int | None = None,
+        ubatched: bool = False,
+    ) -> Route:
         """Route one batch.
 
         Uniform decode is ``max_query_len == q and num_tokens == q * num_reqs`` (both given).
@@ -193,8 +257,15 @@ class DispatchTable:
         ``num_tokens``, ``ubatched`` asks for the ubatched graph. Raises BatchError for inputs
         outside the plan's limits.
         """
-        return self._route(num_tokens, num_reqs, max_query_len, num_active_loras, allow=allow,
-                           pad_to=pad_to, ubatched=ubatched)
+        return self._route(
+            num_tokens,
+            num_reqs,
+            max_query_len,
+            num_active_loras,
+            allow=allow,
+            pad_to=pad_to,
+            ubatched=ubatched,
+        )
 
     def _make_route(self):
         """``route`` as a closure over the lookup lists: locals instead of attribute loads.
@@ -204,35 +275,51 @@ class DispatchTable:
         outcomes, build, n_counts = self._outcomes, self._build_outcomes, len(self._case_of_count)
         table, new_route = self, object.__new__
 
-        def route(num_tokens, num_reqs=None, max_query_len=None, num_active_loras=0, *,
-                  allow=None, pad_to=None, ubatched=False):
+        def route(
+            num_tokens,
+            num_reqs=None,
+            max_query_len=None,
+            num_active_loras=0,
+            *,
+            allow=None,
+            pad_to=None,
+            ubatched=False,
+        ):
             n, r, mql = num_tokens, num_reqs, max_query_len
             if not 0 < n <= max_tokens:
-                raise BatchError(f"num_tokens={n!r} is outside 1..{max_tokens} "
-                                 "(scheduler.max_num_batched_tokens)")
+                raise BatchError(
+                    f"num_tokens={n!r} is outside 1..{max_tokens} "
+                    "(scheduler.max_num_batched_tokens)"
+                )
             uniform = False
             if r is not None:
                 if not 0 < r <= n or r > max_seqs:
-                    raise BatchError(f"num_reqs={r!r} must be in 1..min(num_tokens={n}, "
-                                     f"scheduler.max_num_seqs={max_seqs})")
+                    raise BatchError(
+                        f"num_reqs={r!r} must be in 1..min(num_tokens={n}, "
+                        f"scheduler.max_num_seqs={max_seqs})"
+                    )
                 if mql is not None:
                     if not 0 < mql <= n - r + 1 or mql * r < n:
-                        raise BatchError(f"max_query_len={mql!r} is impossible for {n} tokens in "
-                                         f"{r} requests")
+                        raise BatchError(
+                            f"max_query_len={mql!r} is impossible for {n} tokens in {r} requests"
+                        )
                     uniform = mql == q and n == mql * r
             elif mql is not None and not 0 < mql <= n:
                 raise BatchError(f"max_query_len={mql!r} is impossible for {n} tokens")
             if not 0 <= num_active_loras < n_counts:
-                raise BatchError(f"num_active_loras={num_active_loras!r} is outside 0.."
-                                 f"{n_counts - 1} (lora.enabled / lora.max_loras + 1)")
+                raise BatchError(
+                    f"num_active_loras={num_active_loras!r} is outside 0.."
+                    f"{n_counts - 1} (lora.enabled / lora.max_loras + 1)"
+                )
             c = coc[num_active_loras]
             k = uniform
             if allow is not None:
                 try:
                     k += _ALLOW[allow]
                 except (KeyError, TypeError):
-                    raise BatchError(f"allow={allow!r} is not a runtime mode (NONE, PIECEWISE, "
-                                     "FULL)") from None
+                    raise BatchError(
+                        f"allow={allow!r} is not a runtime mode (NONE, PIECEWISE, FULL)"
+                    ) from None
             if ubatched:
                 k += 2
             target = n
@@ -257,9 +344,14 @@ class DispatchTable:
 
     # -- persistence (table_format owns the layout) -----------------------------------------------
     def to_json(self) -> dict:
-        return table_format.encode(plan=self.plan, settings=self.settings, graphs=self.graphs,
-                                   routes=self.routes, diagnostics=self.diagnostics,
-                                   compiler_version=self.compiler_version)
+        return table_format.encode(
+            plan=self.plan,
+            settings=self.settings,
+            graphs=self.graphs,
+            routes=self.routes,
+            diagnostics=self.diagnostics,
+            compiler_version=self.compiler_version,
+        )
 
     def dumps(self) -> bytes:
         return canonical_json(self.to_json()) + b"\n"
@@ -271,8 +363,9 @@ class DispatchTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "DispatchTable":
         """Read and verify a table.json (table_format.decode); any problem is a TableError."""
-        data = read_json(path, TableError, "table", "compile one with `plan compile PLAN -o "
-                         "table.json`")
+        data = read_json(
+            path, TableError, "table", "compile one with `plan compile PLAN -o table.json`"
+        )
         return cls.from_json(data, source=str(path))
 
     @classmethod

@@ -20,8 +20,8 @@ from jinja2 import nodes
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from graphplan.compiler.errors import Diagnostic, PlanError
-from graphplan.compiler.limits import MAX_PLAN_BYTES
+from .errors import Diagnostic, PlanError
+from .limits import MAX_PLAN_BYTES
 
 MAX_RANGE = 10_000
 """``range(n)`` in a template yields at most this many numbers."""
@@ -31,10 +31,40 @@ MAX_BUILD_BYTES = 16 * MAX_PLAN_BYTES
 """Bytes of strings a render may build in all (intermediate values included)."""
 MAX_INT_BITS = 256
 """Integers computed in a template stay below 2**256."""
-FILTERS = ("abs", "capitalize", "count", "d", "default", "dictsort", "first", "float", "int",
-           "items", "join", "last", "length", "list", "lower", "map", "max", "min", "reject",
-           "rejectattr", "reverse", "round", "select", "selectattr", "sort", "string", "sum",
-           "title", "tojson", "trim", "unique", "upper")
+FILTERS = (
+    "abs",
+    "capitalize",
+    "count",
+    "d",
+    "default",
+    "dictsort",
+    "first",
+    "float",
+    "int",
+    "items",
+    "join",
+    "last",
+    "length",
+    "list",
+    "lower",
+    "map",
+    "max",
+    "min",
+    "reject",
+    "rejectattr",
+    "reverse",
+    "round",
+    "select",
+    "selectattr",
+    "sort",
+    "string",
+    "sum",
+    "title",
+    "tojson",
+    "trim",
+    "unique",
+    "upper",
+)
 """The filters a template may use (the rest can build unbounded output or read the system)."""
 METHODS = {dict: ("items", "keys", "values", "get")}
 _REMOVED = ("cycler", "joiner", "namespace", "lipsum")
@@ -111,8 +141,14 @@ def _sized(value):
 def _binop(op: str, a, b):
     if op == "%" and isinstance(a, str):
         raise TemplateLimit("'%' string formatting is not allowed; join with '~'")
-    if op == "**" and isinstance(a, int) and isinstance(b, int) and b > 0 \
-            and max(a.bit_length() - 1, 1) * b > MAX_INT_BITS * 2 and abs(a) > 1:
+    if (
+        op == "**"
+        and isinstance(a, int)
+        and isinstance(b, int)
+        and b > 0
+        and max(a.bit_length() - 1, 1) * b > MAX_INT_BITS * 2
+        and abs(a) > 1
+    ):
         raise TemplateLimit(f"an integer above 2**{MAX_INT_BITS}")
     if op == "*" and isinstance(b, (str, list, tuple)) and isinstance(a, int):
         a, b = b, a
@@ -144,8 +180,9 @@ def concat(*parts):
 def _range(*args):
     r = range(*args)
     if len(r) > MAX_RANGE:
-        raise TemplateLimit(f"range{args} has {len(r)} items; templates may use at most "
-                            f"{MAX_RANGE}")
+        raise TemplateLimit(
+            f"range{args} has {len(r)} items; templates may use at most {MAX_RANGE}"
+        )
     return r
 
 
@@ -155,6 +192,7 @@ def _checked_filter(f):
             if isinstance(a, (list, tuple, dict, str)):
                 _weight(a)
         return _sized(f(*args, **kwargs))
+
     for attr in ("jinja_pass_arg",):  # keep Jinja's context/environment passing markers
         if hasattr(f, attr):
             setattr(checked, attr, getattr(f, attr))
@@ -165,8 +203,13 @@ class PlanTemplateEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["+", "-", "*", "/", "//", "**", "%"])
 
     def __init__(self):
-        super().__init__(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                         autoescape=False, loader=None, finalize=_sized)
+        super().__init__(
+            undefined=jinja2.StrictUndefined,
+            keep_trailing_newline=True,
+            autoescape=False,
+            loader=None,
+            finalize=_sized,
+        )
         self.globals = {"range": _range, "dict": dict}
         self.filters = {name: _checked_filter(self.filters[name]) for name in FILTERS}
         self.tests = dict(self.tests)
@@ -186,16 +229,37 @@ def _guard_tree(tree: nodes.Template, file: str) -> nodes.Template:
     """Route every loop through ``loop_guard`` and every ``~`` through ``concat``; refuse
     include/import/extends (templates read no other file)."""
     for node in tree.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
-        raise PlanError([Diagnostic(
-            code="template", severity="error", file=file, line=node.lineno, col=1,
-            message="templates may not include, import or extend other files",
-            hint="put everything in this one file; pass values with --set")])
+        raise PlanError(
+            [
+                Diagnostic(
+                    code="template",
+                    severity="error",
+                    file=file,
+                    line=node.lineno,
+                    col=1,
+                    message="templates may not include, import or extend other files",
+                    hint="put everything in this one file; pass values with --set",
+                )
+            ]
+        )
     for node in tree.find_all(nodes.For):
-        node.iter = nodes.Call(nodes.ImportedName(f"{__name__}.loop_guard"), [node.iter], [],
-                               None, None, lineno=node.lineno)
+        node.iter = nodes.Call(
+            nodes.ImportedName(f"{__name__}.loop_guard"),
+            [node.iter],
+            [],
+            None,
+            None,
+            lineno=node.lineno,
+        )
     for node in list(tree.find_all(nodes.Concat)):
-        guarded = nodes.Call(nodes.ImportedName(f"{__name__}.concat"), list(node.nodes), [],
-                             None, None, lineno=node.lineno)
+        guarded = nodes.Call(
+            nodes.ImportedName(f"{__name__}.concat"),
+            list(node.nodes),
+            [],
+            None,
+            None,
+            lineno=node.lineno,
+        )
         _replace(tree, node, guarded)
     return tree
 
@@ -215,8 +279,19 @@ def _replace(tree: nodes.Node, old: nodes.Node, new: nodes.Node) -> None:
 
 
 def _error(file: str, code: str, message: str, line: int = 0, hint: str = "") -> PlanError:
-    return PlanError([Diagnostic(code=code, severity="error", file=file, line=line,
-                                 col=1 if line else 0, message=message, hint=hint)])
+    return PlanError(
+        [
+            Diagnostic(
+                code=code,
+                severity="error",
+                file=file,
+                line=line,
+                col=1 if line else 0,
+                message=message,
+                hint=hint,
+            )
+        ]
+    )
 
 
 def render(text: str, variables: dict, file: str) -> str:
@@ -231,10 +306,14 @@ def render(text: str, variables: dict, file: str) -> str:
                 name = unused[0]
                 known = ", ".join(sorted(_names(env, text))) or "none"
                 if "." in name:
-                    message = (f"--set {name}: a dotted plan key cannot be set on a template (it "
-                               "would be ignored)")
-                    hint = (f"set one of the template's variables ({known}), or edit the "
-                            "template to take this value as a variable")
+                    message = (
+                        f"--set {name}: a dotted plan key cannot be set on a template (it "
+                        "would be ignored)"
+                    )
+                    hint = (
+                        f"set one of the template's variables ({known}), or edit the "
+                        "template to take this value as a variable"
+                    )
                 else:
                     message = f"--set {name}: the template has no variable {name!r}"
                     hint = f"its variables are: {known}; remove --set {name}"
@@ -244,49 +323,82 @@ def render(text: str, variables: dict, file: str) -> str:
             gen = template.generate(**variables)
             for chunk in gen:
                 size += len(chunk)
-                why = (f"the rendered plan is over {MAX_PLAN_BYTES} bytes (the plan size limit)"
-                       if size > MAX_PLAN_BYTES else
-                       f"rendering took more than {MAX_RENDER_SECONDS:g} s"
-                       if time.monotonic() > budget.deadline else "")
+                why = (
+                    f"the rendered plan is over {MAX_PLAN_BYTES} bytes (the plan size limit)"
+                    if size > MAX_PLAN_BYTES
+                    else f"rendering took more than {MAX_RENDER_SECONDS:g} s"
+                    if time.monotonic() > budget.deadline
+                    else ""
+                )
                 if why:
                     line = _generator_line(template, gen)
                     gen.close()
-                    raise _error(file, "template-limit", f"template refused: {why}", line,
-                                 "templates render small plans: use fewer, smaller values")
+                    raise _error(
+                        file,
+                        "template-limit",
+                        f"template refused: {why}",
+                        line,
+                        "templates render small plans: use fewer, smaller values",
+                    )
                 out.append(chunk)
             return "".join(out)
         except jinja2.TemplateSyntaxError as e:
-            hint = f"templates may use these filters: {', '.join(FILTERS)}" \
-                if "filter" in str(e.message) else ""
-            raise _error(file, "template", f"template syntax error: {e.message}", e.lineno,
-                         hint) from None
+            hint = (
+                f"templates may use these filters: {', '.join(FILTERS)}"
+                if "filter" in str(e.message)
+                else ""
+            )
+            raise _error(
+                file, "template", f"template syntax error: {e.message}", e.lineno, hint
+            ) from None
         except jinja2.UndefinedError as e:
             msg = str(e.message or e)
             name = msg.split("'")[1] if "'" in msg else "?"
-            hint = (f"{name} is not available in plan templates (README: Security)"
-                    if name in _REMOVED else f"pass it with --set {name}=VALUE")
-            raise _error(file, "template-undefined", f"template variable {e.message}",
-                         _template_line(e.__traceback__), hint) from None
+            hint = (
+                f"{name} is not available in plan templates (README: Security)"
+                if name in _REMOVED
+                else f"pass it with --set {name}=VALUE"
+            )
+            raise _error(
+                file,
+                "template-undefined",
+                f"template variable {e.message}",
+                _template_line(e.__traceback__),
+                hint,
+            ) from None
         except TemplateLimit as e:
-            raise _error(file, "template-limit", f"template refused: {e}",
-                         _template_line(e.__traceback__),
-                         "templates render small plans: use fewer, smaller values") from None
+            raise _error(
+                file,
+                "template-limit",
+                f"template refused: {e}",
+                _template_line(e.__traceback__),
+                "templates render small plans: use fewer, smaller values",
+            ) from None
         except jinja2.exceptions.SecurityError as e:
-            raise _error(file, "template-unsafe", f"template refused: {e}",
-                         _template_line(e.__traceback__),
-                         "templates may use variables, arithmetic, if/for and the listed "
-                         "filters only (README: Security)") from None
+            raise _error(
+                file,
+                "template-unsafe",
+                f"template refused: {e}",
+                _template_line(e.__traceback__),
+                "templates may use variables, arithmetic, if/for and the listed "
+                "filters only (README: Security)",
+            ) from None
         except PlanError:
             raise
         except (Exception, RecursionError) as e:  # a filter or expression failed while rendering
-            raise _error(file, "template", f"template failed to render: {type(e).__name__}: "
-                         f"{str(e)[:300]}", _template_line(e.__traceback__)) from None
+            raise _error(
+                file,
+                "template",
+                f"template failed to render: {type(e).__name__}: {str(e)[:300]}",
+                _template_line(e.__traceback__),
+            ) from None
     finally:
         _budget.reset(token)
 
 
 def _names(env, text: str) -> set[str]:
     from jinja2 import meta
+
     return meta.find_undeclared_variables(env.parse(text))
 
 

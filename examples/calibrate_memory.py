@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs  # noqa: E402
-
-from graphplan.compiler import memory  # noqa: E402
-from graphplan.runtime import GraphplanError, GraphRunner, load_table  # noqa: E402
-from graphplan.runtime.calibrate import calibrate_memory  # noqa: E402
+from graphplan.compiler.tools import memory
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_inputs
+from graphplan.runtime import GraphplanError, GraphRunner, load_table
+from graphplan.runtime.calibrate import calibrate_memory
 
 BAR = 1.15  # estimate / actual at most this (and at least 1 / BAR)
 
@@ -33,15 +30,24 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", required=True, help="profile JSON to write (atomically)")
     p.add_argument("--device", default="cuda", help="a CUDA device (default cuda)")
     p.add_argument("--count", type=int, default=4, help="FULL graphs captured to calibrate")
-    p.add_argument("--no-check", action="store_true",
-                   help="skip capturing the whole table to compare the estimate with it")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip capturing the whole table to compare the estimate with it",
+    )
     a = p.parse_args(argv)
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
-        why = "no CUDA device is visible" if a.device.startswith("cuda") else \
-            f"--device {a.device} is not a CUDA device"
-        print(f"calibrate_memory: needs a CUDA GPU and {why}: without one there is no device "
-              "memory to measure (a profile would be all zeros); run it on the GPU the plan is "
-              f"for. Nothing written to {a.output}.", file=sys.stderr)
+        why = (
+            "no CUDA device is visible"
+            if a.device.startswith("cuda")
+            else f"--device {a.device} is not a CUDA device"
+        )
+        print(
+            f"calibrate_memory: needs a CUDA GPU and {why}: without one there is no device "
+            "memory to measure (a profile would be all zeros); run it on the GPU the plan is "
+            f"for. Nothing written to {a.output}.",
+            file=sys.stderr,
+        )
         return 1
     try:
         table = load_table(a.table)
@@ -49,17 +55,21 @@ def main(argv=None) -> int:
         model = TinyLlama(cfg, seed=0, device=a.device, dtype=torch.bfloat16)
         prof = calibrate_memory(model, table, static_inputs(model), count=a.count)
         if not prof["samples"] or prof["samples"][0][1] <= 0:
-            print(f"calibrate_memory: the first graph's capture grew the pool by 0 bytes on "
-                  f"{prof['device']}: nothing to fit; nothing written to {a.output}",
-                  file=sys.stderr)
+            print(
+                f"calibrate_memory: the first graph's capture grew the pool by 0 bytes on "
+                f"{prof['device']}: nothing to fit; nothing written to {a.output}",
+                file=sys.stderr,
+            )
             return 1
         memory.save_profile(a.output, prof)
     except (GraphplanError, ValueError) as e:
         print(f"calibrate_memory: {e}", file=sys.stderr)
         return 1
-    print(f"{a.output}: {prof['per_graph_bytes'] / 2**20:.2f} MiB per graph + "
-          f"{prof['per_token_bytes'] / 1024:.1f} KiB per token on {prof['device']} "
-          f"(samples [tokens, bytes], largest first: {prof['samples']})")
+    print(
+        f"{a.output}: {prof['per_graph_bytes'] / 2**20:.2f} MiB per graph + "
+        f"{prof['per_token_bytes'] / 1024:.1f} KiB per token on {prof['device']} "
+        f"(samples [tokens, bytes], largest first: {prof['samples']})"
+    )
     if a.no_check:
         return 0
     est = memory.estimate(table, prof)
@@ -68,10 +78,12 @@ def main(argv=None) -> int:
     runner.release()
     ratio = est["total_bytes"] / actual if actual else float("inf")
     ok = 1 / BAR <= ratio <= BAR
-    print(f"check: {len(table.graphs)} graphs ({est['largest_graph_tokens']} tokens largest): "
-          f"estimate {est['total_bytes'] / 2**20:.1f} MiB, actual capture "
-          f"{actual / 2**20:.1f} MiB, estimate / actual = {ratio:.3f} "
-          f"(bar {1 / BAR:.2f}..{BAR:.2f}: {'PASS' if ok else 'FAIL'})")
+    print(
+        f"check: {len(table.graphs)} graphs ({est['largest_graph_tokens']} tokens largest): "
+        f"estimate {est['total_bytes'] / 2**20:.1f} MiB, actual capture "
+        f"{actual / 2**20:.1f} MiB, estimate / actual = {ratio:.3f} "
+        f"(bar {1 / BAR:.2f}..{BAR:.2f}: {'PASS' if ok else 'FAIL'})"
+    )
     return 0 if ok else 2
 
 

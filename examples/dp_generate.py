@@ -23,10 +23,15 @@ from pathlib import Path
 
 import torch
 
+from graphplan.models.tiny_llama import (
+    TinyLlama,
+    TinyLlamaConfig,
+    reference_generate,
+    static_inputs,
+)
+from graphplan.server.generation import dp_generate
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
-from tiny_llama import (TinyLlama, TinyLlamaConfig, make_batch, reference_generate,  # noqa: E402
-                        static_inputs)
 
 PLAN = ROOT / "plans" / "tiny-llama.yaml"
 
@@ -37,24 +42,41 @@ def workload(rank: int, ranks: int, seed: int, new_tokens: int) -> tuple[list[li
     if ranks >= 3 and rank == ranks - 1:
         return [], 0
     rng = random.Random(seed * 1000 + rank)
-    prompts = [[rng.randrange(1, 2048) for _ in range(rng.randint(1, 20))]
-               for _ in range(10 + 4 * rank)]
+    prompts = [
+        [rng.randrange(1, 2048) for _ in range(rng.randint(1, 20))] for _ in range(10 + 4 * rank)
+    ]
     return prompts, new_tokens + 3 * rank
 
 
 def build(ranks: int, device: str, dbo: bool, seed: int = 0, modes: tuple[str, ...] | None = None):
     from graphplan.compiler import compile_plan
     from graphplan.runtime import GraphRunner
-    from graphplan.runtime.dp_runner import DPRunner
-    overrides = {"parallel.data_parallel_size": ranks, "scheduler.max_num_seqs": 32,
-                 "scheduler.max_num_batched_tokens": 512}
+    from graphplan.runtime.dp.runner import DPRunner
+
+    overrides = {
+        "parallel.data_parallel_size": ranks,
+        "scheduler.max_num_seqs": 32,
+        "scheduler.max_num_batched_tokens": 512,
+    }
     if dbo:
-        overrides.update({"parallel.ubatch.enabled": True,
-                          "parallel.ubatch.decode_token_threshold": 8,
-                          "parallel.ubatch.prefill_token_threshold": 64})
+        overrides.update(
+            {
+                "parallel.ubatch.enabled": True,
+                "parallel.ubatch.decode_token_threshold": 8,
+                "parallel.ubatch.prefill_token_threshold": 64,
+            }
+        )
     table = compile_plan(PLAN, overrides)
-    cfg = TinyLlamaConfig(layers=2, hidden=256, heads=4, kv_heads=1, intermediate=768,
-                          vocab_size=2048, max_model_len=128, num_cache_rows=table.max_num_seqs)
+    cfg = TinyLlamaConfig(
+        layers=2,
+        hidden=256,
+        heads=4,
+        kv_heads=1,
+        intermediate=768,
+        vocab_size=2048,
+        max_model_len=128,
+        num_cache_rows=table.max_num_seqs,
+    )
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = TinyLlama(cfg, seed=seed, device=device, dtype=dtype)
     runner = GraphRunner(model, table, static_inputs(model), device=device, progress=False)
@@ -63,47 +85,30 @@ def build(ranks: int, device: str, dbo: bool, seed: int = 0, modes: tuple[str, .
     return model, dp
 
 
-@torch.no_grad()
-def dp_generate(model, dp, prompts, new_tokens: int, steps: int) -> list[list[int]]:
-    """reference_generate's loop through the DPRunner, then idle steps until ``steps``. Each
-    decode step's DP exchange is started (``dp.prepare``) before the host waits for the previous
-    step's logits, so it overlaps the GPU."""
-    reqs = [(row, 0, list(p)) for row, p in enumerate(prompts)]
-    out: list[list[int]] = [[] for _ in prompts]
-    for i in range(steps):
-        if i >= new_tokens or not reqs:
-            dp.step(None)
-            continue
-        batch = make_batch(model, reqs)
-        last = batch["query_start_loc"][1:].long() - 1
-        logits = dp.step(batch, len(reqs), max(len(t) for _, _, t in reqs),
-                         query_lens=[len(t) for _, _, t in reqs])
-        if i + 1 < steps:  # the next step's shape is known now: agree on it while the GPU runs
-            n = len(reqs) if i + 1 < new_tokens else 0  # one token per request, or no work
-            dp.prepare(n, n or None, 1 if n else None)
-        next_ids = logits[last].argmax(dim=-1).tolist()  # waits for the GPU
-        for tokens, tok in zip(out, next_ids):
-            tokens.append(tok)
-        reqs = [(row, start + len(t), [tok]) for (row, start, t), tok in zip(reqs, next_ids)]
-    return out
-
-
 def run_rank(rank: int, ranks: int, args) -> int:
     import torch.distributed as dist
+
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", init_method=args.init, rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=args.init,
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(seconds=120),
+    )
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     model, dp = build(ranks, device, args.dbo, args.seed)
     work = [workload(r, ranks, args.seed, args.new_tokens) for r in range(ranks)]
     prompts, budget = work[rank]
     out = dp_generate(model, dp, prompts, budget, steps=max(b for _, b in work))
     s = dp.stats()
-    say(f"rank {rank}: {len(prompts)} prompts x {budget} tokens; steps {s['dp']['steps']}, "
+    say(
+        f"rank {rank}: {len(prompts)} prompts x {budget} tokens; steps {s['dp']['steps']}, "
         f"dummy {s['dp']['dummy_steps']}, ubatched {s['dp']['ubatched_steps']}, replays "
-        f"{s['replays_by_mode']}, eager {s['eager_steps']}")
+        f"{s['replays_by_mode']}, eager {s['eager_steps']}"
+    )
     status = 0
     if args.check:
         model.kv_cache.zero_()
@@ -128,7 +133,9 @@ def _spawned(rank: int, ranks: int, args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tiny Llama on several DP ranks through DPRunner.")
-    p.add_argument("--ranks", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="processes to spawn (ignored under torchrun)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
@@ -142,6 +149,7 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         a.init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     import torch.multiprocessing as mp
+
     try:
         mp.spawn(_spawned, args=(a.ranks, a), nprocs=a.ranks, join=True)
     except mp.ProcessRaisedException as e:

@@ -22,31 +22,40 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching import ContinuousBatcher  # noqa: E402
-from tiny_llama import (LOGIT_TOL, TinyLlama, TinyLlamaConfig, greedy,  # noqa: E402
-                        greedy_mismatch, make_batch, reference_generate, static_inputs)
+from graphplan.models.tiny_llama import (
+    LOGIT_TOL,
+    TinyLlama,
+    TinyLlamaConfig,
+    greedy,
+    greedy_mismatch,
+    reference_generate,
+    static_inputs,
+)
+from graphplan.runtime import GraphplanError, GraphRunner, load_table
+from graphplan.server.generation import continuous_greedy, make_prompts
 
-from graphplan.runtime import GraphRunner, GraphplanError, load_table  # noqa: E402
 
-
-def make_prompts(n: int, seed: int, vocab: int, max_len: int = 24) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
-
-
-def build(table_path, device: str, layers: int = 2, hidden: int = 256, seed: int = 0,
-          progress: bool = True):
+def build(
+    table_path,
+    device: str,
+    layers: int = 2,
+    hidden: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+):
     """The tiny model sized to the table's limits, and a runner with its graphs captured."""
     table = load_table(table_path)
-    cfg = TinyLlamaConfig.sized(hidden=hidden, layers=layers, vocab_size=2048, max_model_len=128,
-                                num_cache_rows=table.max_num_seqs)
+    cfg = TinyLlamaConfig.sized(
+        hidden=hidden,
+        layers=layers,
+        vocab_size=2048,
+        max_model_len=128,
+        num_cache_rows=table.max_num_seqs,
+    )
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = TinyLlama(cfg, seed=seed, device=device, dtype=dtype)
     runner = GraphRunner(model, table, static_inputs(model), device=device, progress=progress)
@@ -55,50 +64,12 @@ def build(table_path, device: str, layers: int = 2, hidden: int = 256, seed: int
 
 
 def generate(model, runner, prompts, new_tokens: int) -> list[list[int]]:
-    return reference_generate(model, prompts, new_tokens, step=lambda batch, r, q: runner.step(
-        batch, num_reqs=r, max_query_len=q))
-
-
-def continuous_generate(model, prompts, new_tokens: int, *, chunk: int, max_num_seqs: int,
-                        arrive_every: int = 2, step=None) -> list[list[int]]:
-    """Greedy generation with continuous batching: prompt i arrives at step i * arrive_every.
-    ``step(batch, num_reqs, max_query_len) -> logits`` as in reference_generate (default: eager)."""
-    return continuous_greedy(model, prompts, new_tokens, chunk=chunk, max_num_seqs=max_num_seqs,
-                             arrive_every=arrive_every, step=step)[0]
-
-
-def continuous_greedy(model, prompts, new_tokens: int, *, chunk: int, max_num_seqs: int,
-                      arrive_every: int = 2, step=None, forced=None
-                      ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """``continuous_generate`` that also returns the logits each token was chosen from, per
-    prompt ([new_tokens, vocab] float32, CPU); ``forced`` feeds those tokens back instead of the
-    argmax, as ``tiny_llama.greedy`` does."""
-    step = step or (lambda batch, num_reqs, max_query_len: model(**batch))
-    batcher = ContinuousBatcher(max_num_seqs=max_num_seqs, token_budget=chunk,
-                                max_model_len=model.cfg.max_model_len,
-                                num_cache_rows=model.cfg.num_cache_rows)
-    arrived, t = 0, 0
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    with torch.no_grad():
-        while arrived < len(prompts) or batcher.has_work():
-            while arrived < len(prompts) and arrived * arrive_every <= t:
-                batcher.add(arrived, prompts[arrived], new_tokens)
-                arrived += 1
-            batch = batcher.schedule()
-            if batch is not None:
-                logits = step(make_batch(model, batch.reqs), batch.num_reqs, batch.max_query_len)
-                tokens = []
-                for rid, i in zip(batch.request_ids, batch.sample_rows):
-                    if i < 0:
-                        tokens.append(None)
-                        continue
-                    rows[rid].append(logits[i].to("cpu", torch.float32, copy=True))  # a view: copy
-                    tokens.append(int(rows[rid][-1].argmax()) if forced is None
-                                  else forced[rid][len(rows[rid]) - 1])
-                batcher.commit_tokens(batch, tokens)
-            t += 1
-    return ([batcher.finished[i] for i in range(len(prompts))],
-            [torch.stack(r) for r in rows])
+    return reference_generate(
+        model,
+        prompts,
+        new_tokens,
+        step=lambda batch, r, q: runner.step(batch, num_reqs=r, max_query_len=q),
+    )
 
 
 def main(argv=None) -> int:
@@ -109,13 +80,21 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare with eager generation")
-    p.add_argument("--continuous", action="store_true",
-                   help="prompts arrive over time; chunked prefill and decodes share each step")
+    p.add_argument(
+        "--continuous",
+        action="store_true",
+        help="prompts arrive over time; chunked prefill and decodes share each step",
+    )
     p.add_argument("--chunk", type=int, default=32, help="--continuous: tokens per step")
-    p.add_argument("--arrive-every", type=int, default=2,
-                   help="--continuous: steps between arriving prompts")
-    p.add_argument("--max-prompt-len", type=int, default=None,
-                   help="longest prompt (default 24, with --continuous 64)")
+    p.add_argument(
+        "--arrive-every", type=int, default=2, help="--continuous: steps between arriving prompts"
+    )
+    p.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=None,
+        help="longest prompt (default 24, with --continuous 64)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     max_len = a.max_prompt_len or (64 if a.continuous else 24)
@@ -123,22 +102,35 @@ def main(argv=None) -> int:
     def run(step=None, forced=None):
         if not a.continuous:
             return greedy(model, prompts, a.new_tokens, step=step, forced=forced)
-        return continuous_greedy(model, prompts, a.new_tokens, chunk=a.chunk, step=step,
-                                 max_num_seqs=runner.table.max_num_seqs,
-                                 arrive_every=a.arrive_every, forced=forced)
+        return continuous_greedy(
+            model,
+            prompts,
+            a.new_tokens,
+            chunk=a.chunk,
+            step=step,
+            max_num_seqs=runner.table.max_num_seqs,
+            arrive_every=a.arrive_every,
+            forced=forced,
+        )
+
     try:
         model, runner = build(a.table, a.device, seed=a.seed)
         prompts = make_prompts(a.prompts, a.seed, model.cfg.vocab_size, max_len)
         if not a.continuous and a.prompts > runner.table.max_num_seqs:
-            raise GraphplanError(f"--prompts {a.prompts} exceeds the plan's max_num_seqs "
-                                 f"{runner.table.max_num_seqs}")
+            raise GraphplanError(
+                f"--prompts {a.prompts} exceeds the plan's max_num_seqs {runner.table.max_num_seqs}"
+            )
         if a.continuous and not 0 < a.chunk <= runner.table.max_tokens:
-            raise GraphplanError(f"--chunk {a.chunk} must be in 1..{runner.table.max_tokens} "
-                                 "(the plan's max_num_batched_tokens)")
+            raise GraphplanError(
+                f"--chunk {a.chunk} must be in 1..{runner.table.max_tokens} "
+                "(the plan's max_num_batched_tokens)"
+            )
         if max_len + a.new_tokens > model.cfg.max_model_len:
-            raise GraphplanError(f"prompts of up to {max_len} tokens + --new-tokens "
-                                 f"{a.new_tokens} exceed the model's max_model_len "
-                                 f"{model.cfg.max_model_len}")
+            raise GraphplanError(
+                f"prompts of up to {max_len} tokens + --new-tokens "
+                f"{a.new_tokens} exceed the model's max_model_len "
+                f"{model.cfg.max_model_len}"
+            )
         out, logits = run(lambda batch, r, q: runner.step(batch, num_reqs=r, max_query_len=q))
     except GraphplanError as e:
         print(f"generate: {e}", file=sys.stderr)
@@ -155,13 +147,14 @@ def main(argv=None) -> int:
         if bad:
             print(f"generate: MISMATCH between graphs and eager, {bad}", file=sys.stderr)
             return 1
-        same = sum(int(w.argmax()) == t for toks, lg in zip(out, eager)
-                   for t, w in zip(toks, lg))
+        same = sum(int(w.argmax()) == t for toks, lg in zip(out, eager) for t, w in zip(toks, lg))
         total = sum(len(toks) for toks in out)
         diff = max((g - w).abs().max().item() for g, w in zip(logits, eager))
-        print(f"check: {total} logits rows with graphs == eager within atol=rtol="
-              f"{LOGIT_TOL[dtype]:g} ({str(dtype).removeprefix('torch.')}; max |diff| "
-              f"{diff:.3g}); eager picks the same token at {same} of {total}")
+        print(
+            f"check: {total} logits rows with graphs == eager within atol=rtol="
+            f"{LOGIT_TOL[dtype]:g} ({str(dtype).removeprefix('torch.')}; max |diff| "
+            f"{diff:.3g}); eager picks the same token at {same} of {total}"
+        )
         if same != total:  # a flipped argmax inside the tolerance is a near-tie, not a bug
             print("check: the differing picks are near-ties within the tolerance")
     return 0

@@ -7,17 +7,34 @@ not plans). The table format is ``compiler.table``, the one module both halves s
 from graphplan.compiler.errors import BatchError, GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode, TableSettings, Why
 from graphplan.compiler.table import DispatchTable, Route
-from graphplan.runtime.breakable import SplitError, split_point
-from graphplan.runtime.buffers import StaticInput
-from graphplan.runtime.capture import CaptureError
-from graphplan.runtime.compiled import CompiledModel, ModelCompileError
-from graphplan.runtime.metrics import render_prometheus
-from graphplan.runtime.runner import GraphRunner, RunnerStateError
 
-__all__ = ["GraphRunner", "StaticInput", "DispatchTable", "Route", "RuntimeMode", "TableSettings", "Why", "BatchError",
-           "CaptureError", "CompiledModel", "GraphplanError", "ModelCompileError",
-           "RunnerStateError", "SplitError", "TableError", "render_prometheus", "load_table",
-           "split_point"]
+from .buffers import StaticInput
+from .capture import CaptureError
+from .compiled.model import CompiledModel, ModelCompileError
+from .metrics import render_prometheus
+from .piecewise.breakable import SplitError, split_point
+from .runner import GraphRunner, RunnerStateError
+
+__all__ = [
+    "GraphRunner",
+    "StaticInput",
+    "DispatchTable",
+    "Route",
+    "RuntimeMode",
+    "TableSettings",
+    "Why",
+    "BatchError",
+    "CaptureError",
+    "CompiledModel",
+    "GraphplanError",
+    "ModelCompileError",
+    "RunnerStateError",
+    "SplitError",
+    "TableError",
+    "render_prometheus",
+    "load_table",
+    "split_point",
+]
 
 
 def load_table(path) -> DispatchTable:

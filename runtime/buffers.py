@@ -33,7 +33,9 @@ class StaticInput:
 
     def __post_init__(self):
         if self.per not in PER:
-            raise ValueError(f"StaticInput {self.name!r}: per must be one of {PER}, not {self.per!r}")
+            raise ValueError(
+                f"StaticInput {self.name!r}: per must be one of {PER}, not {self.per!r}"
+            )
 
     def rows(self, tokens: int, reqs: int) -> int:
         return tokens if self.per == "token" else reqs + (self.per == "req+1")
@@ -58,8 +60,9 @@ class StaticBuffers:
     """The runner's input buffers. Invariant for constant pads: rows >= ``_clean[name]`` hold the
     pad value, so a step fills only rows that a larger earlier step dirtied."""
 
-    def __init__(self, specs: list[StaticInput], max_tokens: int, max_reqs: int,
-                 device: torch.device):
+    def __init__(
+        self, specs: list[StaticInput], max_tokens: int, max_reqs: int, device: torch.device
+    ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate static input names: {names}")
@@ -91,25 +94,36 @@ class StaticBuffers:
         if len(inputs) != len(self.specs):
             extra = sorted(set(inputs) - set(self.buffers))
             missing = sorted(set(self.buffers) - set(inputs))
-            raise BatchError(f"batch inputs do not match the runner's: missing {missing}, "
-                             f"unexpected {extra}")
+            raise BatchError(
+                f"batch inputs do not match the runner's: missing {missing}, unexpected {extra}"
+            )
         for s in self.specs:
             t = inputs.get(s.name)
             if t is None:
                 raise BatchError(f"batch is missing input {s.name!r}")
             if t.dtype != s.dtype or t.device != self.device:
-                raise BatchError(f"input {s.name!r} is {t.dtype} on {t.device}; the runner's "
-                                 f"buffer is {s.dtype} on {self.device} (convert it with "
-                                 f".to({self.device}, {s.dtype}))")
+                raise BatchError(
+                    f"input {s.name!r} is {t.dtype} on {t.device}; the runner's "
+                    f"buffer is {s.dtype} on {self.device} (convert it with "
+                    f".to({self.device}, {s.dtype}))"
+                )
             if s.per != "token" and reqs is None:
                 raise BatchError(f"input {s.name!r} is per request: pass num_reqs")
             want = s.rows(tokens, reqs or 0)
             if tuple(t.shape) != (want, *s.trailing):
-                raise BatchError(f"input {s.name!r} has shape {tuple(t.shape)}, expected "
-                                 f"{(want, *s.trailing)} for {tokens} tokens / {reqs} requests")
+                raise BatchError(
+                    f"input {s.name!r} has shape {tuple(t.shape)}, expected "
+                    f"{(want, *s.trailing)} for {tokens} tokens / {reqs} requests"
+                )
 
-    def load(self, inputs: dict[str, torch.Tensor], tokens: int, reqs: int,
-             padded_tokens: int, padded_reqs: int) -> None:
+    def load(
+        self,
+        inputs: dict[str, torch.Tensor],
+        tokens: int,
+        reqs: int,
+        padded_tokens: int,
+        padded_reqs: int,
+    ) -> None:
         """Copy the real rows in; make rows up to the padded counts hold pad values.
 
         The copies go out as one ``torch._foreach_copy_`` over byte views (one kernel on a GPU
@@ -128,7 +142,7 @@ class StaticBuffers:
             if s.pad == "last":
                 p = s.rows(padded_tokens, padded_reqs)
                 if p > k:
-                    buf[k:p].copy_(src[k - 1:k].expand(p - k, *s.trailing))
+                    buf[k:p].copy_(src[k - 1 : k].expand(p - k, *s.trailing))
                 continue
             clean = self._clean[s.name]
             if clean > k:

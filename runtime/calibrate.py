@@ -1,4 +1,4 @@
-"""Calibrate the compiler's graph-memory model (compiler/memory.py) on a real GPU, once per model
+"""Calibrate the compiler's graph-memory model (compiler/tools/memory.py) on a real GPU, once per model
 and device, the way the model is defined: capture a few FULL graphs, largest first, into ONE pool
 (as the runner does) and record how much the pool grows at each. Every later graph reuses the
 first one's blocks, so its growth is the per-graph cost alone: ``per_graph_bytes`` = mean growth of
@@ -21,11 +21,12 @@ import hashlib
 
 import torch
 
-from graphplan.compiler import memory
+from graphplan.compiler import profile_format
 from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
-from graphplan.runtime.runner import GraphRunner
+
+from .runner import GraphRunner
 
 
 def model_fingerprint(model) -> str:
@@ -45,8 +46,13 @@ def device_name(device: torch.device) -> str:
 
 def calibration_sizes(table: DispatchTable, count: int = 4) -> list[int]:
     """Token counts of FULL graphs spread over the table's range, the largest included."""
-    tokens = sorted({g.key.num_tokens for g in table.graphs
-                     if g.mode is RuntimeMode.FULL and g.key.num_ubatches == 1})
+    tokens = sorted(
+        {
+            g.key.num_tokens
+            for g in table.graphs
+            if g.mode is RuntimeMode.FULL and g.key.num_ubatches == 1
+        }
+    )
     if len(tokens) < 2:
         raise ValueError("memory calibration needs at least two FULL graph sizes in the table")
     picks = {tokens[round(i * (len(tokens) - 1) / (count - 1))] for i in range(count)}
@@ -62,27 +68,35 @@ def _piecewise_alone(model, table: DispatchTable, inputs, device) -> tuple[int, 
     top = max(pw, key=lambda g: g.key.num_tokens)
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
     try:
-        return top.key.num_tokens, float(runner.capture((RuntimeMode.PIECEWISE,),
-                                                        only={top.id})["bytes"])
+        return top.key.num_tokens, float(
+            runner.capture((RuntimeMode.PIECEWISE,), only={top.id})["bytes"]
+        )
     except GraphplanError:
         return None
     finally:
         runner.release()
 
 
-def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count: int = 4,
-                     path=None) -> dict:
+def calibrate_memory(
+    model, table: DispatchTable, inputs, *, device=None, count: int = 4, path=None
+) -> dict:
     """Measure, return (and with ``path``, save atomically) a memory profile for this model."""
     sizes = calibration_sizes(table, count)
-    ids = {next(g.id for g in table.graphs if g.mode is RuntimeMode.FULL
-                and g.key.num_ubatches == 1 and g.key.num_tokens == t) for t in sizes}
+    ids = {
+        next(
+            g.id
+            for g in table.graphs
+            if g.mode is RuntimeMode.FULL and g.key.num_ubatches == 1 and g.key.num_tokens == t
+        )
+        for t in sizes
+    }
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
     summary = runner.capture((RuntimeMode.FULL,), only=ids, measure_each=True)
     runner.release()
     samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
     smallest = min(ids, key=lambda i: table.graphs[i].key.num_tokens)
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
-    (_, small_tokens, alone), = runner.capture(("FULL",), only={smallest})["per_graph"]
+    ((_, small_tokens, alone),) = runner.capture(("FULL",), only={smallest})["per_graph"]
     runner.release()
     (top_tokens, first), later = samples[0], samples[1:]
     per_graph = max(0.0, sum(b for _, b in later) / len(later))
@@ -94,11 +108,19 @@ def calibrate_memory(model, table: DispatchTable, inputs, *, device=None, count:
         pw_tokens, pw_growth = pw
         extra["piecewise_per_token_bytes"] = max(0.0, (pw_growth - base - per_graph) / pw_tokens)
         samples.append([pw_tokens, pw_growth])
-    profile = memory.check_profile({
-        "format": memory.FORMAT, "version": memory.VERSION,
-        "model_fingerprint": model_fingerprint(model), "device": device_name(runner.device),
-        "per_graph_bytes": float(per_graph), "per_token_bytes": float(per_token),
-        "base_bytes": float(base), **extra, "samples": samples + [[small_tokens, alone]]})
+    profile = profile_format.check_profile(
+        {
+            "format": profile_format.FORMAT,
+            "version": profile_format.VERSION,
+            "model_fingerprint": model_fingerprint(model),
+            "device": device_name(runner.device),
+            "per_graph_bytes": float(per_graph),
+            "per_token_bytes": float(per_token),
+            "base_bytes": float(base),
+            **extra,
+            "samples": samples + [[small_tokens, alone]],
+        }
+    )
     if path is not None:
-        memory.save_profile(path, profile)
+        profile_format.save_profile(path, profile)
     return profile

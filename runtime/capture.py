@@ -14,8 +14,9 @@ import torch
 
 from graphplan.compiler.errors import GraphplanError
 from graphplan.compiler.records import RuntimeMode
-from graphplan.runtime.buffers import as_tuple
-from graphplan.runtime.compiled import CompiledModel
+
+from .buffers import as_tuple
+from .compiled.model import CompiledModel
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
@@ -53,7 +54,7 @@ class CaptureJob:
     rank: int = 0
     progress: bool = True
     splitting_ops: dict = field(default_factory=dict)
-    """Plan op name -> the op, function or module it binds (runtime/breakable.py)."""
+    """Plan op name -> the op, function or module it binds (runtime/piecewise/breakable.py)."""
     ubatch_body: object = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
     warmup_each: bool = False
@@ -65,7 +66,7 @@ class CaptureJob:
     piecewise_model: object = None
     """What PIECEWISE graphs run; None: ``model``. The compiled path passes the uncompiled model
     here: the run-time split's capture-time hooks would change what the compiled code was guarded
-    on (runtime/compiled.py)."""
+    on (runtime/compiled/model.py)."""
 
 
 def _progress(items: list, job: CaptureJob, desc: str):
@@ -76,6 +77,7 @@ def _progress(items: list, job: CaptureJob, desc: str):
     if sys.stderr.isatty():
         try:
             from tqdm import tqdm
+
             return tqdm(items, desc=desc, unit="graph", leave=False)
         except ImportError:  # tqdm is optional
             pass
@@ -91,8 +93,10 @@ def _logged(items: list, desc: str):
 
 
 def _static_outputs(out, max_tokens: int) -> tuple:
-    return tuple(torch.empty((max_tokens, *o.shape[1:]), dtype=o.dtype, device=o.device)
-                 for o in as_tuple(out))
+    return tuple(
+        torch.empty((max_tokens, *o.shape[1:]), dtype=o.dtype, device=o.device)
+        for o in as_tuple(out)
+    )
 
 
 def _graph_fn(model, statics: tuple, views: dict, tokens: int):
@@ -105,6 +109,7 @@ def _graph_fn(model, statics: tuple, views: dict, tokens: int):
     def fn():
         for dst, src in zip(statics, as_tuple(model(**views))):
             dst[:tokens].copy_(src)
+
     return fn
 
 
@@ -141,18 +146,35 @@ def _full_body(job: CaptureJob, done: "Captured", key, views: dict, tokens: int)
     return _graph_fn(job.model, done.outputs, views, tokens)
 
 
-def capture_graphs(job: CaptureJob, modes: tuple[RuntimeMode, ...],
-                   only: set[int] | None = None) -> Captured:
+def capture_graphs(
+    job: CaptureJob, modes: tuple[RuntimeMode, ...], only: set[int] | None = None
+) -> Captured:
     """Warm up and capture the table's graphs of ``modes`` in table order. On any failure, an
     interrupt included, everything captured so far is released before the error propagates."""
     table, backend = job.table, job.backend
-    ids = [g.id for g in table.graphs if g.mode in modes  # table order: largest first per mode
-           and (g.key.num_ubatches == 1 or job.ubatch_body is not None)
-           and (only is None or g.id in only)]
-    summary = {"graphs": 0, "seconds": 0.0, "bytes": 0, "estimate_bytes": None,
-               "estimate_error": None, "per_graph": [], "backend": backend.name}
-    done = Captured(graphs=[None] * len(table.graphs), outputs=None, single_output=True,
-                    piecewise=None, summary=summary)
+    ids = [
+        g.id
+        for g in table.graphs
+        if g.mode in modes  # table order: largest first per mode
+        and (g.key.num_ubatches == 1 or job.ubatch_body is not None)
+        and (only is None or g.id in only)
+    ]
+    summary = {
+        "graphs": 0,
+        "seconds": 0.0,
+        "bytes": 0,
+        "estimate_bytes": None,
+        "estimate_error": None,
+        "per_graph": [],
+        "backend": backend.name,
+    }
+    done = Captured(
+        graphs=[None] * len(table.graphs),
+        outputs=None,
+        single_output=True,
+        piecewise=None,
+        summary=summary,
+    )
     if not ids:
         return done
     t0 = time.perf_counter()
@@ -211,8 +233,10 @@ def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
     if g.key.num_ubatches > 1 and job.ubatch_body is None:
         raise CaptureError(f"graph #{gid} is micro-batched and this runner has no ubatch body")
     if g.mode is RuntimeMode.PIECEWISE and done.piecewise is None:
-        raise CaptureError(f"graph #{gid} is PIECEWISE and no PIECEWISE graph was captured at "
-                           "start (the start set holds the largest)")
+        raise CaptureError(
+            f"graph #{gid} is PIECEWISE and no PIECEWISE graph was captured at "
+            "start (the start set holds the largest)"
+        )
     views, tokens = _graph_views(job, g.key)
     with torch.no_grad():
         if g.mode is RuntimeMode.PIECEWISE:
@@ -227,39 +251,61 @@ class CaptureError(GraphplanError):
 
 def _capture_error(e: Exception, gid: int, key) -> CaptureError:
     oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-    fix = ("lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
-           f"{key.num_tokens}), or leave more GPU memory free" if oom else
-           "check that the model runs eagerly at this size, with no host syncs or "
-           "data-dependent shapes (required inside a CUDA graph)")
-    return CaptureError(f"capturing graph #{gid} ({key.num_tokens} tokens, "
-                        f"{key.num_reqs} requests, lora {key.num_active_loras}, "
-                        f"{key.num_ubatches} ubatch(es)) failed: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}. Released every graph "
-                        f"captured so far. Fix: {fix}")
+    fix = (
+        "lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
+        f"{key.num_tokens}), or leave more GPU memory free"
+        if oom
+        else "check that the model runs eagerly at this size, with no host syncs or "
+        "data-dependent shapes (required inside a CUDA graph)"
+    )
+    return CaptureError(
+        f"capturing graph #{gid} ({key.num_tokens} tokens, "
+        f"{key.num_reqs} requests, lora {key.num_active_loras}, "
+        f"{key.num_ubatches} ubatch(es)) failed: {type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''}. Released every graph "
+        f"captured so far. Fix: {fix}"
+    )
 
 
 def _split(job: CaptureJob):
     """The model's piecewise state, ready to capture: split at run time at each call of a
-    splitting op (runtime/breakable_graphs.py)."""
-    from graphplan.runtime.breakable_graphs import BreakableGraphs
+    splitting op (runtime/piecewise/graphs.py)."""
+    from .piecewise.graphs import BreakableGraphs
+
     table = job.table
     model = job.model if job.piecewise_model is None else job.piecewise_model
     static = [*job.buffers.buffers.values()]  # fixed addresses: the runner's inputs, the weights
     if isinstance(model, torch.nn.Module):
         static += [*model.parameters(), *model.buffers()]
     max_tokens = max(g.key.num_tokens for g in table.graphs if g.mode is RuntimeMode.PIECEWISE)
-    return BreakableGraphs(model, table.settings.splitting_ops, job.splitting_ops,
-                           backend=job.backend, buffers=job.buffers, max_tokens=max_tokens,
-                           max_reqs=table.max_num_seqs, static=static, warmups=job.warmups)
+    return BreakableGraphs(
+        model,
+        table.settings.splitting_ops,
+        job.splitting_ops,
+        backend=job.backend,
+        buffers=job.buffers,
+        max_tokens=max_tokens,
+        max_reqs=table.max_num_seqs,
+        static=static,
+        warmups=job.warmups,
+    )
 
 
 def capture_line(s: dict) -> str:
     pw = s.get("piecewise")
-    pieces = (f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops, "
-              f"{pw['mechanism']} split)" if pw else "")
-    line = (f"captured {s['graphs']} graphs{pieces} in {s['seconds']:.2f} s, "
-            f"{s['bytes'] / GiB:.3f} GiB ({s['backend']})")
+    pieces = (
+        f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops, "
+        f"{pw['mechanism']} split)"
+        if pw
+        else ""
+    )
+    line = (
+        f"captured {s['graphs']} graphs{pieces} in {s['seconds']:.2f} s, "
+        f"{s['bytes'] / GiB:.3f} GiB ({s['backend']})"
+    )
     if s["estimate_bytes"] is not None and s["bytes"]:
-        line += (f"; estimate from the two largest graphs {s['estimate_bytes'] / GiB:.3f} GiB "
-                 f"({s['estimate_error']:+.1%})")
+        line += (
+            f"; estimate from the two largest graphs {s['estimate_bytes'] / GiB:.3f} GiB "
+            f"({s['estimate_error']:+.1%})"
+        )
     return line

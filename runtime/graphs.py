@@ -3,7 +3,7 @@
 Both capture a zero-argument function that reads static input buffers and writes static output
 buffers, and replay it later. Both can also capture a *segment*: whatever runs between
 ``open_segment()`` and the segment's ``close()`` (the run-time split,
-``runtime/breakable_graphs.py``, ends a segment at each splitting op, so a segment's code is not
+``runtime/piecewise/graphs.py``, ends a segment at each splitting op, so a segment's code is not
 one function). The stand-in is
 **not** a graph: it records the function (a segment: its aten calls) and re-runs it on the same
 buffers at replay, so aliasing, padding and slicing bugs in the runner show up on the CPU
@@ -85,7 +85,7 @@ class CudaSegment:
         """End a capture that failed; the graph is dropped (CUDA may have invalidated it)."""
         try:
             self.close()
-        except Exception:  # noqa: BLE001  (the capture's own error is the one to report)
+        except Exception:
             pass
 
 

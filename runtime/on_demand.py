@@ -68,7 +68,11 @@ class OnDemandQueue:
         self.uncaptured -= 1
 
     def as_dict(self) -> dict:
-        return {"captured_at_start": self.at_start, "captured_on_demand": self.on_demand,
-                "pending": len(self.waiting), "not_captured": self.uncaptured,
-                "on_demand_seconds": self.seconds,
-                "eager_forever": {str(g): r for g, r in sorted(self.failed.items())}}
+        return {
+            "captured_at_start": self.at_start,
+            "captured_on_demand": self.on_demand,
+            "pending": len(self.waiting),
+            "not_captured": self.uncaptured,
+            "on_demand_seconds": self.seconds,
+            "eager_forever": {str(g): r for g, r in sorted(self.failed.items())},
+        }

@@ -19,13 +19,13 @@ import torch
 from graphplan.compiler.errors import GraphplanError, TableError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.compiler.table import DispatchTable
-from graphplan.runtime.buffers import StaticBuffers, StaticInput
-from graphplan.runtime.capture import (CaptureError, CaptureJob, capture_graphs, capture_one,
-                                       graph_rows)
-from graphplan.runtime.compiled import compiled_model
-from graphplan.runtime.graphs import graph_backend
-from graphplan.runtime.metrics import RunnerStats
-from graphplan.runtime.on_demand import OnDemandQueue, start_graph_ids
+
+from .buffers import StaticBuffers, StaticInput
+from .capture import CaptureError, CaptureJob, capture_graphs, capture_one, graph_rows
+from .compiled.model import compiled_model
+from .graphs import graph_backend
+from .metrics import RunnerStats
+from .on_demand import OnDemandQueue, start_graph_ids
 
 __all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
 
@@ -49,7 +49,7 @@ class GraphRunner:
 
     PIECEWISE graphs cut the model at the plan's ``splitting_ops`` at run time: while capturing,
     each call of a splitting op ends a graph segment, runs eagerly and begins the next (any model,
-    no tracing; ``runtime/breakable.py``). ``piecewise`` accepts only ``"runtime"``: the torch.fx
+    no tracing; ``runtime/piecewise/breakable.py``). ``piecewise`` accepts only ``"runtime"``: the torch.fx
     split (``"fx"``, ``"auto"``) was removed once the run-time split matched its step time
     (docs/semantics.md §5.6). ``splitting_ops`` binds a plan op name to the op explicitly
     (``{"attention": torch.ops.my_ns.attention.default}``, a function or an ``nn.Module``) instead
@@ -62,7 +62,7 @@ class GraphRunner:
     ``compile`` (off by default): True or a backend ("inductor", "aot_eager", a callable, or a
     shared ``CompiledModel``) compiles the model once with a dynamic token dimension before FULL
     graphs are captured of it; eager steps and PIECEWISE graphs run the model as written
-    (``runtime/compiled.py``). ``stats()['compile']`` counts compilations and recompiles.
+    (``runtime/compiled/model.py``). ``stats()['compile']`` counts compilations and recompiles.
 
     ``on_demand`` (default: the table's ``on_demand`` setting) captures at start only the start
     set (``runtime/on_demand.py``): the largest graph of each routine first, and the graphs of the
@@ -70,26 +70,41 @@ class GraphRunner:
     and the graph is captured before the next step (``capture_next``), one per step.
     """
 
-    def __init__(self, model, table: DispatchTable | str | os.PathLike, inputs: list[StaticInput],
-                 *, device: torch.device | str | None = None, expected_fingerprint: str | None = None,
-                 warmups: int = 1, warmup_each: bool = False, rank: int | None = None,
-                 progress: bool = True,
-                 splitting_ops: Mapping[str, object] | None = None, piecewise: str = "runtime",
-                 compile=False, on_demand: bool | None = None):
+    def __init__(
+        self,
+        model,
+        table: DispatchTable | str | os.PathLike,
+        inputs: list[StaticInput],
+        *,
+        device: torch.device | str | None = None,
+        expected_fingerprint: str | None = None,
+        warmups: int = 1,
+        warmup_each: bool = False,
+        rank: int | None = None,
+        progress: bool = True,
+        splitting_ops: Mapping[str, object] | None = None,
+        piecewise: str = "runtime",
+        compile=False,
+        on_demand: bool | None = None,
+    ):
         if piecewise in REMOVED_MECHANISMS:
-            raise ValueError(f"piecewise={piecewise!r}: the torch.fx split was removed; piecewise "
-                             "graphs split at run time, which matched its step time (+2.2% at "
-                             "worst, capture 16% faster: bench/results/piecewise_bench.md) and "
-                             "takes any model. Drop the argument (or pass piecewise='runtime'); "
-                             "a model it cannot capture gets a SplitError naming the fix")
+            raise ValueError(
+                f"piecewise={piecewise!r}: the torch.fx split was removed; piecewise "
+                "graphs split at run time, which matched its step time (+2.2% at "
+                "worst, capture 16% faster: bench/results/piecewise_bench.md) and "
+                "takes any model. Drop the argument (or pass piecewise='runtime'); "
+                "a model it cannot capture gets a SplitError naming the fix"
+            )
         if piecewise not in PIECEWISE_MECHANISMS:
             raise ValueError(f"piecewise={piecewise!r}: expected one of {PIECEWISE_MECHANISMS}")
         if not isinstance(table, DispatchTable):
             table = DispatchTable.load(Path(table))
         if expected_fingerprint is not None and table.content_fingerprint != expected_fingerprint:
-            raise TableError(f"table content fingerprint {table.content_fingerprint[:19]} does not "
-                             f"match the runner's {expected_fingerprint[:19]}: compile the plan "
-                             "this server was built for, or build the runner for the new table")
+            raise TableError(
+                f"table content fingerprint {table.content_fingerprint[:19]} does not "
+                f"match the runner's {expected_fingerprint[:19]}: compile the plan "
+                "this server was built for, or build the runner for the new table"
+            )
         if device is None:
             device = _model_device(model)
         self.compiled = compiled_model(model, compile)  # None unless compile is on
@@ -107,9 +122,11 @@ class GraphRunner:
         self._outputs: tuple[torch.Tensor, ...] | None = None
         self._single_output = True
         # (key, views, tokens, outputs) -> the body a ubatched (num_ubatches > 1) graph records;
-        # set by runtime.dp_runner.DPRunner. Without it ubatched graphs are not captured.
+        # set by runtime.dp.runner.DPRunner. Without it ubatched graphs are not captured.
         self.ubatch_body = None
-        self._piecewise = None  # runtime.breakable_graphs.BreakableGraphs once PIECEWISE is captured
+        self._piecewise = (
+            None  # runtime.breakable_graphs.BreakableGraphs once PIECEWISE is captured
+        )
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
         self.on_demand = table.settings.on_demand if on_demand is None else bool(on_demand)
@@ -118,8 +135,13 @@ class GraphRunner:
         self._done = None  # the Captured record that on-demand captures add to
 
     # -- capture ----------------------------------------------------------------------------
-    def capture(self, modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
-                only: set[int] | None = None, *, measure_each: bool = False) -> dict:
+    def capture(
+        self,
+        modes: tuple[RuntimeMode | str, ...] = (RuntimeMode.FULL, RuntimeMode.PIECEWISE),
+        only: set[int] | None = None,
+        *,
+        measure_each: bool = False,
+    ) -> dict:
         """Warm up and capture the table's graphs of the given modes (by default every graph the
         table has), in table order (PIECEWISE, then FULL, each largest first), into one pool.
         ``only`` restricts capture to those graph ids (with on_demand: the start set, the rest
@@ -130,25 +152,37 @@ class GraphRunner:
         everything it took released, if a graph cannot be captured.
         """
         if self.captured:
-            raise RunnerStateError("capture() already ran for this runner; graphs are captured "
-                                   "once — build a new GraphRunner to capture another table")
+            raise RunnerStateError(
+                "capture() already ran for this runner; graphs are captured "
+                "once — build a new GraphRunner to capture another table"
+            )
         if self.compiled is not None:  # compile at the largest size before any graph
             self._compile_warm_up()
-        job = CaptureJob(model=self.model, table=self.table, buffers=self.buffers,
-                         backend=self.backend, warmups=self.warmups, rank=self.rank,
-                         progress=self.progress, splitting_ops=self.splitting_ops,
-                         ubatch_body=self.ubatch_body, warmup_each=self.warmup_each,
-                         measure_each=measure_each,
-                         piecewise_model=self.eager_model)
+        job = CaptureJob(
+            model=self.model,
+            table=self.table,
+            buffers=self.buffers,
+            backend=self.backend,
+            warmups=self.warmups,
+            rank=self.rank,
+            progress=self.progress,
+            splitting_ops=self.splitting_ops,
+            ubatch_body=self.ubatch_body,
+            warmup_each=self.warmup_each,
+            measure_each=measure_each,
+            piecewise_model=self.eager_model,
+        )
         modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
         if self.on_demand and only is None:
             only = start_graph_ids(self.table)
         done = capture_graphs(job, modes, only)
         if self.on_demand:
-            wanted = [g.id for g in self.table.graphs if g.mode in modes
-                      and (g.key.num_ubatches == 1 or self.ubatch_body is not None)]
-            self._demand = OnDemandQueue({g for g in wanted if done.graphs[g] is not None},
-                                         wanted)
+            wanted = [
+                g.id
+                for g in self.table.graphs
+                if g.mode in modes and (g.key.num_ubatches == 1 or self.ubatch_body is not None)
+            ]
+            self._demand = OnDemandQueue({g for g in wanted if done.graphs[g] is not None}, wanted)
         self._job, self._done = job, done
         self._graphs, self._outputs = done.graphs, done.outputs
         self._single_output, self._piecewise = done.single_output, done.piecewise
@@ -167,12 +201,18 @@ class GraphRunner:
         also = None
         if small is not None and small.num_tokens < tokens:
             also = self.buffers.views(*graph_rows(small, self.table.max_num_seqs))
-        self.compiled.warm_up(self.buffers.views(tokens, reqs),
-                              token_input=self.buffers.token_input, also=also)
+        self.compiled.warm_up(
+            self.buffers.views(tokens, reqs), token_input=self.buffers.token_input, also=also
+        )
 
     # -- steps ------------------------------------------------------------------------------
-    def step(self, inputs: dict[str, torch.Tensor], num_reqs: int | None = None,
-             max_query_len: int | None = None, num_active_loras: int = 0):
+    def step(
+        self,
+        inputs: dict[str, torch.Tensor],
+        num_reqs: int | None = None,
+        max_query_len: int | None = None,
+        num_active_loras: int = 0,
+    ):
         """Run one batch. Outputs are views of the real rows, valid until the next step."""
         n = self.buffers.num_tokens(inputs)
         route = self.table.route(n, num_reqs, max_query_len, num_active_loras)
@@ -200,8 +240,13 @@ class GraphRunner:
             out = graph.run(inputs, n, reqs)
             self._stats.replayed(gid, route.padded_tokens - n)
             return out
-        self.buffers.load(inputs, n, reqs, route.padded_tokens,
-                          route.padded_reqs if route.padded_reqs is not None else reqs)
+        self.buffers.load(
+            inputs,
+            n,
+            reqs,
+            route.padded_tokens,
+            route.padded_reqs if route.padded_reqs is not None else reqs,
+        )
         graph.replay()
         self._stats.replayed(gid, route.padded_tokens - n)
         if self._single_output:
@@ -218,12 +263,16 @@ class GraphRunner:
         t0 = time.perf_counter()
         try:
             capture_one(self._job, self._done, gid)
-        except Exception as e:  # noqa: BLE001 - this graph runs eager from now on
+        except Exception as e:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._done.graphs[gid] = None
             self._demand.gave_up(gid, reason)
-            log.warning("on-demand capture of graph #%d (%d tokens) failed, it runs eager from "
-                        "now on: %s", gid, self.table.graphs[gid].key.num_tokens, reason)
+            log.warning(
+                "on-demand capture of graph #%d (%d tokens) failed, it runs eager from now on: %s",
+                gid,
+                self.table.graphs[gid].key.num_tokens,
+                reason,
+            )
             return gid
         self._outputs, self._single_output = self._done.outputs, self._done.single_output
         self._demand.captured(time.perf_counter() - t0)
@@ -269,4 +318,5 @@ def _model_device(model) -> torch.device:
 
 def _default_rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,7 +1,8 @@
 """Helpers for the compiled-path tests: a recording backend and small decode batches."""
 
 import torch
-from tiny_llama import make_batch
+
+from graphplan.models.tiny_llama import make_batch
 
 
 def batch(model, n):
@@ -11,7 +12,7 @@ def batch(model, n):
 
 class Recording:
     """A backend that keeps the graphs it is given and runs them as they are. ``whole_only``:
-    refuse the graphs of regions (runtime/regions.py names their inputs ``input_i``)."""
+    refuse the graphs of regions (runtime/compiled/regions.py names their inputs ``input_i``)."""
 
     def __init__(self, whole_only=False):
         self.graphs = []
@@ -24,5 +25,8 @@ class Recording:
         return gm.forward
 
     def linears(self) -> int:
-        return sum(n.op == "call_function" and n.target is torch._C._nn.linear
-                   for gm in self.graphs for n in gm.graph.nodes)
+        return sum(
+            n.op == "call_function" and n.target is torch._C._nn.linear
+            for gm in self.graphs
+            for n in gm.graph.nodes
+        )

@@ -13,25 +13,43 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 # three requests (prompts of 9, 5 and 3 tokens, then decodes); seat i holds request i
 LENS = (15, 9, 8)
 STEPS = [
-    [(0, 6), (1, 5)],                  # a prefill chunk and a whole prompt        (eager)
-    [(1, 1), (0, 3), (2, 3)],          # a decode, the rest of a prompt, a prompt  (eager)
-    [(0, 1), (1, 1), (2, 1)],          # uniform decode of 3 -> FULL graph of 4
+    [(0, 6), (1, 5)],  # a prefill chunk and a whole prompt        (eager)
+    [(1, 1), (0, 3), (2, 3)],  # a decode, the rest of a prompt, a prompt  (eager)
+    [(0, 1), (1, 1), (2, 1)],  # uniform decode of 3 -> FULL graph of 4
     [(0, 1), (1, 1), (2, 1)],
-    [(2, 1), (0, 1), (1, 1)],          # batch order differs from seat order
-    [(0, 1), (2, 1)],                  # FULL graph of 2
-    [(0, 1)],                          # FULL graph of 1
+    [(2, 1), (0, 1), (1, 1)],  # batch order differs from seat order
+    [(0, 1), (2, 1)],  # FULL graph of 2
+    [(0, 1)],  # FULL graph of 1
     [(0, 1), (2, 1)],
 ]
 
 
-def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int = 2,
-                 heads: int = 4, kv_heads: int = 2, tied: bool | None = None, **extra):
+def small_config(
+    family: str,
+    *,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool | None = None,
+    **extra,
+):
     """Llama untied; Qwen2 biased qkv and tied embeddings; Qwen3 q/k norms, explicit head_dim."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if family == "llama":
         cfg = LlamaConfig(tie_word_embeddings=bool(tied), **common, **extra)
         cfg.architectures = ["LlamaForCausalLM"]
@@ -39,8 +57,9 @@ def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int
         cfg = Qwen2Config(tie_word_embeddings=True if tied is None else tied, **common, **extra)
         cfg.architectures = ["Qwen2ForCausalLM"]
     elif family == "qwen3":
-        cfg = Qwen3Config(tie_word_embeddings=bool(tied), head_dim=2 * hidden // heads, **common,
-                          **extra)
+        cfg = Qwen3Config(
+            tie_word_embeddings=bool(tied), head_dim=2 * hidden // heads, **common, **extra
+        )
         cfg.architectures = ["Qwen3ForCausalLM"]
     else:
         raise ValueError(family)
@@ -50,8 +69,11 @@ def small_config(family: str, *, vocab: int = 128, hidden: int = 64, layers: int
 def reference_model(paged):
     """The same weights under transformers' own eager attention, no graphplan in the way."""
     from transformers import AutoModelForCausalLM
+
     cfg = copy.deepcopy(paged.hf.config)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=paged.cache.kv.dtype)
+    ref = AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager", dtype=paged.cache.kv.dtype
+    )
     ref.load_state_dict(paged.hf.state_dict())
     return ref.to(paged.device).eval().requires_grad_(False)
 
@@ -79,10 +101,16 @@ def bf16_errors(model, got: list, seqs: list) -> list[tuple[float, float, float,
 
 def plan(max_num_seqs: int = 4, max_tokens: int = 32, sizes=(1, 2, 4)) -> dict:
     """FULL graphs for uniform decode, mixed batches eager (PIECEWISE comes later)."""
-    return {"version": 1, "name": "hf-test",
-            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
-            "cudagraph": {"mode": "FULL_DECODE_ONLY", "attention_support": "ALWAYS",
-                          "capture_sizes": list(sizes)}}
+    return {
+        "version": 1,
+        "name": "hf-test",
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
+        "cudagraph": {
+            "mode": "FULL_DECODE_ONLY",
+            "attention_support": "ALWAYS",
+            "capture_sizes": list(sizes),
+        },
+    }
 
 
 @torch.no_grad()
@@ -95,13 +123,13 @@ def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tens
     for step in steps:
         reqs = []
         for i, n in step:
-            reqs.append((i, done[i], seqs[i][done[i]:done[i] + n]))
+            reqs.append((i, done[i], seqs[i][done[i] : done[i] + n]))
             done[i] += n
         batch = model.make_batch(reqs)
         logits = runner.step(batch, num_reqs=len(reqs), max_query_len=max(n for _, n in step))
         first = 0
         for i, n in step:
-            rows[i].append(logits[first:first + n].clone())
+            rows[i].append(logits[first : first + n].clone())
             first += n
     return [torch.cat(r) for r in rows]
 
@@ -116,23 +144,38 @@ def write_model_dir(path: Path, **config) -> Path:
     2..127, '<eos>' is 1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     path.mkdir(parents=True, exist_ok=True)
-    small_config("qwen3", **config).save_pretrained(path)  # its auto tokenizer reads tokenizer.json as is
+    small_config("qwen3", **config).save_pretrained(
+        path
+    )  # its auto tokenizer reads tokenizer.json as is
     words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                            eos_token="<eos>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>"
+    ).save_pretrained(path)
     return path
 
 
-def mixed_plan(mode: str = "FULL_AND_PIECEWISE", max_num_seqs: int = 4, max_tokens: int = 32,
-               sizes=(1, 2, 4, 8, 16, 24, 32)) -> dict:
+def mixed_plan(
+    mode: str = "FULL_AND_PIECEWISE",
+    max_num_seqs: int = 4,
+    max_tokens: int = 32,
+    sizes=(1, 2, 4, 8, 16, 24, 32),
+) -> dict:
     """Piecewise graphs split at the adapter's attention (what plans/hf-mixed.yaml ships)."""
-    return {"version": 1, "name": "hf-test-mixed",
-            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
-            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
-                          "splitting_ops": ["attention"], "capture_sizes": list(sizes)}}
+    return {
+        "version": 1,
+        "name": "hf-test-mixed",
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_tokens},
+        "cudagraph": {
+            "mode": mode,
+            "attention_support": "ALWAYS",
+            "splitting_ops": ["attention"],
+            "capture_sizes": list(sizes),
+        },
+    }
 
 
 def mixed_schedule(lens, *, prompts, budget: int, seed: int):
@@ -143,8 +186,9 @@ def mixed_schedule(lens, *, prompts, budget: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     done, steps, joined = [0] * len(lens), [], 0
     while any(d < n for d, n in zip(done, lens)):
-        joined = min(len(lens), joined + int(torch.randint(0, 2, (1,), generator=gen)) + (
-            joined == 0))
+        joined = min(
+            len(lens), joined + int(torch.randint(0, 2, (1,), generator=gen)) + (joined == 0)
+        )
         step, left = [], budget
         order = torch.randperm(joined, generator=gen).tolist()
         for i in order:

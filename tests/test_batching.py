@@ -1,13 +1,15 @@
-"""examples/batching.py: the continuous batcher's scheduling rules (pure Python, exact expectations)."""
+"""server/batching.py: the continuous batcher's scheduling rules (pure Python, exact expectations)."""
 
 import pytest
 import torch
-from batching import ContinuousBatcher, TokenEvent
+
+from graphplan.server.batching import ContinuousBatcher, TokenEvent
 
 
 def batcher(budget=8, seqs=4, rows=4, max_len=64):
-    return ContinuousBatcher(max_num_seqs=seqs, token_budget=budget, max_model_len=max_len,
-                             num_cache_rows=rows)
+    return ContinuousBatcher(
+        max_num_seqs=seqs, token_budget=budget, max_model_len=max_len, num_cache_rows=rows
+    )
 
 
 def test_prompts_are_chunked_within_the_budget_and_sample_only_when_the_prompt_is_done():
@@ -20,8 +22,10 @@ def test_prompts_are_chunked_within_the_budget_and_sample_only_when_the_prompt_i
     s2 = b.schedule()
     assert s2.reqs == ((0, 8, (9, 10)), (1, 0, (7, 8, 9)))
     assert s2.sample_rows == (1, 4) and (s2.num_tokens, s2.max_query_len, s2.num_reqs) == (5, 3, 2)
-    assert b.commit_tokens(s2, [50, 60]) == [TokenEvent(request_id="a", token=50, finished=False),
-                                             TokenEvent(request_id="b", token=60, finished=False)]
+    assert b.commit_tokens(s2, [50, 60]) == [
+        TokenEvent(request_id="a", token=50, finished=False),
+        TokenEvent(request_id="b", token=60, finished=False),
+    ]
     s3 = b.schedule()  # both decode: a uniform batch
     assert s3.reqs == ((0, 10, (50,)), (1, 3, (60,))) and s3.max_query_len == 1
     assert [e.finished for e in b.commit_tokens(s3, [51, 61])] == [False, True]
@@ -71,7 +75,9 @@ def test_commit_takes_the_argmax_of_each_sampling_row():
 def test_a_stop_token_finishes_early_and_abort_frees_the_row():
     b = batcher(budget=8, rows=1)
     b.add("s", [1], max_new_tokens=5, stop_token_ids=[0])
-    assert b.commit_tokens(b.schedule(), [0]) == [TokenEvent(request_id="s", token=0, finished=True)]
+    assert b.commit_tokens(b.schedule(), [0]) == [
+        TokenEvent(request_id="s", token=0, finished=True)
+    ]
     b.add("t", [1, 2], max_new_tokens=5)
     b.add("u", [3], max_new_tokens=5)
     s = b.schedule()

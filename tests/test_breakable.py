@@ -1,4 +1,4 @@
-"""The run-time split (runtime/breakable.py, runtime/breakable_graphs.py) on the CPU stand-in: each
+"""The run-time split (runtime/piecewise/breakable.py, runtime/piecewise/graphs.py) on the CPU stand-in: each
 splitting op call ends a graph segment, runs eagerly and begins the next, for any model; outputs
 equal eager over mixed batches; failures name the op, where and the fix.
 
@@ -13,13 +13,21 @@ import sys
 import pytest
 import torch
 from test_piecewise import CFG, mixed_steps, plan, runner_for
-from tiny_llama import (ATTENTION_OP, Attention, TinyLlama, _attention, apply_rope,
-                        logits_mismatch, make_batch, static_inputs)
 from torch import nn
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import (
+    ATTENTION_OP,
+    Attention,
+    TinyLlama,
+    _attention,
+    apply_rope,
+    logits_mismatch,
+    make_batch,
+    static_inputs,
+)
 from graphplan.runtime import CaptureError, GraphRunner, SplitError
-from graphplan.runtime.breakable import current_step, split_point
+from graphplan.runtime.piecewise.breakable import current_step, split_point
 
 SMALL = (4, 16, 32)
 
@@ -80,11 +88,15 @@ def check_steps(model, runner, steps, eager=None):
         assert logits_mismatch(out, ref, torch.float32) is None
 
 
-@pytest.mark.parametrize("core, binding", [
-    (marked_attention, None),             # a split_point function (the adapter's one line)
-    (Core, Core),                         # every instance of an nn.Module class
-    (None, py_attention),                 # a module-level function, called by its global name
-], ids=["split_point", "module_class", "global_function"])
+@pytest.mark.parametrize(
+    "core, binding",
+    [
+        (marked_attention, None),  # a split_point function (the adapter's one line)
+        (Core, Core),  # every instance of an nn.Module class
+        (None, py_attention),  # a module-level function, called by its global name
+    ],
+    ids=["split_point", "module_class", "global_function"],
+)
 def test_the_split_reaches_a_python_attention_of_a_model_with_control_flow(core, binding):
     model = py_llama(core)
     bindings = None if binding is None else {"attention": binding}
@@ -122,14 +134,20 @@ def test_a_value_without_a_token_dimension_may_cross_the_splits():
     for reqs in mixed_steps()[:2]:
         batch = make_batch(model, reqs)
         out = runner.step(batch, num_reqs=len(reqs), max_query_len=max(len(t) for *_, t in reqs))
-        assert logits_mismatch(out, eager(**{k: v.clone() for k, v in batch.items()}),
-                               torch.float32) is None
+        assert (
+            logits_mismatch(out, eager(**{k: v.clone() for k, v in batch.items()}), torch.float32)
+            is None
+        )
 
 
-@pytest.mark.parametrize("name, bindings", [
-    ("attn_core", {"attn_core": ATTENTION_OP}),  # bound explicitly, under any plan name
-    ("tiny_llama::attention", None),             # the op's qualified name
-], ids=["binding", "qualified_name"])
+@pytest.mark.parametrize(
+    "name, bindings",
+    [
+        ("attn_core", {"attn_core": ATTENTION_OP}),  # bound explicitly, under any plan name
+        ("tiny_llama::attention", None),  # the op's qualified name
+    ],
+    ids=["binding", "qualified_name"],
+)
 def test_an_explicit_binding_or_the_qualified_name_selects_the_op(name, bindings):
     model, runner = runner_for(plan(sizes=SMALL, splitting_ops=(name,)), splitting_ops=bindings)
     assert runner.capture()["piecewise"]["split_ops"] == CFG.layers
@@ -138,8 +156,11 @@ def test_an_explicit_binding_or_the_qualified_name_selects_the_op(name, bindings
 
 def test_a_binding_of_a_name_the_plan_does_not_declare_is_a_split_error():
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"other": ATTENTION_OP})
-    with pytest.raises(SplitError, match=r"binds \['other'\], which the plan's "
-                                         r"cudagraph.splitting_ops \['attention'\] does not declare"):
+    with pytest.raises(
+        SplitError,
+        match=r"binds \['other'\], which the plan's "
+        r"cudagraph.splitting_ops \['attention'\] does not declare",
+    ):
         runner.capture()
     assert runner.captured_graph_ids() == []
 
@@ -207,11 +228,14 @@ def test_a_split_point_outside_a_capture_just_runs_the_function():
     k, v = (torch.randn(1, 3, CFG.kv_heads, CFG.head_dim) for _ in range(2))
     cache = torch.zeros(2, 2, CFG.max_model_len, CFG.kv_heads, CFG.head_dim)
     slots = torch.tensor([0, 1, 2])
-    torch.testing.assert_close(marked_attention(q, k, v, cache.clone(), slots, slots),
-                               py_attention(q, k, v, cache.clone(), slots, slots))
+    torch.testing.assert_close(
+        marked_attention(q, k, v, cache.clone(), slots, slots),
+        py_attention(q, k, v, cache.clone(), slots, slots),
+    )
 
 
 # ---- failures: explicit, everything released, the runner still usable ----
+
 
 class Branchy(TinyLlama):
     """Python control flow on a tensor value: a host sync inside a graph segment."""
@@ -266,25 +290,49 @@ def returns_a_number(*args):
     return 1.0 if current_step() is not None else py_attention(*args)  # a number while capturing
 
 
-@pytest.mark.parametrize("model, match", [
-    (NoAttention(), r"cannot split NoAttention at run time: splitting op 'attention' \(plan "
-                    r"cudagraph.splitting_ops\) was never called in a forward at 32 tokens. Fix: "
-                    r"make it a torch custom op.*split_point\('attention'\).*splitting_ops="),
-    (Branchy(CFG), r"cannot capture Branchy piecewise at 32 tokens: the graph segment before the "
-                   r"first splitting op at .*test_breakable.py:\d+ \(if input_ids.sum\(\) > 0:\) "
-                   r"calls aten._local_scalar_dense.default, which syncs the host.*Fix: compute it "
-                   r"before the step"),
-    (SyncsAfterAttention(CFG), r"segment after splitting op 'attention' \(call 1\) at .*"
-                               r"torch.nonzero.*calls aten.nonzero.default"),
-    (FlipFlop(CFG), r"FlipFlop called its splitting ops differently in two forwards of the same "
-                    r"batch at 32 tokens \((3 calls vs 2|2 calls vs 3).*depend only on the token "
-                    r"count"),
-    (py_llama(returns_a_number), r"splitting op 'attention' returned a float: splitting ops must "
-                                 r"return a tensor"),
-], ids=["never_reached", "host_sync", "data_dependent_shape", "control_flow", "not_a_tensor"])
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (
+            NoAttention(),
+            r"cannot split NoAttention at run time: splitting op 'attention' \(plan "
+            r"cudagraph.splitting_ops\) was never called in a forward at 32 tokens. Fix: "
+            r"make it a torch custom op.*split_point\('attention'\).*splitting_ops=",
+        ),
+        (
+            Branchy(CFG),
+            r"cannot capture Branchy piecewise at 32 tokens: the graph segment before the "
+            r"first splitting op at .*test_breakable.py:\d+ \(if input_ids.sum\(\) > 0:\) "
+            r"calls aten._local_scalar_dense.default, which syncs the host.*Fix: compute it "
+            r"before the step",
+        ),
+        (
+            SyncsAfterAttention(CFG),
+            r"segment after splitting op 'attention' \(call 1\) at .*"
+            r"torch.nonzero.*calls aten.nonzero.default",
+        ),
+        (
+            FlipFlop(CFG),
+            r"FlipFlop called its splitting ops differently in two forwards of the same "
+            r"batch at 32 tokens \((3 calls vs 2|2 calls vs 3).*depend only on the token "
+            r"count",
+        ),
+        (
+            py_llama(returns_a_number),
+            r"splitting op 'attention' returned a float: splitting ops must "
+            r"return a tensor",
+        ),
+    ],
+    ids=["never_reached", "host_sync", "data_dependent_shape", "control_flow", "not_a_tensor"],
+)
 def test_a_model_the_runtime_split_cannot_capture_gets_a_split_error_and_stays_usable(model, match):
-    runner = GraphRunner(model, compile_plan(plan("FULL_AND_PIECEWISE")), static_inputs(
-        TinyLlama(CFG)), device="cpu", progress=False)
+    runner = GraphRunner(
+        model,
+        compile_plan(plan("FULL_AND_PIECEWISE")),
+        static_inputs(TinyLlama(CFG)),
+        device="cpu",
+        progress=False,
+    )
     with pytest.raises(SplitError, match=match):
         runner.capture()
     assert runner.captured_graph_ids() == [] and not runner.captured
@@ -310,8 +358,11 @@ def test_a_failed_runtime_split_capture_names_the_graph_releases_and_can_be_retr
     _, runner = runner_for(plan("FULL_AND_PIECEWISE", sizes=SMALL), model)
     FAIL["tokens"] = 16
     try:
-        with pytest.raises(CaptureError, match=r"graph #1 \(16 tokens.*Released every graph.*"
-                                               r"lower cudagraph.capture_sizes"):
+        with pytest.raises(
+            CaptureError,
+            match=r"graph #1 \(16 tokens.*Released every graph.*"
+            r"lower cudagraph.capture_sizes",
+        ):
             runner.capture()
     finally:
         FAIL["tokens"] = None
@@ -323,33 +374,42 @@ def test_a_failed_runtime_split_capture_names_the_graph_releases_and_can_be_retr
 
 @pytest.mark.parametrize("removed", ["fx", "auto"])
 def test_the_removed_fx_split_is_a_value_error_that_says_what_to_do(removed):
-    with pytest.raises(ValueError, match=rf"piecewise='{removed}': the torch.fx split was removed; "
-                                         r"piecewise graphs split at run time.*bench/results/"
-                                         r"piecewise_bench.md.*Drop the argument \(or pass "
-                                         r"piecewise='runtime'\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"piecewise='{removed}': the torch.fx split was removed; "
+        r"piecewise graphs split at run time.*bench/results/"
+        r"piecewise_bench.md.*Drop the argument \(or pass "
+        r"piecewise='runtime'\)",
+    ):
         runner_for(plan(), piecewise=removed)
 
 
 def test_the_piecewise_mechanism_is_checked_and_bindings_must_be_ops_functions_or_modules():
-    with pytest.raises(ValueError, match=r"piecewise='torch.compile': expected one of \('runtime',\)"):
+    with pytest.raises(
+        ValueError, match=r"piecewise='torch.compile': expected one of \('runtime',\)"
+    ):
         runner_for(plan(), piecewise="torch.compile")
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": 3}, piecewise="runtime")
     with pytest.raises(SplitError, match=r"binds 'attention' to 3: bind a torch op, an nn.Module"):
         runner.capture()
     _, runner = runner_for(plan(sizes=SMALL), splitting_ops={"attention": lambda *a: a})
-    with pytest.raises(SplitError, match=r"not a module-level function of test_breakable.*mark it "
-                                         r"where it is defined or registered with split_point"):
+    with pytest.raises(
+        SplitError,
+        match=r"not a module-level function of test_breakable.*mark it "
+        r"where it is defined or registered with split_point",
+    ):
         runner.capture()
 
 
 def test_a_stand_in_segment_redoes_its_aten_calls_on_the_tensors_it_was_captured_with():
     from graphplan.runtime.graphs import CpuGraphStandIn, HostSyncInCapture
+
     backend = CpuGraphStandIn("cpu")
     x, acc = torch.randn(4, 3), torch.zeros(4)
     seg = backend.open_segment()
-    y = x.t().contiguous() * 2          # a view, then a new tensor
-    values, index = y.max(dim=0)        # two outputs
-    acc.add_(values + index)            # in place on a static tensor
+    y = x.t().contiguous() * 2  # a view, then a new tensor
+    values, index = y.max(dim=0)  # two outputs
+    acc.add_(values + index)  # in place on a static tensor
     graph = seg.close()
     x.copy_(torch.randn(4, 3))
     acc.zero_()

@@ -23,8 +23,13 @@ TEMPLATE_SETS = {"sweep.yaml.j2": ["--set", "max_num_seqs=128", "--set", "spec_t
 
 
 def plan_cmd(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "graphplan.compiler.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "graphplan.compiler.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -49,6 +54,7 @@ def h100_table(tmp_path_factory) -> Path:
 
 
 # -- as a program ---------------------------------------------------------------------------------
+
 
 def test_compile_as_a_subprocess_writes_the_table(tmp_path):
     out = tmp_path / "table.json"
@@ -94,6 +100,7 @@ def test_an_unwritable_output_as_a_subprocess_exits_1(tmp_path):
 
 # -- validate -------------------------------------------------------------------------------------
 
+
 def test_validate_prints_ok_with_counts(capsys):
     code, out, err = run(capsys, "validate", H100)
     assert (code, out, err) == (0, f"{H100}: ok (86 graphs, 0 warning(s))\n", "")
@@ -103,15 +110,20 @@ def test_validate_prints_warnings_to_stderr_with_their_location(capsys):
     path = str(ROOT / "plans" / "deepseek-v3-dp8-dbo.yaml")
     code, out, err = run(capsys, "validate", path)
     assert code == 0 and out == f"{path}: ok (95 graphs, 1 warning(s))\n"
-    assert err == (f"{path}:11:18: warning[size-rounded]: cudagraph.capture_sizes: size 1 moved "
-                   "to 2, a multiple of decode_query_len=2 (use multiples of 2)\n")
+    assert err == (
+        f"{path}:11:18: warning[size-rounded]: cudagraph.capture_sizes: size 1 moved "
+        "to 2, a multiple of decode_query_len=2 (use multiples of 2)\n"
+    )
 
 
 def test_validate_json(capsys):
     code, out, _ = run(capsys, "validate", H100, "--format", "json")
     assert code == 0
-    assert json.loads(out) == {"ok": True, "fingerprint": compile_plan(H100).fingerprint,
-                               "diagnostics": []}
+    assert json.loads(out) == {
+        "ok": True,
+        "fingerprint": compile_plan(H100).fingerprint,
+        "diagnostics": [],
+    }
 
 
 def test_validate_an_invalid_plan_exits_2(capsys, bad_plan):
@@ -121,17 +133,22 @@ def test_validate_an_invalid_plan_exits_2(capsys, bad_plan):
 
 # -- compile --------------------------------------------------------------------------------------
 
+
 def test_compile_text_shows_graphs_and_padding_per_routine(capsys):
     code, out, err = run(capsys, "compile", H100)
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[1] == ("mode FULL_AND_PIECEWISE; attention ALWAYS; q=1; max_num_seqs=256; "
-                        "max_num_batched_tokens=8192")
+    assert lines[1] == (
+        "mode FULL_AND_PIECEWISE; attention ALWAYS; q=1; max_num_seqs=256; "
+        "max_num_batched_tokens=8192"
+    )
     assert lines[2] == "capture sizes (51): 1 2 4 8-256/8 272-512/16"
     assert lines[3] == "graphs: 86 (35 FULL, 51 PIECEWISE)"
-    assert [line.split()[:2] for line in lines[6:9]] == [["decode", "FULL"],
-                                                         ["mixed", "PIECEWISE"],
-                                                         ["eager", "NONE"]]
+    assert [line.split()[:2] for line in lines[6:9]] == [
+        ["decode", "FULL"],
+        ["mixed", "PIECEWISE"],
+        ["eager", "NONE"],
+    ]
     assert lines[6].endswith("7 @ 9") and lines[7].endswith("15 @ 257")
     assert "513..8192 tokens" in lines[8]
     assert lines[-1] == "(no table written; add -o table.json)"
@@ -142,11 +159,16 @@ def test_compile_json_is_stable_for_scripts(capsys, tmp_path):
     code, out, _ = run(capsys, "compile", H100, "--format", "json", "-o", str(out_path))
     data = json.loads(out)
     assert code == 0 and out == json.dumps(data, sort_keys=True) + "\n"
-    assert (data["name"], data["mode"], data["num_graphs"], data["output"]) == \
-        ("llama3-8b-h100", "FULL_AND_PIECEWISE", 86, str(out_path))
+    assert (data["name"], data["mode"], data["num_graphs"], data["output"]) == (
+        "llama3-8b-h100",
+        "FULL_AND_PIECEWISE",
+        86,
+        str(out_path),
+    )
     assert data["capture_sizes"] == list(compile_plan(H100).settings.capture_sizes)
-    assert [(c["routine"], c["mode"], c["worst_padding"], c["worst_at"])
-            for c in data["coverage"]] == [("decode", "FULL", 7, 9), ("mixed", "PIECEWISE", 15, 257)]
+    assert [
+        (c["routine"], c["mode"], c["worst_padding"], c["worst_at"]) for c in data["coverage"]
+    ] == [("decode", "FULL", 7, 9), ("mixed", "PIECEWISE", 15, 257)]
     _, again, _ = run(capsys, "compile", H100, "--format", "json", "-o", str(out_path))
     assert again == out
 
@@ -158,8 +180,9 @@ def test_compile_writes_the_same_bytes_as_the_api(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
 
 
-def test_an_invalid_plan_leaves_no_output_and_an_existing_table_untouched(capsys, tmp_path,
-                                                                         bad_plan):
+def test_an_invalid_plan_leaves_no_output_and_an_existing_table_untouched(
+    capsys, tmp_path, bad_plan
+):
     out_path = tmp_path / "t.json"
     code, out, err = run(capsys, "compile", str(bad_plan), "-o", str(out_path))
     assert (code, out) == (2, "") and not out_path.exists()
@@ -179,21 +202,26 @@ def test_an_unwritable_output_exits_1_and_writes_nothing(capsys, tmp_path, where
 
 
 def test_set_overrides_a_plain_plan(capsys):
-    code, out, _ = run(capsys, "compile", H100, "--set", "scheduler.max_num_seqs=16",
-                       "--format", "json")
+    code, out, _ = run(
+        capsys, "compile", H100, "--set", "scheduler.max_num_seqs=16", "--format", "json"
+    )
     assert code == 0 and json.loads(out)["capture_sizes"] == [1, 2, 4, 8, 16, 24, 32]
 
 
 def test_set_renders_a_template(capsys):
-    code, out, _ = run(capsys, "compile", SWEEP, *TEMPLATE_SETS["sweep.yaml.j2"], "--format", "json")
+    code, out, _ = run(
+        capsys, "compile", SWEEP, *TEMPLATE_SETS["sweep.yaml.j2"], "--format", "json"
+    )
     assert code == 0 and json.loads(out)["name"] == "sweep-seqs128-spec2"
 
 
 def test_a_template_without_its_variables_exits_2(capsys):
     code, out, err = run(capsys, "compile", SWEEP)
     assert (code, out) == (2, "")
-    assert err.startswith(f"{SWEEP}:5:1: error[template-undefined]: template variable "
-                          "'max_num_seqs' is undefined (pass it with --set max_num_seqs=VALUE)")
+    assert err.startswith(
+        f"{SWEEP}:5:1: error[template-undefined]: template variable "
+        "'max_num_seqs' is undefined (pass it with --set max_num_seqs=VALUE)"
+    )
 
 
 @pytest.mark.parametrize("pair", ["novalue", "=3"])
@@ -204,6 +232,7 @@ def test_a_malformed_set_exits_1(capsys, pair):
 
 # -- explain --------------------------------------------------------------------------------------
 
+
 def test_explain_text_gives_the_route_and_the_numbered_reasons(capsys):
     code, out, _ = run(capsys, "explain", H100, "--tokens", "9", "--reqs", "9", "--query-len", "1")
     gid = compile_plan(H100).route(9, 9, 1).graph_id
@@ -213,16 +242,34 @@ def test_explain_text_gives_the_route_and_the_numbered_reasons(capsys):
         "  1. batch: 9 tokens, 9 requests, max_query_len 1 -> uniform decode (every request has "
         "q=1 tokens)",
         "  2. pad: 9 -> 16 tokens (smallest capture size >= 9)",
-        f"  3. FULL decode graph #{gid}: key (16 tokens, 16 requests, uniform)"]
+        f"  3. FULL decode graph #{gid}: key (16 tokens, 16 requests, uniform)",
+    ]
 
 
 def test_explain_json_is_the_route(capsys):
-    code, out, _ = run(capsys, "explain", LORA, "--tokens", "300", "--reqs", "3",
-                       "--query-len", "200", "--loras", "3", "--format", "json")
+    code, out, _ = run(
+        capsys,
+        "explain",
+        LORA,
+        "--tokens",
+        "300",
+        "--reqs",
+        "3",
+        "--query-len",
+        "200",
+        "--loras",
+        "3",
+        "--format",
+        "json",
+    )
     data = json.loads(out)
     assert code == 0 and out == json.dumps(data, sort_keys=True) + "\n"
-    assert (data["mode"], data["graph_id"], data["padded_tokens"], data["padded_reqs"]) == \
-        ("NONE", -1, 300, 3)
+    assert (data["mode"], data["graph_id"], data["padded_tokens"], data["padded_reqs"]) == (
+        "NONE",
+        -1,
+        300,
+        3,
+    )
     assert data["graph"] is None and data["wants_ubatch"] is False
     assert data["reasons"][1] == "LoRA: 3 active adapter(s) -> captured case num_active_loras=4"
     assert "exceed the largest capture size 256" in data["reasons"][-1]
@@ -236,11 +283,14 @@ def test_explain_a_table_matches_explain_its_plan(capsys, h100_table):
     assert from_plan[1].startswith("PIECEWISE (graph #")
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--tokens", "0"], "num_tokens=0 is outside 1..8192"),
-    (["--tokens", "8", "--reqs", "9"], "num_reqs=9 must be in"),
-    (["--tokens", "8", "--loras", "1"], "num_active_loras=1 is outside 0..0"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--tokens", "0"], "num_tokens=0 is outside 1..8192"),
+        (["--tokens", "8", "--reqs", "9"], "num_reqs=9 must be in"),
+        (["--tokens", "8", "--loras", "1"], "num_active_loras=1 is outside 0..0"),
+    ],
+)
 def test_explain_an_impossible_batch_exits_1(capsys, args, match):
     code, out, err = run(capsys, "explain", H100, *args)
     assert (code, out) == (1, "") and match in err
@@ -251,11 +301,14 @@ def test_explain_a_bad_table_exits_2(capsys, tmp_path):
     bad.write_text('{"format": "graphplan.table", "format_version": 99}')
     code, out, err = run(capsys, "explain", str(bad), "--tokens", "8")
     assert (code, out) == (2, "")
-    assert err == (f"{bad}: table format version 99, this graphplan reads version 2: recompile "
-                   "the plan with this graphplan's `plan compile PLAN -o table.json`\n")
+    assert err == (
+        f"{bad}: table format version 99, this graphplan reads version 2: recompile "
+        "the plan with this graphplan's `plan compile PLAN -o table.json`\n"
+    )
 
 
 # -- diff -----------------------------------------------------------------------------------------
+
 
 def test_diff_of_two_real_plans_shows_graphs_routes_and_padding(capsys):
     code, out, _ = run(capsys, "diff", H100, LORA)
@@ -277,12 +330,20 @@ def test_diff_json_lists_everything(capsys):
     assert code == 0 and d["same"] is False
     assert (len(d["added"]), len(d["removed"])) == (270, 32)
     assert d["route_changes"] == [
-        {"kind": "decode", "first": 129, "last": 256, "before": "FULL 136", "after": "out of range"},
+        {
+            "kind": "decode",
+            "first": 129,
+            "last": 256,
+            "before": "FULL 136",
+            "after": "out of range",
+        },
         {"kind": "mixed", "first": 257, "last": 512, "before": "PIECEWISE 272", "after": "NONE"},
-        {"kind": "mixed", "first": 4097, "last": 8192, "before": "NONE", "after": "out of range"}]
+        {"kind": "mixed", "first": 4097, "last": 8192, "before": "NONE", "after": "out of range"},
+    ]
     assert d["worst_padding"] == [
         {"routine": "decode", "mode": "FULL", "before": 7, "after": 7},
-        {"routine": "mixed", "mode": "PIECEWISE", "before": 15, "after": 7}]
+        {"routine": "mixed", "mode": "PIECEWISE", "before": 15, "after": 7},
+    ]
 
 
 def test_diff_of_a_plan_and_its_table_is_empty(capsys, h100_table):
@@ -292,13 +353,17 @@ def test_diff_of_a_plan_and_its_table_is_empty(capsys, h100_table):
 
 def test_diff_shows_a_mode_downgrade_as_route_changes(capsys, tmp_path):
     weaker = tmp_path / "weaker.yaml"
-    weaker.write_text((ROOT / "plans" / "llama3-8b-h100.yaml").read_text()
-                      .replace("mode: FULL_AND_PIECEWISE", "mode: PIECEWISE"))
+    weaker.write_text(
+        (ROOT / "plans" / "llama3-8b-h100.yaml")
+        .read_text()
+        .replace("mode: FULL_AND_PIECEWISE", "mode: PIECEWISE")
+    )
     code, out, _ = run(capsys, "diff", H100, str(weaker), "--format", "json")
     d = json.loads(out)
     assert (len(d["added"]), len(d["removed"])) == (0, 35)
-    assert d["route_changes"] == [{"kind": "decode", "first": 1, "last": 256,
-                                   "before": "FULL 1", "after": "PIECEWISE 1"}]
+    assert d["route_changes"] == [
+        {"kind": "decode", "first": 1, "last": 256, "before": "FULL 1", "after": "PIECEWISE 1"}
+    ]
 
 
 def test_diff_with_an_invalid_side_exits_2(capsys, bad_plan):
@@ -308,15 +373,19 @@ def test_diff_with_an_invalid_side_exits_2(capsys, bad_plan):
 
 # -- arguments ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,match", [
-    ([], "the following arguments are required: COMMAND"),
-    (["nonsense"], "invalid choice: 'nonsense'"),
-    (["compile"], "the following arguments are required: plan"),
-    (["explain", H100], "the following arguments are required: --tokens"),
-    (["explain", H100, "--tokens", "many"], "argument --tokens: invalid int value: 'many'"),
-    (["compile", H100, "--format", "yaml"], "argument --format: invalid choice: 'yaml'"),
-    (["validate", H100, "--bogus"], "unrecognized arguments: --bogus"),
-])
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["nonsense"], "invalid choice: 'nonsense'"),
+        (["compile"], "the following arguments are required: plan"),
+        (["explain", H100], "the following arguments are required: --tokens"),
+        (["explain", H100, "--tokens", "many"], "argument --tokens: invalid int value: 'many'"),
+        (["compile", H100, "--format", "yaml"], "argument --format: invalid choice: 'yaml'"),
+        (["validate", H100, "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
 def test_bad_arguments_exit_1_with_usage_and_no_output(capsys, args, match):
     code, out, err = run(capsys, *args)
     assert (code, out) == (1, "")
@@ -332,11 +401,13 @@ def test_missing_and_directory_inputs_exit_2_as_invalid_plans(capsys, tmp_path):
 
 # -- every shipped plan -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
 def test_every_shipped_plan_compiles_and_its_table_loads(capsys, tmp_path, plan):
     out = tmp_path / "table.json"
-    code, stdout, err = run(capsys, "compile", str(plan), "-o", str(out),
-                            *TEMPLATE_SETS.get(plan.name, []))
+    code, stdout, err = run(
+        capsys, "compile", str(plan), "-o", str(out), *TEMPLATE_SETS.get(plan.name, [])
+    )
     assert code == 0, err
     assert "error" not in err
     table = DispatchTable.load(out)
@@ -346,29 +417,36 @@ def test_every_shipped_plan_compiles_and_its_table_loads(capsys, tmp_path, plan)
 
 # -- what a new user hit (issue 17) ------------------------------------------------------------
 
+
 def test_version_prints_the_package_version(capsys):
     from graphplan.compiler import __version__
+
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out == f"plan (graphplan) {__version__}\n"
 
 
 def test_every_explain_flag_has_help_text():
-    from graphplan.compiler.cli import build_parser
+    from graphplan.compiler.cli.main import build_parser
+
     sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices["explain"]
     undocumented = [a.option_strings or a.dest for a in sub._actions if not a.help]
     assert undocumented == []
 
 
-@pytest.mark.parametrize("sizes,text", [
-    ([3, 6, 9, 12, 18, 24, 33, 42], "3-12/3 18 24 33 42"),  # a 3-member run stays spelled out
-    (list(range(67, 85)), "67-84"),                          # consecutive: no /1
-    ([1, 2, 4] + list(range(8, 257, 8)), "1 2 4 8-256/8"),
-    ([5, 1, 3], "1 3 5"),
-    ([], "(none)"),
-])
+@pytest.mark.parametrize(
+    "sizes,text",
+    [
+        ([3, 6, 9, 12, 18, 24, 33, 42], "3-12/3 18 24 33 42"),  # a 3-member run stays spelled out
+        (list(range(67, 85)), "67-84"),  # consecutive: no /1
+        ([1, 2, 4] + list(range(8, 257, 8)), "1 2 4 8-256/8"),
+        ([5, 1, 3], "1 3 5"),
+        ([], "(none)"),
+    ],
+)
 def test_size_lists_compress_only_runs_of_four_or_more(sizes, text):
-    from graphplan.compiler.summary import compact_sizes
+    from graphplan.compiler.tools.summary import compact_sizes
+
     assert compact_sizes(sizes) == text
 
 
@@ -378,15 +456,26 @@ def test_explain_says_1_token_not_1_tokens(capsys):
 
 
 def test_diff_gives_each_side_its_own_overrides(capsys):
-    code, out, _ = run(capsys, "diff", H100, H100, "--set-b", "cudagraph.mode=PIECEWISE",
-                       "--format", "json")
+    code, out, _ = run(
+        capsys, "diff", H100, H100, "--set-b", "cudagraph.mode=PIECEWISE", "--format", "json"
+    )
     d = json.loads(out)
     assert code == 0 and (len(d["added"]), len(d["removed"])) == (0, 35)
     # --set applies to both sides: the same override on both is no difference
     code, out, _ = run(capsys, "diff", H100, H100, "--set", "cudagraph.mode=PIECEWISE")
     assert "compile to the same table" in out
-    code, out, _ = run(capsys, "diff", H100, H100, "--set", "cudagraph.mode=PIECEWISE",
-                       "--set-a", "cudagraph.mode=FULL_AND_PIECEWISE", "--format", "json")
+    code, out, _ = run(
+        capsys,
+        "diff",
+        H100,
+        H100,
+        "--set",
+        "cudagraph.mode=PIECEWISE",
+        "--set-a",
+        "cudagraph.mode=FULL_AND_PIECEWISE",
+        "--format",
+        "json",
+    )
     assert len(json.loads(out)["added"]) == 0 and len(json.loads(out)["removed"]) == 35
 
 
@@ -397,11 +486,14 @@ def test_diff_lists_graphs_in_numeric_order(capsys):
     assert tokens[:6] == [1, 2, 4, 8, 16, 24] and tokens == sorted(tokens)
 
 
-@pytest.mark.parametrize("args,exit_code,kind", [
-    (["compile", "nope.yaml"], 2, "PlanError"),
-    (["compile"], 1, "UsageError"),
-    (["explain", H100, "--tokens", "100000"], 1, "BatchError"),
-])
+@pytest.mark.parametrize(
+    "args,exit_code,kind",
+    [
+        (["compile", "nope.yaml"], 2, "PlanError"),
+        (["compile"], 1, "UsageError"),
+        (["explain", H100, "--tokens", "100000"], 1, "BatchError"),
+    ],
+)
 def test_format_json_prints_a_json_error_object_on_stdout(capsys, args, exit_code, kind):
     code, out, err = run(capsys, *args, "--format", "json")
     assert code == exit_code and err  # the message still goes to stderr
@@ -413,12 +505,17 @@ def test_format_json_prints_a_json_error_object_on_stdout(capsys, args, exit_cod
 
 
 def test_the_readme_documents_every_cli_option_and_names_every_shipped_plan():
-    from graphplan.compiler.cli import build_parser
+    from graphplan.compiler.cli.main import build_parser
+
     readme = (ROOT / "README.md").read_text()
     sub = next(a for a in build_parser()._actions if a.dest == "cmd")
-    missing = [f"{name} {o}" for name, sp in sub.choices.items() for a in sp._actions
-               for o in a.option_strings
-               if o.startswith("--") and o not in ("--help", "--output") and o not in readme]
+    missing = [
+        f"{name} {o}"
+        for name, sp in sub.choices.items()
+        for a in sp._actions
+        for o in a.option_strings
+        if o.startswith("--") and o not in ("--help", "--output") and o not in readme
+    ]
     assert missing == [] and "plan --version" in readme
     # the plan the README's own commands run is in its list of shipped plans
     assert "`plans/tiny-llama.yaml`, the plan the examples" in " ".join(readme.split())

@@ -3,18 +3,33 @@ dimension, CUDA graphs captured of it per size, replayed against the eager model
 
 import pytest
 import torch
-from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
 from graphplan.runtime import GraphRunner
 
 pytestmark = pytest.mark.gpu
 
-CFG = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=4, heads=4, kv_heads=1,
-                      intermediate=768, max_model_len=64, num_cache_rows=64)
-PLAN = {"version": 1, "name": "gpu-compiled",
-        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
-        "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS", "capture_sizes": {"preset": "vllm"}}}
+CFG = TinyLlamaConfig(
+    vocab_size=2048,
+    hidden=256,
+    layers=4,
+    heads=4,
+    kv_heads=1,
+    intermediate=768,
+    max_model_len=64,
+    num_cache_rows=64,
+)
+PLAN = {
+    "version": 1,
+    "name": "gpu-compiled",
+    "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
+    "cudagraph": {
+        "mode": "FULL",
+        "attention_support": "ALWAYS",
+        "capture_sizes": {"preset": "vllm"},
+    },
+}
 BF16_TOLERANCE = 3e-2
 """Largest |compiled - eager| allowed, relative to the largest |eager| logit: inductor fuses bf16
 ops with float32 intermediates, so it rounds differently from eager (both are bf16 models)."""
@@ -60,15 +75,21 @@ def test_hf_adapter_decode_graphs_of_the_inductor_model_stay_within_bf16_error()
     """The HF adapter (tests/test_hf_gpu.py's bound: twice transformers' own bf16 error against
     its float32 forward, or 2% of the largest logit), decodes replaying compiled FULL graphs."""
     pytest.importorskip("transformers")
+    from graphplan.models.hf import PagedCausalLM
+
     from hf_models import LENS, STEPS, bf16_errors, plan, run_schedule, small_config, tokens
 
-    from graphplan.runtime.hf import PagedCausalLM
     torch._dynamo.reset()
     vocab, table = 1024, compile_plan(plan())
-    model = PagedCausalLM.load(small_config("llama", vocab=vocab, hidden=256, layers=4, heads=8,
-                                            kv_heads=2),
-                               max_num_seqs=table.max_num_seqs, max_model_len=32, block_size=4,
-                               dtype=torch.bfloat16, device="cuda", seed=0)
+    model = PagedCausalLM.load(
+        small_config("llama", vocab=vocab, hidden=256, layers=4, heads=8, kv_heads=2),
+        max_num_seqs=table.max_num_seqs,
+        max_model_len=32,
+        block_size=4,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=0,
+    )
     runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=True)
     runner.capture()
     seqs = [tokens(n, seed=10 + i, vocab=vocab) for i, n in enumerate(LENS)]

@@ -22,8 +22,15 @@ from graphplan.compiler import compile_plan
 from graphplan.compiler.errors import BatchError
 from graphplan.compiler.records import RuntimeMode
 from graphplan.runtime import GraphRunner, StaticInput
-from graphplan.runtime.dp import IDLE, DPCoordinator, DPError, DPTimeoutError, agree, contribution
-from graphplan.runtime.dp_runner import DPRunner, dummy_shape, pad_inputs
+from graphplan.runtime.dp.agreement import (
+    IDLE,
+    DPCoordinator,
+    DPError,
+    DPTimeoutError,
+    agree,
+    contribution,
+)
+from graphplan.runtime.dp.runner import DPRunner, dummy_shape, pad_inputs
 
 # -- the rules, in one process ---------------------------------------------------------------
 
@@ -55,14 +62,28 @@ def test_an_idle_rank_is_neutral_for_the_mode_but_calls_off_ubatching():
 def _no_twins_plan():
     """SEMANTICS section 6's example: FULL_AND_PIECEWISE, sizes 16-128, DP 2, k=2, decode
     threshold 32, no plain twins (sizes >= 32 have only ubatched FULL decode graphs)."""
-    return compile_plan({
-        "version": 1, "name": "no-twins",
-        "scheduler": {"max_num_seqs": 128, "max_num_batched_tokens": 256},
-        "cudagraph": {"mode": "FULL_AND_PIECEWISE", "attention_support": "ALWAYS",
-                      "splitting_ops": ["attention"], "capture_sizes": [16, 32, 64, 128]},
-        "parallel": {"data_parallel_size": 2,
-                     "ubatch": {"enabled": True, "num_ubatches": 2, "decode_token_threshold": 32,
-                                "plain_twins": False}}})
+    return compile_plan(
+        {
+            "version": 1,
+            "name": "no-twins",
+            "scheduler": {"max_num_seqs": 128, "max_num_batched_tokens": 256},
+            "cudagraph": {
+                "mode": "FULL_AND_PIECEWISE",
+                "attention_support": "ALWAYS",
+                "splitting_ops": ["attention"],
+                "capture_sizes": [16, 32, 64, 128],
+            },
+            "parallel": {
+                "data_parallel_size": 2,
+                "ubatch": {
+                    "enabled": True,
+                    "num_ubatches": 2,
+                    "decode_token_threshold": 32,
+                    "plain_twins": False,
+                },
+            },
+        }
+    )
 
 
 def test_a_rank_wanting_to_ubatch_at_a_ubatched_graph_size_contributes_full_without_twins():
@@ -97,8 +118,10 @@ def test_dummy_batches_are_uniform_decode_when_they_can_be():
 
 
 def test_pad_inputs_uses_each_inputs_pad_value():
-    specs = [StaticInput(name="ids", per="token", dtype=torch.int64, pad=7),
-             StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last")]
+    specs = [
+        StaticInput(name="ids", per="token", dtype=torch.int64, pad=7),
+        StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last"),
+    ]
     batch = {"ids": torch.tensor([1, 2]), "qsl": torch.tensor([0, 2], dtype=torch.int32)}
     out = pad_inputs(specs, batch, 4, 3)
     assert out["ids"].tolist() == [1, 2, 7, 7] and out["qsl"].tolist() == [0, 2, 2, 2]
@@ -124,20 +147,26 @@ def test_an_exchange_is_started_once_and_finished_once():
 
 
 def test_prepare_announces_the_next_batch_and_step_must_bring_that_batch():
-    from tiny_llama import static_inputs
+    from graphplan.models.tiny_llama import static_inputs
+
     model, ref = _tiny()
-    dp = DPRunner(GraphRunner(model, compile_plan(_plan(dp=2)), static_inputs(model),
-                              progress=False))
-    from tiny_llama import make_batch
+    dp = DPRunner(
+        GraphRunner(model, compile_plan(_plan(dp=2)), static_inputs(model), progress=False)
+    )
+    from graphplan.models.tiny_llama import make_batch
+
     batch = make_batch(model, [(0, 0, [5, 6, 7]), (1, 0, [9])])
     with pytest.raises(BatchError, match="max_num_batched_tokens"):
         dp.prepare(10_000, 2, 3)  # the table rejects it before anything is sent
     dp.prepare(4, 2, 3)
     with pytest.raises(BatchError, match="already called for the next step"):
         dp.prepare(4, 2, 3)
-    with pytest.raises(BatchError, match=r"got a batch of shape 4 tokens, num_reqs=2, "
-                       r"max_query_len=2.*prepare\(\) announced 4 tokens, num_reqs=2, "
-                       r"max_query_len=3"):
+    with pytest.raises(
+        BatchError,
+        match=r"got a batch of shape 4 tokens, num_reqs=2, "
+        r"max_query_len=2.*prepare\(\) announced 4 tokens, num_reqs=2, "
+        r"max_query_len=3",
+    ):
         dp.step(batch, 2, 2)
     with pytest.raises(BatchError, match="announced 4 tokens.*inputs=None if it had no tokens"):
         dp.step(None)
@@ -150,6 +179,7 @@ def test_prepare_announces_the_next_batch_and_step_must_bring_that_batch():
 
 # -- spawned Gloo ranks -------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,16 +188,22 @@ def _free_port() -> int:
 
 def _entry(rank, world, port, target, out_dir, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     result = target(rank, world, *args)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     os._exit(0)  # skip process-group teardown: a rank of a broken group must not hang
 
 
 def _spawn(target, world, tmp_path, *args):
-    mp.spawn(_entry, args=(world, _free_port(), target, str(tmp_path), args), nprocs=world,
-             join=True)
+    mp.spawn(
+        _entry, args=(world, _free_port(), target, str(tmp_path), args), nprocs=world, join=True
+    )
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -181,28 +217,55 @@ def _suite(rank, world, parts):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _spawn(_suite, 2, tmp_path_factory.mktemp("two"), [
-        ("_mismatch_worker",), ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
-        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_reduce"),
-        ("_runner_worker", "FULL", 30), ("_comm_worker",), ("_generate_worker",)])
+    return _spawn(
+        _suite,
+        2,
+        tmp_path_factory.mktemp("two"),
+        [
+            ("_mismatch_worker",),
+            ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
+            ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_reduce"),
+            ("_runner_worker", "FULL", 30),
+            ("_comm_worker",),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _spawn(_suite, 4, tmp_path_factory.mktemp("four"), [
-        ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
-        ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_gather"),
-        ("_runner_worker", "FULL_DECODE_ONLY", 16)])
+    return _spawn(
+        _suite,
+        4,
+        tmp_path_factory.mktemp("four"),
+        [
+            ("_agreement_worker", "FULL_AND_PIECEWISE", 300),
+            ("_agreement_worker", "FULL_AND_PIECEWISE", 100, "all_gather"),
+            ("_runner_worker", "FULL_DECODE_ONLY", 16),
+        ],
+    )
 
 
 def _plan(mode="FULL", timeout=30, dp=2, **ub):
-    return {"version": 1, "name": "dp-test",
-            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 64},
-            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
-                          "capture_sizes": [1, 2, 4, 8, 16, 24, 32, 48]},
-            "parallel": {"data_parallel_size": dp, "sync_timeout_s": timeout,
-                         "ubatch": {"enabled": True, "decode_token_threshold": 8,
-                                    "prefill_token_threshold": 24, **ub}}}
+    return {
+        "version": 1,
+        "name": "dp-test",
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 64},
+        "cudagraph": {
+            "mode": mode,
+            "attention_support": "ALWAYS",
+            "capture_sizes": [1, 2, 4, 8, 16, 24, 32, 48],
+        },
+        "parallel": {
+            "data_parallel_size": dp,
+            "sync_timeout_s": timeout,
+            "ubatch": {
+                "enabled": True,
+                "decode_token_threshold": 8,
+                "prefill_token_threshold": 24,
+                **ub,
+            },
+        },
+    }
 
 
 def _random_batch(rng: random.Random):
@@ -229,7 +292,7 @@ def _agreement_worker(rank, world, mode, steps, exchange="auto"):
     for s in range(steps):  # every rank draws every rank's batch: all know the expected matrix
         rng = random.Random(1000 * s + 7)
         cols = []
-        for r in range(world):
+        for _r in range(world):
             kind, lens = _random_batch(rng)
             n = sum(lens)
             route = table.route(n, len(lens), max(lens)) if n else None
@@ -259,16 +322,24 @@ def test_every_rank_reaches_the_decision_of_the_pure_function_over_random_steps(
 
 
 def _tiny(device="cpu"):
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from tiny_llama import TinyLlama, TinyLlamaConfig
-    cfg = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
-                          intermediate=96, max_model_len=32, num_cache_rows=16)
+    from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
+
+    cfg = TinyLlamaConfig(
+        vocab_size=128,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=96,
+        max_model_len=32,
+        num_cache_rows=16,
+    )
     return TinyLlama(cfg, seed=0, device=device), TinyLlama(cfg, seed=0, device=device)
 
 
 def _runner_worker(rank, world, mode, steps):
-    from tiny_llama import make_batch, static_inputs
+    from graphplan.models.tiny_llama import make_batch, static_inputs
+
     model, ref = _tiny()
     table = compile_plan(_plan(mode, dp=world))
     dp = DPRunner(GraphRunner(model, table, static_inputs(model), progress=False))
@@ -295,17 +366,28 @@ def _runner_worker(rank, world, mode, steps):
         expected = ref(**{k: v.clone() for k, v in batch.items()})
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # ubatched == plain
         route = table.route(n, len(lens), max(lens))
-        log.append([list(dp.last_decision.num_tokens), list(contribution(n, route)),
-                    int(dp.last_decision.ubatch)])
+        log.append(
+            [
+                list(dp.last_decision.num_tokens),
+                list(contribution(n, route)),
+                int(dp.last_decision.ubatch),
+            ]
+        )
     stats = dp.stats()
-    return {"log": log, "dp": stats["dp"], "replays": stats["replays_by_mode"],
-            "ubatched_replays": sum(g["replays"] for g in stats["graphs"] if g["num_ubatches"] > 1)}
+    return {
+        "log": log,
+        "dp": stats["dp"],
+        "replays": stats["replays_by_mode"],
+        "ubatched_replays": sum(g["replays"] for g in stats["graphs"] if g["num_ubatches"] > 1),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])  # FULL with 2 ranks, FULL_DECODE_ONLY with 4
 def test_dp_runner_ranks_agree_and_ubatched_outputs_equal_eager(request, world):
-    ranks = [r["_runner_worker"] for r in
-             request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")]
+    ranks = [
+        r["_runner_worker"]
+        for r in request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    ]
     for s in range(len(ranks[0]["log"])):
         cols = [r["log"][s][1] for r in ranks]
         d = agree(list(zip(*cols)), 2)
@@ -314,20 +396,27 @@ def test_dp_runner_ranks_agree_and_ubatched_outputs_equal_eager(request, world):
     assert all(r["dp"]["steps"] == len(r["log"]) for r in ranks)
     if world == 2:  # ubatched graph replays and eager micro-batches both happened
         assert sum(r["ubatched_replays"] for r in ranks) > 0
-        assert sum(r["dp"]["ubatched_steps"] for r in ranks) > sum(r["ubatched_replays"] for r in ranks)
+        assert sum(r["dp"]["ubatched_steps"] for r in ranks) > sum(
+            r["ubatched_replays"] for r in ranks
+        )
         assert sum(r["dp"]["dummy_steps"] for r in ranks) > 0
 
 
 def _comm_worker(rank, world):
-    from comm_model import CommMLP, dense_reference, static_inputs
+    from graphplan.models.comm_model import CommMLP, dense_reference, static_inputs
+
     dims = dict(vocab=64, hidden=32, intermediate=64, layers=3)
     model = CommMLP(**dims)
-    plans = [_plan("FULL", dp=world, decode_token_threshold=16),
-             {**_plan("FULL", dp=world), "parallel": {"data_parallel_size": world}}]
+    plans = [
+        _plan("FULL", dp=world, decode_token_threshold=16),
+        {**_plan("FULL", dp=world), "parallel": {"data_parallel_size": world}},
+    ]
     for p in plans:
         p["scheduler"]["max_num_seqs"] = 64
-    on, off = (DPRunner(GraphRunner(model, compile_plan(p), static_inputs(), progress=False))
-               for p in plans)
+    on, off = (
+        DPRunner(GraphRunner(model, compile_plan(p), static_inputs(), progress=False))
+        for p in plans
+    )
     on.capture(("FULL",))
     off.capture(("FULL",))
     rng = random.Random(3)
@@ -351,25 +440,9 @@ def test_ubatched_comm_model_equals_plain_and_the_dense_model(two_ranks):
     assert ranks[0]["ubatched"] == ranks[1]["ubatched"] > 0
 
 
-def _generate_worker(rank, world):
-    import dp_generate as ex
-    model, dp = ex.build(world, "cpu", dbo=True)
-    work = [ex.workload(r, world, 0, 4) for r in range(world)]
-    prompts, budget = work[rank]
-    out = ex.dp_generate(model, dp, prompts, budget, steps=max(b for _, b in work))
-    model.kv_cache.zero_()
-    from tiny_llama import reference_generate
-    return {"same": out == reference_generate(model, prompts, budget),
-            "ubatched": dp.stats()["dp"]["ubatched_steps"]}
-
-
-def test_dp_generate_example_gives_every_rank_its_single_rank_eager_tokens(two_ranks):
-    ranks = [r["_generate_worker"] for r in two_ranks]
-    assert all(r["same"] for r in ranks) and ranks[0]["ubatched"] > 0
-
-
 def _mismatch_worker(rank, world):
-    from tiny_llama import static_inputs
+    from graphplan.models.tiny_llama import static_inputs
+
     model, _ = _tiny()
     plan = _plan(dp=world)
     plan["scheduler"]["max_num_seqs"] = 16 - rank  # rank 1 compiled another plan
@@ -378,7 +451,11 @@ def _mismatch_worker(rank, world):
     try:
         DPRunner(GraphRunner(model, table, static_inputs(model), progress=False))
     except DPError as e:
-        return {"error": str(e), "seconds": time.monotonic() - t0, "fingerprint": table.content_fingerprint}
+        return {
+            "error": str(e),
+            "seconds": time.monotonic() - t0,
+            "fingerprint": table.content_fingerprint,
+        }
     return {"error": None, "fingerprint": table.content_fingerprint}
 
 
@@ -423,18 +500,38 @@ def test_a_dead_rank_is_an_error_within_the_timeout(tmp_path):
     assert "DP rank 0/2" in r0["error"]
 
 
-def test_dp_generate_prints_each_ranks_lines_whole():
-    """The ranks share stdout: every line must be one rank's whole line, never two run together."""
+def test_dp_generate_example_gives_each_rank_its_eager_tokens_in_whole_lines():
+    """examples/dp_generate.py --dbo --check on 2 ranks: each rank's tokens equal a single-rank
+    eager run, micro-batched steps happened, and every line is one rank's whole line (the ranks
+    share stdout), never two run together."""
     import subprocess
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "examples" /
-                                              "dp_generate.py"), "--ranks", "2", "--device", "cpu",
-                          "--new-tokens", "3", "--check"],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "examples" / "dp_generate.py"),
+            "--ranks",
+            "2",
+            "--device",
+            "cpu",
+            "--new-tokens",
+            "3",
+            "--dbo",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 4, out.stdout
     import re
-    assert all(re.match(r"rank \d: ", l) and len(re.findall(r"rank \d: ", l)) == 1
-               for l in lines), out.stdout
-    assert sum("check tokens == single-rank eager" in l for l in lines) == 2
+
+    assert all(
+        re.match(r"rank \d: ", ln) and len(re.findall(r"rank \d: ", ln)) == 1 for ln in lines
+    ), out.stdout
+    assert sum("check tokens == single-rank eager" in ln for ln in lines) == 2
+    ubatched = [int(m) for m in re.findall(r"ubatched (\d+)", out.stdout)]
+    assert len(ubatched) == 2 and min(ubatched) > 0, out.stdout

@@ -36,11 +36,19 @@ def imported(engine, **source):
 def settings_of(table) -> tuple:
     """What a table resolved to, as plain values (mode name, lists)."""
     r = table.settings
-    return (r.mode.name, list(r.capture_sizes), list(r.lora_cases), r.max_num_seqs,
-            r.max_num_batched_tokens, r.decode_query_len, r.data_parallel_size)
+    return (
+        r.mode.name,
+        list(r.capture_sizes),
+        list(r.lora_cases),
+        r.max_num_seqs,
+        r.max_num_batched_tokens,
+        r.decode_query_len,
+        r.data_parallel_size,
+    )
 
 
 # -- vLLM's rules (vllm/config/vllm.py _set_cudagraph_sizes, compilation.py) ---------------------
+
 
 def test_vllm_default_list_for_256_seqs_is_1_2_4_then_steps_of_8_then_16_up_to_512():
     assert R.default_sizes(R.default_max_size(256, 8192, 1)) == GRID_TO_512
@@ -97,28 +105,47 @@ def test_vllm_lora_cases_by_specialization():
 
 def test_vllm_refuses_a_max_capture_size_that_is_not_the_largest_explicit_size():
     with pytest.raises(R.VllmRuleError, match="max_cudagraph_capture_size=64"):
-        R.read_engine_args({"max_num_seqs": 8, "max_num_batched_tokens": 256, "compilation_config":
-                            {"cudagraph_capture_sizes": [1, 8, 32],
-                             "max_cudagraph_capture_size": 64}}, "ALWAYS")
+        R.read_engine_args(
+            {
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 256,
+                "compilation_config": {
+                    "cudagraph_capture_sizes": [1, 8, 32],
+                    "max_cudagraph_capture_size": 64,
+                },
+            },
+            "ALWAYS",
+        )
 
 
 # -- export: what each version is told ---------------------------------------------------------
 
+
 def test_vllm_export_gives_the_compiled_sizes_and_resolved_mode_explicitly():
     out = exported("llama3-8b-h100.yaml", "vllm", "json")
-    assert out.config == {"max_num_seqs": 256, "max_num_batched_tokens": 8192,
-                          "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE",
-                                                 "cudagraph_capture_sizes": GRID_TO_512,
-                                                 "max_cudagraph_capture_size": 512}}
+    assert out.config == {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "compilation_config": {
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": GRID_TO_512,
+            "max_cudagraph_capture_size": 512,
+        },
+    }
     assert R.read_engine_args(out.config, "ALWAYS") == R.VllmRun(
-        "FULL_AND_PIECEWISE", tuple(GRID_TO_512), (0,))
+        "FULL_AND_PIECEWISE", tuple(GRID_TO_512), (0,)
+    )
 
 
 def test_vllm_args_are_one_shell_quoted_flag_per_line():
     lines = exported("llama3-8b-eagle3.yaml", "vllm", "args").text.splitlines()
     flags = [ln.split()[0] for ln in lines if not ln.startswith("#")]
-    assert flags == ["--max-num-seqs", "--max-num-batched-tokens", "--speculative-config",
-                     "--compilation-config"]
+    assert flags == [
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--speculative-config",
+        "--compilation-config",
+    ]
     assert shlex.split(lines[4]) == ["--speculative-config", '{"num_speculative_tokens": 2}']
 
 
@@ -164,11 +191,17 @@ def test_sglang_args_spell_list_flags_with_space_separated_values():
 def test_trtllm_yaml_has_cuda_graph_config_with_padding_and_piecewise_prefill_options():
     out = exported("llama3-8b-h100.yaml", "trtllm", "yaml")
     import yaml
+
     cfg = yaml.safe_load(out.text)
-    assert cfg["cuda_graph_config"] == {"batch_sizes": GRID_TO_512[:35], "max_batch_size": 256,
-                                        "enable_padding": True}
-    assert cfg["torch_compile_config"] == {"enable_piecewise_cuda_graph": True,
-                                           "capture_num_tokens": GRID_TO_512}
+    assert cfg["cuda_graph_config"] == {
+        "batch_sizes": GRID_TO_512[:35],
+        "max_batch_size": 256,
+        "enable_padding": True,
+    }
+    assert cfg["torch_compile_config"] == {
+        "enable_piecewise_cuda_graph": True,
+        "capture_num_tokens": GRID_TO_512,
+    }
 
 
 def test_piecewise_decode_is_a_lost_feature_for_sglang_and_trtllm():
@@ -178,6 +211,7 @@ def test_piecewise_decode_is_a_lost_feature_for_sglang_and_trtllm():
 
 
 # -- import: real-world inputs quoted from public issues (URLs in each fixture) -----------------
+
 
 def test_vllm_engine_config_line_with_enum_reprs_from_issue_29955():
     out, t = imported("vllm", log=str(DATA / "vllm-29955-engine-config.log"))
@@ -257,8 +291,11 @@ def test_trtllm_serve_config_from_pr_7492_caps_graphs_at_max_batch_size():
 
 
 def test_every_imported_value_carries_a_comment_and_set_fills_what_is_missing():
-    out = import_plan("sglang", args=["--cuda-graph-max-bs", "64"],
-                      sets={"scheduler.max_num_seqs": 64, "name": "mine"})
+    out = import_plan(
+        "sglang",
+        args=["--cuda-graph-max-bs", "64"],
+        sets={"scheduler.max_num_seqs": 64, "name": "mine"},
+    )
     body = [ln for ln in out.text.splitlines() if ln and not ln.startswith("#")]
     values = [ln for ln in body if not ln.rstrip().endswith(":")]
     assert all("  # " in ln for ln in values)
@@ -267,6 +304,7 @@ def test_every_imported_value_carries_a_comment_and_set_fills_what_is_missing():
 
 
 # -- the log reader never evaluates --------------------------------------------------------------
+
 
 def test_log_values_are_read_never_evaluated():
     value, end = parse_value("__import__('os').system('echo no')")
@@ -277,6 +315,7 @@ def test_log_values_are_read_never_evaluated():
 
 def _tmp_log(text: str) -> str:
     import tempfile
+
     f = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     f.write(text + "\n")
     f.close()
@@ -286,41 +325,70 @@ def _tmp_log(text: str) -> str:
 # -- bad input: located error, exit 2, nothing written -------------------------------------------
 
 BAD = [
-    (["import", "--engine", "vllm", "--", "--max-num-seq", "8"],
-     r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*"
-     r"did you mean '--max-num-seqs'"),
-    (["import", "--engine", "vllm", "--log", str(DATA / "vllm-29955-truncated.log")],
-     r"vllm-29955-truncated.log:3:\d+: error\[malformed-log-line\]: compilation_config: expected"),
-    (["import", "--engine", "vllm", "--", "--max-num-seqs", "0"],
-     r"<args>:1:1: error\[out-of-range\]: argument 1 \(--max-num-seqs\): 0 is out of range"),
-    (["import", "--engine", "sglang", "--", "--cuda-graph-bs", "1", "x"],
-     r"error\[bad-value\]: argument 1 \(--cuda-graph-bs\): 'x' is not an integer"),
-    (["import", "--engine", "vllm", "--", "--specialize-active-lora"],
-     r"error\[flag-not-in-version\]: .*vLLM 0.11 has no --specialize-active-lora"),
-    (["import", "--engine", "trtllm", "--config", str(DATA / "trtllm-5795-old-padding.yaml")],
-     r"trtllm-5795-old-padding.yaml:3:3: error\[flag-not-in-version\]: .*renamed enable_padding"),
-    (["import", "--engine", "sglang", "--engine-version", "0.4", "--", "--dp-size", "2"],
-     r"error\[unknown-engine-version\]: SGLang version '0.4'"),
-    (["export", str(ROOT / "plans" / "llama3-8b-h100.yaml"), "--engine", "sglang", "--format",
-      "yaml"], r"error\[unknown-format\]: SGLang export has no format 'yaml'"),
+    (
+        ["import", "--engine", "vllm", "--", "--max-num-seq", "8"],
+        r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*"
+        r"did you mean '--max-num-seqs'",
+    ),
+    (
+        ["import", "--engine", "vllm", "--log", str(DATA / "vllm-29955-truncated.log")],
+        r"vllm-29955-truncated.log:3:\d+: error\[malformed-log-line\]: compilation_config: expected",
+    ),
+    (
+        ["import", "--engine", "vllm", "--", "--max-num-seqs", "0"],
+        r"<args>:1:1: error\[out-of-range\]: argument 1 \(--max-num-seqs\): 0 is out of range",
+    ),
+    (
+        ["import", "--engine", "sglang", "--", "--cuda-graph-bs", "1", "x"],
+        r"error\[bad-value\]: argument 1 \(--cuda-graph-bs\): 'x' is not an integer",
+    ),
+    (
+        ["import", "--engine", "vllm", "--", "--specialize-active-lora"],
+        r"error\[flag-not-in-version\]: .*vLLM 0.11 has no --specialize-active-lora",
+    ),
+    (
+        ["import", "--engine", "trtllm", "--config", str(DATA / "trtllm-5795-old-padding.yaml")],
+        r"trtllm-5795-old-padding.yaml:3:3: error\[flag-not-in-version\]: .*renamed enable_padding",
+    ),
+    (
+        ["import", "--engine", "sglang", "--engine-version", "0.4", "--", "--dp-size", "2"],
+        r"error\[unknown-engine-version\]: SGLang version '0.4'",
+    ),
+    (
+        [
+            "export",
+            str(ROOT / "plans" / "llama3-8b-h100.yaml"),
+            "--engine",
+            "sglang",
+            "--format",
+            "yaml",
+        ],
+        r"error\[unknown-format\]: SGLang export has no format 'yaml'",
+    ),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a[:3]) + f" #{i}"
-                                                   for i, (a, _) in enumerate(BAD)])
-def test_bad_input_is_a_located_error_with_exit_2_and_writes_nothing(argv, message, tmp_path,
-                                                                     capsys):
+@pytest.mark.parametrize(
+    "argv,message", BAD, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(BAD)]
+)
+def test_bad_input_is_a_located_error_with_exit_2_and_writes_nothing(
+    argv, message, tmp_path, capsys
+):
     out = tmp_path / "out.yaml"
     assert main(argv[:1] + ["-o", str(out)] + argv[1:]) == 2
     assert out.exists() is False
     import re
+
     assert re.search(message, capsys.readouterr().err), message
 
 
 def test_a_strict_export_with_lost_features_exits_2_and_writes_nothing(tmp_path, capsys):
     plan = tmp_path / "strict.yaml"
-    plan.write_text((ROOT / "plans" / "piecewise-only.yaml").read_text()
-                    .replace("strict: false", "strict: true"))
+    plan.write_text(
+        (ROOT / "plans" / "piecewise-only.yaml")
+        .read_text()
+        .replace("strict: false", "strict: true")
+    )
     if "strict: true" not in plan.read_text():
         plan.write_text(plan.read_text().replace("cudagraph:", "cudagraph:\n  strict: true", 1))
     out = tmp_path / "out.args"
@@ -331,40 +399,103 @@ def test_a_strict_export_with_lost_features_exits_2_and_writes_nothing(tmp_path,
 
 # -- the CLI end to end --------------------------------------------------------------------------
 
+
 def test_cli_export_then_import_gives_a_plan_that_compiles_to_the_same_routes(tmp_path, capsys):
     cfg = tmp_path / "vllm.yaml"
-    assert main(["export", str(ROOT / "plans" / "llama3-8b-eagle3.yaml"), "--engine", "vllm",
-                 "--format", "yaml", "-o", str(cfg)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(ROOT / "plans" / "llama3-8b-eagle3.yaml"),
+                "--engine",
+                "vllm",
+                "--format",
+                "yaml",
+                "-o",
+                str(cfg),
+            ]
+        )
+        == 0
+    )
     plan = tmp_path / "plan.yaml"
-    assert main(["import", "--engine", "vllm", "--config", str(cfg), "--set",
-                 "cudagraph.attention_support=UNIFORM_BATCH", "-o", str(plan)]) == 0
-    assert compile_plan(plan).capture_sizes == \
-        compile_plan(ROOT / "plans" / "llama3-8b-eagle3.yaml").capture_sizes
+    assert (
+        main(
+            [
+                "import",
+                "--engine",
+                "vllm",
+                "--config",
+                str(cfg),
+                "--set",
+                "cudagraph.attention_support=UNIFORM_BATCH",
+                "-o",
+                str(plan),
+            ]
+        )
+        == 0
+    )
+    assert (
+        compile_plan(plan).capture_sizes
+        == compile_plan(ROOT / "plans" / "llama3-8b-eagle3.yaml").capture_sizes
+    )
 
 
 def test_cli_import_takes_engine_flags_after_a_double_dash(capsys):
-    assert main(["import", "--engine", "sglang", "--", "python", "-m", "sglang.launch_server",
-                 "--max-running-requests", "48", "--cuda-graph-max-bs", "48"]) == 0
+    assert (
+        main(
+            [
+                "import",
+                "--engine",
+                "sglang",
+                "--",
+                "python",
+                "-m",
+                "sglang.launch_server",
+                "--max-running-requests",
+                "48",
+                "--cuda-graph-max-bs",
+                "48",
+            ]
+        )
+        == 0
+    )
     assert "max_num_seqs: 48" in capsys.readouterr().out
 
 
 def test_cli_engines_compares_the_plans_padding_under_each_default_list(capsys):
     assert main(["engines", str(ROOT / "plans" / "llama3-8b-h100.yaml"), "--format", "json"]) == 0
     rows = {r["list"]: r for r in json.loads(capsys.readouterr().out)}
-    assert list(rows) == ["plan", "vllm 0.11 default", "sglang preset", "trtllm preset",
-                          "trtllm preset, padded"]
+    assert list(rows) == [
+        "plan",
+        "vllm 0.11 default",
+        "sglang preset",
+        "trtllm preset",
+        "trtllm preset, padded",
+    ]
     assert rows["plan"]["sizes"] == GRID_TO_512 == rows["vllm 0.11 default"]["sizes"]
     assert rows["trtllm preset"]["decode"]["worst_pad"] == 63  # 65..127 pad to 128
 
 
 def test_the_engines_package_ships_in_the_wheel():
     import tomllib
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]
     assert "graphplan.compiler.engines" in packages
 
 
 def test_cli_engines_with_a_trace_prices_each_list(capsys):
-    assert main(["engines", str(ROOT / "plans" / "llama3-8b-h100.yaml"), "--trace",
-                 str(ROOT / "bench" / "traces" / "chat.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "engines",
+                str(ROOT / "plans" / "llama3-8b-h100.yaml"),
+                "--trace",
+                str(ROOT / "bench" / "traces" / "chat.jsonl"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "trace padded" in text and "trtllm preset, padded" in text

@@ -15,8 +15,14 @@ from graphplan.compiler import PlanError, compile_loaded, compile_plan, load_pla
 from graphplan.compiler.engines import export_plan, import_plan
 from graphplan.compiler.engines.vllm_rules import read_engine_args
 
-MODES = ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "NONE", "PIECEWISE",
-         "FULL"]
+MODES = [
+    "FULL_AND_PIECEWISE",
+    "FULL_DECODE_ONLY",
+    "FULL_AND_PIECEWISE",
+    "NONE",
+    "PIECEWISE",
+    "FULL",
+]
 SUPPORT = ["ALWAYS", "UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE", "NEVER"]
 
 
@@ -27,28 +33,46 @@ def plans(draw, engine: str) -> dict:
     seqs = draw(st.integers(1, 48))
     tokens = draw(st.integers(max(seqs, q), 768))
     kind = draw(st.sampled_from(["vllm", "list", "sglang", "trtllm"]))
-    sizes = ({"preset": "vllm", "ceiling": draw(st.integers(1, 512))} if kind == "vllm" else
-             {"preset": kind, "max_size": draw(st.integers(0, 64))} if kind != "list" else
-             draw(st.lists(st.integers(1, tokens + 32), min_size=1, max_size=24)))
-    plan = {"version": 1, "name": "rt",
-            "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": tokens,
-                          "decode_query_len": q},
-            "cudagraph": {"mode": draw(st.sampled_from(MODES)),
-                          "attention_support": draw(st.sampled_from(SUPPORT)),
-                          "splitting_ops": draw(st.sampled_from([["attention"], [],
-                                                                 ["attention", "all_reduce"]])),
-                          "capture_sizes": sizes}}
+    sizes = (
+        {"preset": "vllm", "ceiling": draw(st.integers(1, 512))}
+        if kind == "vllm"
+        else {"preset": kind, "max_size": draw(st.integers(0, 64))}
+        if kind != "list"
+        else draw(st.lists(st.integers(1, tokens + 32), min_size=1, max_size=24))
+    )
+    plan = {
+        "version": 1,
+        "name": "rt",
+        "scheduler": {
+            "max_num_seqs": seqs,
+            "max_num_batched_tokens": tokens,
+            "decode_query_len": q,
+        },
+        "cudagraph": {
+            "mode": draw(st.sampled_from(MODES)),
+            "attention_support": draw(st.sampled_from(SUPPORT)),
+            "splitting_ops": draw(
+                st.sampled_from([["attention"], [], ["attention", "all_reduce"]])
+            ),
+            "capture_sizes": sizes,
+        },
+    }
     if draw(st.integers(0, 2)) == 0:
-        plan["lora"] = {"enabled": True, "max_loras": draw(st.integers(1, 4)),
-                        "specialize_count": engine == "vllm" and draw(st.booleans()),
-                        "separate_base": engine == "vllm" and draw(st.booleans())}
+        plan["lora"] = {
+            "enabled": True,
+            "max_loras": draw(st.integers(1, 4)),
+            "specialize_count": engine == "vllm" and draw(st.booleans()),
+            "separate_base": engine == "vllm" and draw(st.booleans()),
+        }
     if draw(st.integers(0, 2)) == 0:
         plan["parallel"] = {"data_parallel_size": draw(st.integers(2, 8))}
         if engine == "vllm" and draw(st.booleans()):
             plan["parallel"]["ubatch"] = {
-                "enabled": True, "plain_twins": False,
+                "enabled": True,
+                "plain_twins": False,
                 "decode_token_threshold": draw(st.integers(2, 64)),
-                "prefill_token_threshold": draw(st.integers(2, 512))}
+                "prefill_token_threshold": draw(st.integers(2, 512)),
+            }
     return plan
 
 
@@ -80,16 +104,27 @@ def reimport(loaded, table, engine: str, fmt: str, tmp_path):
     assume(not out.lost)
     sets = {"cudagraph.attention_support": loaded.spec.cudagraph.attention_support.name}
     if fmt == "args":
-        words = [w for line in out.text.splitlines() if not line.startswith("#")
-                 for w in shlex.split(line)]
+        words = [
+            w
+            for line in out.text.splitlines()
+            if not line.startswith("#")
+            for w in shlex.split(line)
+        ]
         return import_plan(engine, args=words, sets=sets)
     path = tmp_path / f"exported.{fmt}"
     path.write_text(out.text)
     return import_plan(engine, config=str(path), sets=sets)
 
 
-FORMATS = [("vllm", "args"), ("vllm", "yaml"), ("vllm", "json"), ("sglang", "args"),
-           ("sglang", "json"), ("trtllm", "yaml"), ("trtllm", "json")]
+FORMATS = [
+    ("vllm", "args"),
+    ("vllm", "yaml"),
+    ("vllm", "json"),
+    ("sglang", "args"),
+    ("sglang", "json"),
+    ("trtllm", "yaml"),
+    ("trtllm", "json"),
+]
 
 
 @pytest.mark.parametrize("engine,fmt", FORMATS)

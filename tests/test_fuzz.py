@@ -24,9 +24,28 @@ PLANS = sorted(p for p in (ROOT / "plans").iterdir() if p.is_file())
 TEMPLATE_SETS = {"sweep.yaml.j2": ["--set", "max_num_seqs=64", "--set", "spec_tokens=2"]}
 MUTATIONS_PER_PLAN = 120
 
-_INTS = [0, -1, -(2 ** 31), 1, 2, 3, 7, 64, 513, 4097, 2 ** 31, 2 ** 63, 10 ** 30]
-_SCALARS = _INTS + ["", "x", "FULL", "NONE", "vllm", "über", "0x10", "1e3", 1.5, -0.0, True,
-                    False, None, [], {}, [1, 2], {"a": 1}, float("inf"), float("nan")]
+_INTS = [0, -1, -(2**31), 1, 2, 3, 7, 64, 513, 4097, 2**31, 2**63, 10**30]
+_SCALARS = _INTS + [
+    "",
+    "x",
+    "FULL",
+    "NONE",
+    "vllm",
+    "über",
+    "0x10",
+    "1e3",
+    1.5,
+    -0.0,
+    True,
+    False,
+    None,
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    float("inf"),
+    float("nan"),
+]
 
 
 def _paths(node, path=()):
@@ -69,15 +88,20 @@ def mutate_structure(data: dict, rnd: random.Random) -> str:
         elif op == 2:
             _set(data, path, rnd.choice(_INTS) * rnd.choice([1, 1, 1000]))
         elif op == 3:
-            _set(data, path, "".join(rnd.choice("abcdefg_-. ÿ{}[]:#") for _ in range(rnd.randint(0, 12))))
+            _set(
+                data,
+                path,
+                "".join(rnd.choice("abcdefg_-. ÿ{}[]:#") for _ in range(rnd.randint(0, 12))),
+            )
         else:
             parent = path[:-1]
             node = data
             for p in parent:
                 node = node[p]
             if isinstance(node, dict):
-                node[rnd.choice(["strict", "mode", "extra", "max_num_seq", "ranges", 1])] = \
+                node[rnd.choice(["strict", "mode", "extra", "max_num_seq", "ranges", 1])] = (
                     rnd.choice(_SCALARS)
+                )
     return yaml.safe_dump(data, allow_unicode=True, sort_keys=False)
 
 
@@ -89,9 +113,26 @@ def mutate_text(text: str, rnd: random.Random) -> bytes:
         i = rnd.randrange(len(lines))
         lines.insert(rnd.randrange(len(lines) + 1), lines[i])
     elif op == 1:
-        garbage = rnd.choice(["}", "- -", "\t  x: [", "version: 1", "name: &a [*a]", "? [a]: 1",
-                              "::::", "'", "!!python/object:os.system x", "a: {{ b }}", "%YAML 9",
-                              "---", "...", "@", "\x00", "name: " + "[" * 64])
+        garbage = rnd.choice(
+            [
+                "}",
+                "- -",
+                "\t  x: [",
+                "version: 1",
+                "name: &a [*a]",
+                "? [a]: 1",
+                "::::",
+                "'",
+                "!!python/object:os.system x",
+                "a: {{ b }}",
+                "%YAML 9",
+                "---",
+                "...",
+                "@",
+                "\x00",
+                "name: " + "[" * 64,
+            ]
+        )
         lines.insert(rnd.randrange(len(lines) + 1), garbage + "\n")
     elif op == 2:
         return text.encode()[: rnd.randrange(len(text) + 1)]
@@ -134,12 +175,16 @@ def test_mutated_plans_exit_0_or_2_without_traceback_or_stray_output(plan, tmp_p
             target.write_bytes(mutate_text(text, rnd))
             how = "text"
             if extra and rnd.random() < 0.3:
-                args = ["--set", f"max_num_seqs={rnd.choice(_SCALARS)!s}",
-                        "--set", f"spec_tokens={rnd.choice(_INTS)}"]
+                args = [
+                    "--set",
+                    f"max_num_seqs={rnd.choice(_SCALARS)!s}",
+                    "--set",
+                    f"spec_tokens={rnd.choice(_INTS)}",
+                ]
         out = tmp_path / "table.json"
         try:
             code, err = run_compile(target, out, args)
-        except BaseException as e:  # noqa: BLE001 - the assertion is that nothing escapes
+        except BaseException as e:
             pytest.fail(f"{plan.name} seed {seed} ({how}): {type(e).__name__}: {e}")
         where = f"{plan.name} seed {seed} ({how})"
         assert code in (0, 2), f"{where}: exit {code}: {err[-500:]}"  # 2: an invalid plan
@@ -158,15 +203,28 @@ def test_mutated_plans_exit_0_or_2_without_traceback_or_stray_output(plan, tmp_p
 
 # -- hostile mutations: what an attacker would write, not only what a typo makes ---------------
 
-_HOSTILE_VALUES = ["64.0", "1.0", "2.0", ".nan", ".inf", "-.inf", "9" * 5000, "1e400",
-                   "0x" + "f" * 400, "[" * 40 + "]" * 40, "&a [*a]",
-                   "!!python/object/apply:os.system ['touch PWNED']",
-                   "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
-                   "'" + "x" * 10000 + "'"]
+_HOSTILE_VALUES = [
+    "64.0",
+    "1.0",
+    "2.0",
+    ".nan",
+    ".inf",
+    "-.inf",
+    "9" * 5000,
+    "1e400",
+    "0x" + "f" * 400,
+    "[" * 40 + "]" * 40,
+    "&a [*a]",
+    "!!python/object/apply:os.system ['touch PWNED']",
+    "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+    "'" + "x" * 10000 + "'",
+]
 _HOSTILE_LINES = [
     "x: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\ny: &a1 [*a0, *a0, *a0, *a0, *a0, *a0, *a0, *a0]\n"
     "z: &a2 [*a1, *a1, *a1, *a1, *a1, *a1, *a1, *a1]\nw: [*a2, *a2, *a2, *a2, *a2, *a2, *a2]",
-    "limits: {max_graphs: 1}", "limits: {max_graphs: 1.0}", "version: 1.0",
+    "limits: {max_graphs: 1}",
+    "limits: {max_graphs: 1.0}",
+    "version: 1.0",
     "cudagraph: {capture_sizes: {preset: vllm, ceiling: 1048576}}",
     "cudagraph: {capture_sizes: {ranges: [{from: 1, to: 1048576, step: 1}]}}",
     "lora: {enabled: true, max_loras: 256, specialize_count: true}",
@@ -174,13 +232,21 @@ _HOSTILE_LINES = [
 _HOSTILE_JINJA = [
     "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ (''|attr('__class__')) }}", "{{ lipsum.__globals__ }}", "{{ self.__init__ }}",
+    "{{ (''|attr('__class__')) }}",
+    "{{ lipsum.__globals__ }}",
+    "{{ self.__init__ }}",
     "{% for i in range(10**9) %}{% endfor %}",
     "{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}{% endfor %}",
-    "{{ 'x' * 10**8 }}", "{{ 2 ** 10 ** 6 }}", "{% include '/etc/passwd' %}",
-    "{% import 'os' as os %}", "{{ '%099999999d' % 1 }}", "{{ 'a'|center(10**9) }}",
-    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "{{ range.__self__ }}",
-    "{{ max_num_seqs.__class__.__base__.__subclasses__() }}", "{{ {}.items.__self__ }}",
+    "{{ 'x' * 10**8 }}",
+    "{{ 2 ** 10 ** 6 }}",
+    "{% include '/etc/passwd' %}",
+    "{% import 'os' as os %}",
+    "{{ '%099999999d' % 1 }}",
+    "{{ 'a'|center(10**9) }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{{ range.__self__ }}",
+    "{{ max_num_seqs.__class__.__base__.__subclasses__() }}",
+    "{{ {}.items.__self__ }}",
 ]
 HOSTILE_PER_PLAN = 40
 
@@ -203,6 +269,7 @@ def _hostile(text: str, template: bool, rnd: random.Random) -> str:
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
 def test_hostile_plans_are_refused_fast_with_exit_2_and_never_run_code(plan, tmp_path, monkeypatch):
     from graphplan.compiler import template
+
     monkeypatch.setattr(template, "MAX_RENDER_SECONDS", 0.2)
     monkeypatch.chdir(tmp_path)
     extra = TEMPLATE_SETS.get(plan.name, [])
@@ -220,7 +287,7 @@ def test_hostile_plans_are_refused_fast_with_exit_2_and_never_run_code(plan, tmp
             try:
                 with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                     code = cli.main([*cmd, *extra])
-            except BaseException as e:  # noqa: BLE001 - the assertion is that nothing escapes
+            except BaseException as e:
                 pytest.fail(f"{where}: {type(e).__name__}: {e}")
             err = stderr.getvalue()
             assert time.monotonic() - t0 < 5, where

@@ -1,4 +1,4 @@
-"""graphplan.runtime.hf on the CPU (fp32, small random configs of Llama, Qwen2 with biased qkv and
+"""graphplan.models.hf on the CPU (fp32, small random configs of Llama, Qwen2 with biased qkv and
 tied embeddings, Qwen3 with q/k norms): continuous batches mixing prefill chunks and decodes give
 every request the logits of the model's own forward over its whole sequence; uniform decodes replay
 FULL graphs (CPU stand-in), mixed batches run eager; loading, refusals and KV-cache sizing."""
@@ -10,22 +10,36 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from graphplan.compiler import compile_plan
+from graphplan.models.hf import (
+    KVCacheSizeError,
+    ModelLoadError,
+    PagedCausalLM,
+    UnsupportedModelError,
+)
+from graphplan.models.hf.paged_kv import BlockTables
+from graphplan.runtime import GraphRunner
 
-from hf_models import (FAMILIES, LENS, STEPS, plan, reference_logits, reference_model,  # noqa: E402
-                       run_schedule, small_config, tokens)
-
-from graphplan.compiler import compile_plan  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
-from graphplan.runtime.hf import (KVCacheSizeError, ModelLoadError, PagedCausalLM,  # noqa: E402
-                                  UnsupportedModelError)
-from graphplan.runtime.paged_kv import BlockTables  # noqa: E402
+from hf_models import (
+    FAMILIES,
+    LENS,
+    STEPS,
+    plan,
+    reference_logits,
+    reference_model,
+    run_schedule,
+    small_config,
+    tokens,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = compile_plan(plan())
+
+
 def build(family: str, seed: int = 0, **cache):
-    model = PagedCausalLM.load(small_config(family), max_num_seqs=4, max_model_len=32,
-                               block_size=4, seed=seed, **cache)
+    model = PagedCausalLM.load(
+        small_config(family), max_num_seqs=4, max_model_len=32, block_size=4, seed=seed, **cache
+    )
     runner = GraphRunner(model, TABLE, model.static_inputs(), progress=False)
     runner.capture()
     return model, runner
@@ -54,8 +68,13 @@ def test_every_requests_logits_equal_the_models_own_forward_over_its_sequence(bu
     before = runner.stats()
     got = run(model, runner, seqs)
     for i, seq in enumerate(seqs):
-        torch.testing.assert_close(got[i], reference_logits(ref, seq), atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"request {i}: {m}")
+        torch.testing.assert_close(
+            got[i],
+            reference_logits(ref, seq),
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m: f"request {i}: {m}",
+        )
     stats = runner.stats()
     full = stats["replays_by_mode"]["FULL"] - before["replays_by_mode"]["FULL"]
     eager = sum(stats["eager_steps"].values()) - sum(before["eager_steps"].values())
@@ -77,8 +96,9 @@ def test_changing_a_requests_earlier_token_changes_its_logits_and_no_other_reque
 
 
 def test_greedy_continuous_batching_equals_transformers_generate(built):
-    """The batcher (examples/batching.py) over the runner, against transformers' generate."""
-    from batching import ContinuousBatcher
+    """The batcher (server/batching.py) over the runner, against transformers' generate."""
+    from graphplan.server.batching import ContinuousBatcher
+
     model, runner, ref = built
     prompts = [tokens(n, seed=30 + n) for n in (7, 3, 11)]
     batcher = ContinuousBatcher(max_num_seqs=4, token_budget=8, max_model_len=32, num_cache_rows=4)
@@ -89,15 +109,21 @@ def test_greedy_continuous_batching_equals_transformers_generate(built):
         logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
         batcher.commit(batch, logits)
     for i, p in enumerate(prompts):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
-                            attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):]
+        want = ref.generate(
+            torch.tensor([p]),
+            max_new_tokens=6,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        )[0, len(p) :]
         assert batcher.finished[i] == want.tolist(), f"prompt {i}"
 
 
 # ---- loading ------------------------------------------------------------------------------
 
+
 def test_a_model_directory_loads_its_safetensors_offline(tmp_path):
     from hf_models import reference_model as _ref
+
     src = PagedCausalLM.load(small_config("qwen2"), max_num_seqs=2, max_model_len=16, seed=3)
     _ref(src).save_pretrained(tmp_path)  # config.json + model.safetensors
     assert list(tmp_path.glob("*.safetensors"))
@@ -121,11 +147,17 @@ def test_a_missing_directory_is_a_clear_error(tmp_path):
         PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16)
 
 
-@pytest.mark.parametrize("family, extra, match", [
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window"),
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
-     "rope type 'dynamic'"),
-])
+@pytest.mark.parametrize(
+    "family, extra, match",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding-window"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope type 'dynamic'",
+        ),
+    ],
+)
 def test_unsupported_attention_features_are_refused_at_load(family, extra, match):
     with pytest.raises(UnsupportedModelError, match=match):
         PagedCausalLM.load(small_config(family, **extra), max_num_seqs=2, max_model_len=16)
@@ -133,31 +165,41 @@ def test_unsupported_attention_features_are_refused_at_load(family, extra, match
 
 def test_an_unsupported_architecture_is_refused_at_load():
     from transformers import GPT2Config
+
     with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: llama"):
-        PagedCausalLM.load(GPT2Config(n_layer=1, n_embd=32, n_head=2), max_num_seqs=2,
-                           max_model_len=16)
+        PagedCausalLM.load(
+            GPT2Config(n_layer=1, n_embd=32, n_head=2), max_num_seqs=2, max_model_len=16
+        )
 
 
 # ---- KV cache -----------------------------------------------------------------------------
 
+
 def test_kv_cache_too_small_for_max_num_seqs_is_an_error():
     with pytest.raises(KVCacheSizeError, match=r"max_num_seqs=4 .*max_model_len=32 need 32 blocks"):
-        PagedCausalLM.load(small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4,
-                           kv_cache_tokens=100)
+        PagedCausalLM.load(
+            small_config("llama"),
+            max_num_seqs=4,
+            max_model_len=32,
+            block_size=4,
+            kv_cache_tokens=100,
+        )
 
 
 def test_kv_cache_sized_from_a_token_budget_or_a_memory_fraction():
     cfg = small_config("llama")
     m = PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=400)
     assert m.cfg.num_blocks == 100 and m.cache.kv.shape[2] == 101  # + the padding block
-    m = PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, block_size=4,
-                           kv_memory_fraction=1e-5)  # of the free memory: a few hundred KiB
+    m = PagedCausalLM.load(
+        cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_memory_fraction=1e-5
+    )  # of the free memory: a few hundred KiB
     assert m.cfg.num_blocks >= 32
     with pytest.raises(KVCacheSizeError, match="memory fraction 1e-12 of"):
         PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, kv_memory_fraction=1e-12)
     with pytest.raises(KVCacheSizeError, match="not both"):
-        PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, kv_cache_tokens=400,
-                           kv_memory_fraction=0.1)
+        PagedCausalLM.load(
+            cfg, max_num_seqs=4, max_model_len=32, kv_cache_tokens=400, kv_memory_fraction=0.1
+        )
 
 
 def test_block_tables_grow_by_block_and_recycle_a_seats_blocks_on_a_new_sequence():
@@ -189,29 +231,58 @@ def test_padding_rows_write_only_the_padding_block():
 
 # ---- import boundary ----------------------------------------------------------------------
 
+
 def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extra():
-    block = ("import sys, importlib.abc\n"
-             "class Block(importlib.abc.MetaPathFinder):\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name.split('.')[0] in ('transformers', 'safetensors'):\n"
-             "            raise ModuleNotFoundError(name, name=name)\n"
-             "sys.meta_path.insert(0, Block())\n")
-    code = block + ("import graphplan.runtime, graphplan.runtime.paged_kv\n"
-                    "try:\n    import graphplan.runtime.hf\n"
-                    "except ImportError as e:\n    print('ERR', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=True)
-    assert "ERR graphplan.runtime.hf needs transformers" in out.stdout
+    block = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'safetensors'):\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    code = block + (
+        "import graphplan.runtime, graphplan.models.hf.paged_kv\n"
+        "try:\n    import graphplan.models.hf\n"
+        "except ImportError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "ERR graphplan.models.hf needs transformers" in out.stdout
     assert "pip install 'graphplan[hf]'" in out.stdout
 
 
 def test_the_hf_benchmark_program_runs_on_the_cpu(tmp_path, capsys):
     """bench/hf_bench.py's graphplan path at smoke size (the GPU run compares the baselines)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import hf_bench
+
     out, table = tmp_path / "hf.md", tmp_path / "table.json"
     TABLE.save(table)
-    assert hf_bench.main(["--device", "cpu", "--smoke", "--systems", "graphplan", "--requests",
-                          "4", "--new-tokens", "3", "--plan", str(table), "--out", str(out)]) == 0
+    assert (
+        hf_bench.main(
+            [
+                "--device",
+                "cpu",
+                "--smoke",
+                "--systems",
+                "graphplan",
+                "--requests",
+                "4",
+                "--new-tokens",
+                "3",
+                "--plan",
+                str(table),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "| graphplan | 12 |" in text and "FULL replays" in text

@@ -1,4 +1,4 @@
-"""graphplan.runtime.hf on a GPU (real CUDA graphs): the CPU tests' equalities in bf16, and greedy
+"""graphplan.models.hf on a GPU (real CUDA graphs): the CPU tests' equalities in bf16, and greedy
 generation of 64 requests through the runner (plans/hf-decode.yaml) against transformers' own
 ``generate``, each prompt alone.
 
@@ -16,13 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from graphplan.compiler import compile_plan
+from graphplan.runtime import GraphRunner
 
-from hf_models import (FAMILIES, LENS, STEPS, bf16_errors, plan, reference_model,  # noqa: E402
-                       run_schedule, small_config, tokens)
-
-from graphplan.compiler import compile_plan  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
+from hf_models import (
+    FAMILIES,
+    LENS,
+    STEPS,
+    bf16_errors,
+    plan,
+    reference_model,
+    run_schedule,
+    small_config,
+    tokens,
+)
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +46,20 @@ def record(line: str) -> None:
 
 
 def build(family: str, dtype, table, max_model_len=32, block_size=4, **size):
-    from graphplan.runtime.hf import PagedCausalLM
-    cfg = small_config(family, vocab=VOCAB, **(size or dict(hidden=256, layers=4, heads=8,
-                                                            kv_heads=2)))
-    model = PagedCausalLM.load(cfg, max_num_seqs=table.max_num_seqs, max_model_len=max_model_len,
-                               block_size=block_size, dtype=dtype, device=DEV, seed=0)
+    from graphplan.models.hf import PagedCausalLM
+
+    cfg = small_config(
+        family, vocab=VOCAB, **(size or dict(hidden=256, layers=4, heads=8, kv_heads=2))
+    )
+    model = PagedCausalLM.load(
+        cfg,
+        max_num_seqs=table.max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        dtype=dtype,
+        device=DEV,
+        seed=0,
+    )
     runner = GraphRunner(model, table, model.static_inputs(), progress=False)
     runner.capture()
     return model, runner
@@ -64,8 +80,10 @@ def test_bf16_logits_match_the_models_own_forward_within_its_own_bf16_error(fami
     stats = runner.stats()
     assert stats["backend"] == "cuda" and stats["replays_by_mode"]["FULL"] == 6
     for i, (err_gp, err_hf, bound, top) in enumerate(bf16_errors(model, got, seqs)):
-        record(f"- {family} request {i}: bf16 max |logit error| graphplan {err_gp:.4f}, "
-               f"transformers {err_hf:.4f} (bound {bound:.4f}; largest logit {top:.2f})")
+        record(
+            f"- {family} request {i}: bf16 max |logit error| graphplan {err_gp:.4f}, "
+            f"transformers {err_hf:.4f} (bound {bound:.4f}; largest logit {top:.2f})"
+        )
         assert err_gp <= bound, f"request {i}"
 
 
@@ -84,16 +102,21 @@ def test_bf16_changing_a_token_moves_only_its_own_requests_logits(family):
 
 @torch.no_grad()
 def greedy_through_runner(model, runner, table, prompts, new_tokens):
-    from batching import ContinuousBatcher
-    b = ContinuousBatcher(max_num_seqs=table.max_num_seqs, token_budget=table.max_tokens,
-                          max_model_len=model.cfg.max_model_len,
-                          num_cache_rows=model.cfg.num_cache_rows)
+    from graphplan.server.batching import ContinuousBatcher
+
+    b = ContinuousBatcher(
+        max_num_seqs=table.max_num_seqs,
+        token_budget=table.max_tokens,
+        max_model_len=model.cfg.max_model_len,
+        num_cache_rows=model.cfg.num_cache_rows,
+    )
     for i, p in enumerate(prompts):
         b.add(i, p, max_new_tokens=new_tokens)
     while b.has_work():
         batch = b.schedule()
-        b.commit(batch, runner.step(model.make_batch(batch.reqs), batch.num_reqs,
-                                    batch.max_query_len))
+        b.commit(
+            batch, runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
+        )
     return [b.finished[i] for i in range(len(prompts))]
 
 
@@ -104,49 +127,70 @@ def test_greedy_generation_of_64_requests_matches_transformers_generate(dtype, m
     reported, and must stay well above what a wrong cache would give (a few percent)."""
     table = compile_plan(ROOT / "plans" / "hf-decode.yaml")
     new = 32
-    model, runner = build("llama", dtype, table, max_model_len=96, block_size=16,
-                          hidden=512, layers=4, heads=8, kv_heads=2)
+    model, runner = build(
+        "llama",
+        dtype,
+        table,
+        max_model_len=96,
+        block_size=16,
+        hidden=512,
+        layers=4,
+        heads=8,
+        kv_heads=2,
+    )
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 64, (64,), generator=gen)]
+    prompts = [
+        torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 64, (64,), generator=gen)
+    ]
     got = greedy_through_runner(model, runner, table, prompts, new)
     ref = reference_model(model)
     want = []
     for p in prompts:
         ids = torch.tensor([p], device=DEV)
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                           do_sample=False)
-        want.append(out[0, len(p):].tolist())
+        out = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False
+        )
+        want.append(out[0, len(p) :].tolist())
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / (64 * new)
     whole = sum(g == w for g, w in zip(got, want)) / 64
     first = sum(g[0] == w[0] for g, w in zip(got, want)) / 64
     stats = runner.stats()
-    record(f"- greedy, 64 requests x {new} tokens, {str(dtype).split('.')[-1]}: identical tokens "
-           f"{same:.1%}, identical requests {whole:.1%}, identical first tokens {first:.1%} "
-           f"(FULL replays {stats['replays_by_mode'].get('FULL', 0)}, eager steps "
-           f"{sum(stats['eager_steps'].values())})")
+    record(
+        f"- greedy, 64 requests x {new} tokens, {str(dtype).split('.')[-1]}: identical tokens "
+        f"{same:.1%}, identical requests {whole:.1%}, identical first tokens {first:.1%} "
+        f"(FULL replays {stats['replays_by_mode'].get('FULL', 0)}, eager steps "
+        f"{sum(stats['eager_steps'].values())})"
+    )
     assert stats["replays_by_mode"]["FULL"] > 0
     assert same >= min_share
 
 
 def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
-    """python -m examples.server --model DIR on CUDA (float32, so batching cannot flip a near-tied
+    """python -m graphplan.server --model DIR on CUDA (float32, so batching cannot flip a near-tied
     argmax in practice): concurrent /v1/completions equal transformers' generate of each prompt."""
     import http.client
     import json
     import threading
 
+    from graphplan.server import Server
+    from graphplan.server.hf_model import HFSpec
+
     from hf_models import write_model_dir
 
-    from examples.server import Server
-    from examples.server.hf_model import HFSpec
     model_dir = write_model_dir(tmp_path / "m", hidden=256, layers=4, heads=8, kv_heads=2)
     plan = tmp_path / "plan.yaml"
-    plan.write_text("version: 1\nname: hf-gpu\nscheduler: {max_num_seqs: 8, "
-                    "max_num_batched_tokens: 64}\ncudagraph: {mode: FULL_DECODE_ONLY, "
-                    "attention_support: ALWAYS, capture_sizes: [1, 2, 4, 8]}\n")
-    s = Server(plan, spec=HFSpec(model=str(model_dir), max_model_len=64, dtype="float32"),
-               device=DEV, progress=False).start()
+    plan.write_text(
+        "version: 1\nname: hf-gpu\nscheduler: {max_num_seqs: 8, "
+        "max_num_batched_tokens: 64}\ncudagraph: {mode: FULL_DECODE_ONLY, "
+        "attention_support: ALWAYS, capture_sizes: [1, 2, 4, 8]}\n"
+    )
+    s = Server(
+        plan,
+        spec=HFSpec(model=str(model_dir), max_model_len=64, dtype="float32"),
+        device=DEV,
+        progress=False,
+    ).start()
     try:
         assert s.wait_ready(300), s.engine.error
         prompts = [tokens(n, seed=n) for n in (3, 9, 17, 30, 5, 12, 1, 22, 8, 14, 40, 2)]
@@ -154,12 +198,19 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
 
         def call(i):
             conn = http.client.HTTPConnection(*s.httpd.server_address[:2], timeout=300)
-            body = {"model": "m", "prompt": prompts[i], "max_tokens": 12, "temperature": 0,
-                    "ignore_eos": True}
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})
+            body = {
+                "model": "m",
+                "prompt": prompts[i],
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            conn.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
             got[i] = json.loads(conn.getresponse().read())["choices"][0]["token_ids"]
             conn.close()
+
         threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
@@ -169,13 +220,18 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
         want = []
         for p in prompts:
             ids = torch.tensor([p], device=DEV)
-            want.append(ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                     do_sample=False)[0, len(p):].tolist())
+            want.append(
+                ref.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+                )[0, len(p) :].tolist()
+            )
         same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / (12 * len(prompts))
         stats = s.engine.runner.stats()
-        record(f"- server on cuda, {len(prompts)} concurrent /v1/completions (float32): identical "
-               f"tokens {same:.1%}; FULL replays {stats['replays_by_mode'].get('FULL', 0)}, eager "
-               f"steps {sum(stats['eager_steps'].values())}")
+        record(
+            f"- server on cuda, {len(prompts)} concurrent /v1/completions (float32): identical "
+            f"tokens {same:.1%}; FULL replays {stats['replays_by_mode'].get('FULL', 0)}, eager "
+            f"steps {sum(stats['eager_steps'].values())}"
+        )
         assert stats["backend"] == "cuda" and stats["replays_by_mode"]["FULL"] > 0
         assert same >= 0.95
     finally:

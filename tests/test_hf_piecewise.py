@@ -9,32 +9,43 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from graphplan.compiler import compile_plan
+from graphplan.models.hf import PagedCausalLM
+from graphplan.runtime import GraphRunner
 
-from hf_models import (FAMILIES, mixed_plan, mixed_schedule, reference_logits,  # noqa: E402
-                       reference_model, run_schedule, small_config, tokens)
-
-from graphplan.compiler import compile_plan  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
-from graphplan.runtime.hf import PagedCausalLM  # noqa: E402
+from hf_models import (
+    FAMILIES,
+    mixed_plan,
+    mixed_schedule,
+    reference_logits,
+    reference_model,
+    run_schedule,
+    small_config,
+    tokens,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LENS, PROMPTS = (21, 13, 9, 17), (14, 8, 1, 12)
 
 
 def build(family: str, mode: str):
-    model = PagedCausalLM.load(small_config(family), max_num_seqs=4, max_model_len=32,
-                               block_size=4, seed=0)
-    runner = GraphRunner(model, compile_plan(mixed_plan(mode)), model.static_inputs(),
-                         progress=False)
+    model = PagedCausalLM.load(
+        small_config(family), max_num_seqs=4, max_model_len=32, block_size=4, seed=0
+    )
+    runner = GraphRunner(
+        model, compile_plan(mixed_plan(mode)), model.static_inputs(), progress=False
+    )
     runner.capture()
     return model, runner
 
 
 def replays(runner) -> tuple[int, int, int]:
     s = runner.stats()
-    return (s["replays_by_mode"].get("PIECEWISE", 0), s["replays_by_mode"].get("FULL", 0),
-            sum(s["eager_steps"].values()))
+    return (
+        s["replays_by_mode"].get("PIECEWISE", 0),
+        s["replays_by_mode"].get("FULL", 0),
+        sum(s["eager_steps"].values()),
+    )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -44,11 +55,13 @@ def built(request):
 
 
 @pytest.mark.parametrize("seed, fused", [(0, False), (1, False), (0, True)])
-def test_mixed_batches_equal_the_models_own_forward_and_count_their_graphs(built, seed, fused,
-                                                                          monkeypatch):
+def test_mixed_batches_equal_the_models_own_forward_and_count_their_graphs(
+    built, seed, fused, monkeypatch
+):
     """``fused``: gathered attention as one SDPA kernel at every size (the form steps of more than
     FUSED_MIN_ROWS rows take) instead of the einsum form."""
-    from graphplan.runtime.hf import attention
+    from graphplan.models.hf import attention
+
     if fused:
         monkeypatch.setattr(attention, "FUSED_MIN_ROWS", 0)
     model, runner, ref = built
@@ -61,11 +74,19 @@ def test_mixed_batches_equal_the_models_own_forward_and_count_their_graphs(built
     before = replays(runner)
     got = run_schedule(model, runner, seqs, steps)
     for i, seq in enumerate(seqs):
-        torch.testing.assert_close(got[i], reference_logits(ref, seq), atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"request {i}: {m}")
+        torch.testing.assert_close(
+            got[i],
+            reference_logits(ref, seq),
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m: f"request {i}: {m}",
+        )
     after = replays(runner)
-    assert tuple(a - b for a, b in zip(after, before)) == (len(steps) - sum(uniform),
-                                                           sum(uniform), 0)
+    assert tuple(a - b for a, b in zip(after, before)) == (
+        len(steps) - sum(uniform),
+        sum(uniform),
+        0,
+    )
     pw = runner.stats()["capture"]["piecewise"]
     assert pw["mechanism"] == "runtime" and pw["split_ops"] == 2  # one attention per layer
 
@@ -98,6 +119,7 @@ def test_a_padded_piecewise_step_writes_only_real_and_padding_slots(built):
 
 def test_the_shipped_hf_mixed_plan_splits_mixed_steps_at_attention():
     import yaml
+
     table = compile_plan(yaml.safe_load((ROOT / "plans" / "hf-mixed.yaml").read_text()))
     assert list(table.settings.splitting_ops) == ["attention"]
     assert table.route(40, 3, 32, 0).mode.name == "PIECEWISE"
@@ -107,12 +129,28 @@ def test_the_shipped_hf_mixed_plan_splits_mixed_steps_at_attention():
 
 def test_the_piecewise_benchmark_runs_the_hf_llama_on_the_cpu(tmp_path):
     """bench/piecewise_bench.py --model hf at smoke size (the bar is enforced on CUDA only)."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
     import piecewise_bench
+
     out = tmp_path / "pw.txt"
-    assert piecewise_bench.main(["--model", "hf", "--device", "cpu", "--quick", "--tokens", "8",
-                                 "16", "--iters", "1", "--out", str(out)]) == 0
+    assert (
+        piecewise_bench.main(
+            [
+                "--model",
+                "hf",
+                "--device",
+                "cpu",
+                "--quick",
+                "--tokens",
+                "8",
+                "16",
+                "--iters",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "LlamaForCausalLM" in text and "runtime split" in text and "# bar:" in text
 
@@ -120,14 +158,18 @@ def test_the_piecewise_benchmark_runs_the_hf_llama_on_the_cpu(tmp_path):
 def test_the_server_benchmark_serves_both_hf_plans_on_the_cpu(tmp_path):
     """bench/hf_server_bench.py --smoke: the server (a subprocess) with plans/hf-decode.yaml and
     plans/hf-mixed.yaml; under the latter chunked prefills replay PIECEWISE graphs, none eager."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
     import hf_server_bench
+
     out = tmp_path / "srv.md"
-    assert hf_server_bench.main(["--device", "cpu", "--smoke", "--clients", "2", "--requests",
-                                 "2", "--out", str(out)]) == 0
-    rows = {ln.split()[0]: ln.split() for ln in out.read_text().splitlines()
-            if ln.startswith("FULL_")}
+    assert (
+        hf_server_bench.main(
+            ["--device", "cpu", "--smoke", "--clients", "2", "--requests", "2", "--out", str(out)]
+        )
+        == 0
+    )
+    rows = {
+        ln.split()[0]: ln.split() for ln in out.read_text().splitlines() if ln.startswith("FULL_")
+    }
     *_, full, piecewise, eager, lost = rows["FULL_AND_PIECEWISE"]
     assert int(piecewise) > 0 and int(eager) == 0 and int(lost) == 0
     assert int(rows["FULL_DECODE_ONLY"][-3]) == 0 and int(rows["FULL_DECODE_ONLY"][-2]) > 0

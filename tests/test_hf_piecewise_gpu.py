@@ -15,13 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from graphplan.compiler import compile_plan
+from graphplan.runtime import GraphRunner
 
-from hf_models import (FAMILIES, bf16_errors, mixed_plan, mixed_schedule,  # noqa: E402
-                       run_schedule, small_config, tokens)
-
-from graphplan.compiler import compile_plan  # noqa: E402
-from graphplan.runtime import GraphRunner  # noqa: E402
+from hf_models import (
+    FAMILIES,
+    bf16_errors,
+    mixed_plan,
+    mixed_schedule,
+    run_schedule,
+    small_config,
+    tokens,
+)
 
 pytestmark = pytest.mark.gpu
 VOCAB = 1024
@@ -38,12 +43,21 @@ def record(line: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_mixed_batches_replay_piece_graphs_within_the_models_own_bf16_error(family):
-    from graphplan.runtime.hf import PagedCausalLM
-    table = compile_plan(mixed_plan(max_num_seqs=8, max_tokens=64,
-                                    sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64)))
+    from graphplan.models.hf import PagedCausalLM
+
+    table = compile_plan(
+        mixed_plan(max_num_seqs=8, max_tokens=64, sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64))
+    )
     cfg = small_config(family, vocab=VOCAB, hidden=256, layers=4, heads=8, kv_heads=2)
-    model = PagedCausalLM.load(cfg, max_num_seqs=8, max_model_len=64, block_size=16,
-                               dtype=torch.bfloat16, device="cuda", seed=0)
+    model = PagedCausalLM.load(
+        cfg,
+        max_num_seqs=8,
+        max_model_len=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=0,
+    )
     runner = GraphRunner(model, table, model.static_inputs(), progress=False)
     runner.capture()
     steps, uniform = mixed_schedule(LENS, prompts=PROMPTS, budget=24, seed=7)
@@ -55,7 +69,9 @@ def test_bf16_mixed_batches_replay_piece_graphs_within_the_models_own_bf16_error
     assert stats["replays_by_mode"]["FULL"] == sum(uniform)
     assert sum(stats["eager_steps"].values()) == 0
     for i, (err_gp, err_hf, bound, _) in enumerate(bf16_errors(model, got, seqs)):
-        record(f"- {family} request {i} ({len(steps)} steps, {len(steps) - sum(uniform)} "
-               f"PIECEWISE): bf16 max |logit error| graphplan {err_gp:.4f}, transformers "
-               f"{err_hf:.4f} (bound {bound:.4f})")
+        record(
+            f"- {family} request {i} ({len(steps)} steps, {len(steps) - sum(uniform)} "
+            f"PIECEWISE): bf16 max |logit error| graphplan {err_gp:.4f}, transformers "
+            f"{err_hf:.4f} (bound {bound:.4f})"
+        )
         assert err_gp <= bound, f"request {i}"

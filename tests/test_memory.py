@@ -1,4 +1,4 @@
-"""compiler/memory.py: the graph-memory model, calibrated profiles, and `plan compile --memory`."""
+"""compiler/tools/memory.py: the graph-memory model, calibrated profiles, and `plan compile --memory`."""
 
 import ast
 import json
@@ -14,16 +14,32 @@ from hypothesis import strategies as st
 
 from graphplan.compiler import compile_plan
 from graphplan.compiler.cli import main
-from graphplan.compiler.memory import (DEFAULT_PROFILE, FORMAT, MIB, ProfileError, estimate, fit_profile,
-                             load_profile, save_profile)
+from graphplan.compiler.tools.memory import (
+    DEFAULT_PROFILE,
+    FORMAT,
+    MIB,
+    ProfileError,
+    estimate,
+    fit_profile,
+    load_profile,
+    save_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
 
 
 def profile(per_graph=1 * MIB, per_token=10 * 1024, **kw) -> dict:
-    return {"format": FORMAT, "version": 1, "model_fingerprint": "m", "device": "d",
-            "per_graph_bytes": per_graph, "per_token_bytes": per_token, "samples": [], **kw}
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "model_fingerprint": "m",
+        "device": "d",
+        "per_graph_bytes": per_graph,
+        "per_token_bytes": per_token,
+        "samples": [],
+        **kw,
+    }
 
 
 def test_fit_recovers_the_exact_line_from_noiseless_samples():
@@ -35,8 +51,11 @@ def test_fit_recovers_the_exact_line_from_noiseless_samples():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 4096), st.floats(0, 1e10)), min_size=2, max_size=12)
-       .filter(lambda s: len({n for n, _ in s}) >= 2))
+@given(
+    st.lists(st.tuples(st.integers(1, 4096), st.floats(0, 1e10)), min_size=2, max_size=12).filter(
+        lambda s: len({n for n, _ in s}) >= 2
+    )
+)
 def test_fit_is_least_squares_when_both_coefficients_are_nonnegative(samples):
     p = fit_profile([list(s) for s in samples], "m", "d")
     n, b = np.array(samples, dtype=float).T
@@ -68,17 +87,23 @@ def test_save_then_load_round_trips_and_leaves_no_temp_files(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["profile.json"]
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"{not json", "not JSON"),
-    (json.dumps({"format": "x"}).encode(), "not a graphplan memory profile"),
-    (json.dumps(profile(version=2)).encode(), "version 2"),
-    (json.dumps(profile(per_token=-1)).encode(), "per_token_bytes: expected a finite number"),
-    (json.dumps(profile(per_graph=True)).encode(), "per_graph_bytes"),
-    (json.dumps(profile(device=3)).encode(), "device: expected a string"),
-    (json.dumps(profile(samples=[[1]])).encode(), r"samples\[0\]"),
-    (b'{"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": "m", '
-     b'"device": "d", "per_graph_bytes": NaN, "per_token_bytes": 1}', "per_graph_bytes"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"{not json", "not JSON"),
+        (json.dumps({"format": "x"}).encode(), "not a graphplan memory profile"),
+        (json.dumps(profile(version=2)).encode(), "version 2"),
+        (json.dumps(profile(per_token=-1)).encode(), "per_token_bytes: expected a finite number"),
+        (json.dumps(profile(per_graph=True)).encode(), "per_graph_bytes"),
+        (json.dumps(profile(device=3)).encode(), "device: expected a string"),
+        (json.dumps(profile(samples=[[1]])).encode(), r"samples\[0\]"),
+        (
+            b'{"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": "m", '
+            b'"device": "d", "per_graph_bytes": NaN, "per_token_bytes": 1}',
+            "per_graph_bytes",
+        ),
+    ],
+)
 def test_a_bad_profile_file_is_a_profile_error_naming_the_file_and_field(tmp_path, content, match):
     path = tmp_path / "p.json"
     path.write_bytes(content)
@@ -123,17 +148,33 @@ def test_a_pool_base_cost_is_counted_once_and_old_profiles_read_as_zero():
 def test_without_a_profile_the_default_is_used_and_said():
     est = estimate(compile_plan(PLANS / "llama3-8b-h100.yaml"))
     assert est["profile"]["default"] and "default profile" in est["explanation"]
-    assert est["total_bytes"] == round(86 * DEFAULT_PROFILE["per_graph_bytes"]
-                                       + 512 * DEFAULT_PROFILE["per_token_bytes"])
+    assert est["total_bytes"] == round(
+        86 * DEFAULT_PROFILE["per_graph_bytes"] + 512 * DEFAULT_PROFILE["per_token_bytes"]
+    )
 
 
 def test_memory_module_imports_only_the_standard_library_numpy_and_compiler_basics():
-    tree = ast.parse((ROOT / "compiler" / "memory.py").read_text())
-    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert mods <= set(sys.stdlib_module_names) | {"numpy", "graphplan", "__future__"}
-    code = ("import sys, compiler.memory; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('yaml', 'jinja2', 'jsonschema', 'torch')))")
+    for path in (
+        ROOT / "compiler" / "tools" / "memory.py",
+        ROOT / "compiler" / "profile_format.py",
+    ):
+        tree = ast.parse(path.read_text())
+        mods = {
+            a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+        }
+        mods |= {
+            n.module.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.level == 0
+        }
+        assert mods <= set(sys.stdlib_module_names) | {"numpy", "__future__"}, path
+    code = (
+        "import sys, graphplan.compiler.tools.memory; print(sorted(m for m in sys.modules if "
+        "m.split('.')[0] in ('yaml', 'jinja2', 'jsonschema', 'torch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stderr
 
@@ -148,8 +189,19 @@ def test_compile_memory_prints_the_estimate(capsys):
 def test_compile_memory_json_carries_the_estimate_with_a_calibrated_profile(tmp_path, capsys):
     path = tmp_path / "p.json"
     save_profile(path, profile())
-    assert main(["compile", str(PLANS / "llama3-8b-h100.yaml"), "--profile", str(path),
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                str(PLANS / "llama3-8b-h100.yaml"),
+                "--profile",
+                str(path),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     mem = json.loads(capsys.readouterr().out)["memory"]
     assert mem["total_bytes"] == 86 * MIB + 512 * 10 * 1024
     assert mem["profile"]["source"] == str(path) and not mem["profile"]["default"]
@@ -159,8 +211,20 @@ def test_compile_with_a_bad_profile_exits_1_without_traceback_or_table(tmp_path,
     bad = tmp_path / "p.json"
     bad.write_text('{"format": "graphplan.memory_profile", "version": 1}')
     out = tmp_path / "table.json"
-    assert main(["compile", str(PLANS / "llama3-8b-h100.yaml"), "--memory", "--profile", str(bad),
-                 "-o", str(out)]) == 1
+    assert (
+        main(
+            [
+                "compile",
+                str(PLANS / "llama3-8b-h100.yaml"),
+                "--memory",
+                "--profile",
+                str(bad),
+                "-o",
+                str(out),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err and str(bad) in err and "model_fingerprint" in err
     assert not out.exists()
@@ -176,13 +240,29 @@ def test_piecewise_graphs_use_their_own_per_token_cost_and_the_largest_need_wins
     """A PIECEWISE graph holds one piece's activations at a time: with a measured
     piecewise_per_token_bytes the pool's activations are the larger of the FULL and PIECEWISE
     needs, not the largest graph's tokens at the FULL rate."""
-    t = compile_plan({"version": 1, "name": "m", "scheduler": {"max_num_seqs": 64,
-                      "max_num_batched_tokens": 1024},
-                      "cudagraph": {"mode": "FULL_AND_PIECEWISE", "attention_support": "ALWAYS",
-                                    "capture_sizes": [8, 64, 128]}})
-    prof = {"format": FORMAT, "version": 1, "model_fingerprint": "m", "device": "d",
-            "per_graph_bytes": 0.0, "per_token_bytes": 1000.0, "base_bytes": 5000.0,
-            "piecewise_per_token_bytes": 100.0, "samples": []}
+    t = compile_plan(
+        {
+            "version": 1,
+            "name": "m",
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
+            "cudagraph": {
+                "mode": "FULL_AND_PIECEWISE",
+                "attention_support": "ALWAYS",
+                "capture_sizes": [8, 64, 128],
+            },
+        }
+    )
+    prof = {
+        "format": FORMAT,
+        "version": 1,
+        "model_fingerprint": "m",
+        "device": "d",
+        "per_graph_bytes": 0.0,
+        "per_token_bytes": 1000.0,
+        "base_bytes": 5000.0,
+        "piecewise_per_token_bytes": 100.0,
+        "samples": [],
+    }
     est = estimate(t, prof)
     assert est["activation_bytes"] == 64 * 1000  # FULL 64 tokens beats PIECEWISE 128 x 100
     assert est["total_bytes"] == 5000 + 64 * 1000

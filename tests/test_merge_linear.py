@@ -1,17 +1,26 @@
-"""Merged projections (runtime/merge_linear.py): the compiled path runs q/k/v and gate/up as one
+"""Merged projections (runtime/compiled/merge_linear.py): the compiled path runs q/k/v and gate/up as one
 GEMM each, on weights relaid end to end in place, with outputs equal to the model's own."""
 
 import pytest
 import torch
-from compiling import Recording, batch
-from tiny_llama import TinyLlama, TinyLlamaConfig
 
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 from graphplan.runtime import CompiledModel
+
+from compiling import Recording, batch
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
-                      max_model_len=48, num_cache_rows=8)
+CFG = TinyLlamaConfig(
+    vocab_size=128,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=96,
+    max_model_len=48,
+    num_cache_rows=8,
+)
 
 
 def test_tiny_llama_runs_qkv_and_gate_up_as_one_gemm_each_with_the_same_logits():
@@ -65,14 +74,15 @@ class Toy(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(8, 6, bias=bias)
         self.b = torch.nn.Linear(8, 4, bias=bias)
-        self.nobias = torch.nn.Linear(8, 4, bias=False)   # bias-or-not differs from a's
-        self.twice = torch.nn.Linear(8, 8, bias=bias)      # called twice: never merged
+        self.nobias = torch.nn.Linear(8, 4, bias=False)  # bias-or-not differs from a's
+        self.twice = torch.nn.Linear(8, 8, bias=bias)  # called twice: never merged
         self.wide = torch.nn.Linear(8, 3, bias=bias).double()  # another dtype
 
     def forward(self, x):
         y = self.twice(self.twice(x))
-        return torch.cat([self.a(x), self.b(x), self.nobias(x), y,
-                          self.wide(x.double()).float()], dim=-1)
+        return torch.cat(
+            [self.a(x), self.b(x), self.nobias(x), y, self.wide(x.double()).float()], dim=-1
+        )
 
 
 def test_only_linears_of_one_kind_on_one_input_merge_and_biases_merge_with_them():

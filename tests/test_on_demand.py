@@ -4,9 +4,9 @@ then replay, one capture per step, failures that stay eager, metrics, the plan o
 import pytest
 import torch
 from test_runtime import CFG, decode_batch, plan, runner_for
-from tiny_llama import TinyLlama
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import TinyLlama
 from graphplan.runtime import render_prometheus
 from graphplan.runtime.on_demand import start_graph_ids
 
@@ -18,15 +18,17 @@ def od_plan(mode="FULL_AND_PIECEWISE", start=(), **kw):
 
 
 def sizes_of(runner, ids):
-    return sorted((runner.table.graphs[g].mode.name, runner.table.graphs[g].key.num_tokens)
-                  for g in ids)
+    return sorted(
+        (runner.table.graphs[g].mode.name, runner.table.graphs[g].key.num_tokens) for g in ids
+    )
 
 
 def check_step(model, runner, ref, n):
     batch = decode_batch(model, n, seed=n)
     out = runner.step(batch, num_reqs=n, max_query_len=1)
-    torch.testing.assert_close(out, ref(**{k: v.clone() for k, v in batch.items()}),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, ref(**{k: v.clone() for k, v in batch.items()}), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_the_plan_option_resolves_start_sizes_to_capture_sizes_with_the_largest():
@@ -41,8 +43,10 @@ def test_on_demand_leaves_routes_and_graphs_unchanged_and_the_table_round_trips(
     on, off = compile_plan(od_plan(start=[2])), compile_plan(plan("FULL_AND_PIECEWISE"))
     assert on.graphs == off.graphs
     assert all((on.routes[r] == off.routes[r]).all() for r in on.routes)
-    from graphplan.compiler.table import DispatchTable
     import json
+
+    from graphplan.compiler.table import DispatchTable
+
     assert DispatchTable.from_json(json.loads(on.dumps())).settings == on.settings
 
 
@@ -102,10 +106,12 @@ class FailsAt:
 def test_a_failed_on_demand_capture_leaves_that_graph_eager_for_good_and_the_rest_serving(caplog):
     tiny = TinyLlama(CFG, seed=0)
     wrapped = FailsAt(tiny, 4)
+    from graphplan.models.tiny_llama import static_inputs
     from graphplan.runtime import GraphRunner
-    from tiny_llama import static_inputs
-    runner = GraphRunner(wrapped, compile_plan(od_plan("FULL", start=[8])), static_inputs(tiny),
-                         progress=False)
+
+    runner = GraphRunner(
+        wrapped, compile_plan(od_plan("FULL", start=[8])), static_inputs(tiny), progress=False
+    )
     runner.capture()
     wrapped.armed = True
     ref = TinyLlama(CFG, seed=0)
@@ -117,8 +123,9 @@ def test_a_failed_on_demand_capture_leaves_that_graph_eager_for_good_and_the_res
     s = runner.stats()
     assert s["eager_steps"] == {"not_captured_yet": 1, "capture_failed": 1}
     assert s["replays"] == 1 and list(s["on_demand"]["eager_forever"].values()) == [
-        "RuntimeError: operation not permitted when stream is capturing"]
-    assert 'graphplan_graphs_eager_forever 1' in render_prometheus(s)
+        "RuntimeError: operation not permitted when stream is capturing"
+    ]
+    assert "graphplan_graphs_eager_forever 1" in render_prometheus(s)
 
 
 def test_metrics_count_graphs_captured_at_start_on_demand_and_waiting():
@@ -143,12 +150,14 @@ def test_the_runner_argument_overrides_the_table_setting():
 def test_the_server_is_ready_after_the_start_set_and_captures_on_first_use(tmp_path, by):
     from test_server import SPEC, plan_text, request
 
-    from examples.server import Server
+    from graphplan.server import Server
+
     p = tmp_path / "plan.yaml"
     text = plan_text()
     if by == "plan":
-        text = text.replace("capture_sizes: [1, 2, 4, 8]",
-                            "capture_sizes: [1, 2, 4, 8], on_demand: {enabled: true}")
+        text = text.replace(
+            "capture_sizes: [1, 2, 4, 8]", "capture_sizes: [1, 2, 4, 8], on_demand: {enabled: true}"
+        )
     p.write_text(text)
     s = Server(p, spec=SPEC, progress=False, on_demand=True if by == "flag" else None).start()
     try:
@@ -169,13 +178,32 @@ def test_plan_optimize_start_graphs_writes_the_k_most_used_sizes_and_the_largest
     from pathlib import Path
 
     from graphplan.compiler.cli import main
-    from graphplan.compiler.optimize import rank_start_sizes
-    from graphplan.compiler.trace import aggregate, load_trace, padding
+    from graphplan.compiler.tools.optimize import rank_start_sizes
+    from graphplan.compiler.tools.trace import aggregate, load_trace, padding
+
     root = Path(__file__).resolve().parents[1]
-    plan_path, trace = root / "plans" / "llama3-8b-h100.yaml", root / "bench" / "traces" / "chat.jsonl"
+    plan_path, trace = (
+        root / "plans" / "llama3-8b-h100.yaml",
+        root / "bench" / "traces" / "chat.jsonl",
+    )
     out = tmp_path / "tuned.yaml"
-    assert main(["optimize", str(plan_path), "--trace", str(trace), "--start-graphs", "3",
-                 "-o", str(out), "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "optimize",
+                str(plan_path),
+                "--trace",
+                str(trace),
+                "--start-graphs",
+                "3",
+                "-o",
+                str(out),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     t = compile_plan(out)
     assert t.settings.on_demand and list(t.settings.start_sizes) == report["start_sizes"]
@@ -183,5 +211,6 @@ def test_plan_optimize_start_graphs_writes_the_k_most_used_sizes_and_the_largest
     used = padding(t, aggregate(load_trace(trace), t.q)).by_size
     top3 = sorted(used, key=lambda s: (-used[s][0], -s))[:3]
     assert set(top3) <= set(t.settings.start_sizes)
-    assert rank_start_sizes(padding(t, aggregate(load_trace(trace), t.q)), t.capture_sizes, 0) \
-        == (t.capture_sizes[-1],)
+    assert rank_start_sizes(padding(t, aggregate(load_trace(trace), t.q)), t.capture_sizes, 0) == (
+        t.capture_sizes[-1],
+    )

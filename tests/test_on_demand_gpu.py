@@ -4,9 +4,9 @@ capture takes (the largest graph is captured first and sizes it), and outputs eq
 import pytest
 import torch
 from test_runtime_gpu import PLAN, decode, model
-from tiny_llama import static_inputs
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import static_inputs
 from graphplan.runtime import GraphRunner
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def test_on_demand_capture_of_every_size_stays_within_the_full_capture_pool_and_
     before = runner.backend.memory_used()
     runner.capture()
     peak = graph_memory(runner, before)
-    for rnd in range(2):  # first use (eager, queued), then replay; smallest first: worst order
+    for _rnd in range(2):  # first use (eager, queued), then replay; smallest first: worst order
         for n in sizes:
             batch = decode(m, n, seed=n)
             got = runner.step(batch, num_reqs=n, max_query_len=1).clone()
@@ -47,6 +47,8 @@ def test_on_demand_capture_of_every_size_stays_within_the_full_capture_pool_and_
     od = runner.stats()["on_demand"]
     assert od["not_captured"] == 0 and od["eager_forever"] == {}
     assert od["captured_at_start"] + od["captured_on_demand"] == len(table.graphs)
-    print(f"\non-demand peak graph memory {peak / 2**20:.1f} MiB vs full capture "
-          f"{full_bytes / 2**20:.1f} MiB")
+    print(
+        f"\non-demand peak graph memory {peak / 2**20:.1f} MiB vs full capture "
+        f"{full_bytes / 2**20:.1f} MiB"
+    )
     assert peak <= full_bytes + TOLERANCE_BYTES

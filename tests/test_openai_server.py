@@ -5,26 +5,24 @@ end in ``data: [DONE]``; errors are OpenAI-shaped 4xx."""
 
 import http.client
 import json
-import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("transformers")
+from graphplan.server import Server
+from graphplan.server.hf_model import HFSpec
 
-from hf_models import reference_model, write_model_dir  # noqa: E402
+from hf_models import reference_model, write_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from examples.server import Server  # noqa: E402
-from examples.server.hf_model import HFSpec  # noqa: E402
 
 NAME = "tiny-qwen3"
-PLAN = ("version: 1\nname: hf-t\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 32}\n"
-        "cudagraph: {mode: FULL_DECODE_ONLY, attention_support: ALWAYS, capture_sizes: [1, 2, 4]}\n")
+PLAN = (
+    "version: 1\nname: hf-t\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 32}\n"
+    "cudagraph: {mode: FULL_DECODE_ONLY, attention_support: ALWAYS, capture_sizes: [1, 2, 4]}\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +51,14 @@ def reference(server):
     ref = reference_model(server.engine.model)
 
     def greedy(prompt: list[int], n: int) -> list[int]:
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        return out[0, len(prompt):].tolist()
+        out = ref.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+        return out[0, len(prompt) :].tolist()
+
     return greedy
 
 
@@ -73,13 +76,18 @@ def test_completions_from_token_ids_equal_transformers_greedy_generate(client, r
     for c, p in zip(res.choices, prompts):
         assert c.token_ids == reference(p, 6) and c.prompt_token_ids == p
         assert c.finish_reason == "length"
-    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (16, 18, 34)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (
+        16,
+        18,
+        34,
+    )
     one = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=6)
     assert one.choices[0].token_ids == reference(prompts[0], 6)
 
 
 def test_a_text_prompt_is_tokenized_and_the_text_decoded(client, reference, model_dir):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     res = client.completions.create(model=NAME, prompt="w1 w7 w30", max_tokens=5, temperature=0)
     ids = tok.encode("w1 w7 w30")
@@ -90,8 +98,16 @@ def test_a_text_prompt_is_tokenized_and_the_text_decoded(client, reference, mode
 
 def test_streaming_sends_a_token_per_event_and_usage_last(client, reference):
     prompt = [4, 8, 15, 16, 23, 42]
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=7, stream=True,
-                                            temperature=0, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=7,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+        )
+    )
     ids = [t for ch in chunks for c in ch.choices for t in c.token_ids]
     assert ids == reference(prompt, 7)
     assert [c.finish_reason for ch in chunks for c in ch.choices][-1] == "length"
@@ -101,8 +117,12 @@ def test_streaming_sends_a_token_per_event_and_usage_last(client, reference):
 
 
 def test_the_raw_stream_is_server_sent_events_ending_in_done(server):
-    status, body, ctype = raw(server, "POST", "/v1/completions",
-                              {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True})
+    status, body, ctype = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 3, "stream": True},
+    )
     events = [e for e in body.split("\n\n") if e]
     assert status == 200 and ctype.startswith("text/event-stream")
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -113,21 +133,29 @@ def test_stop_token_ids_end_a_completion_with_finish_reason_stop(client, referen
     prompt = [7, 7, 7]
     full = reference(prompt, 8)
     stop = full[3]
-    res = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
-                                    extra_body={"stop_token_ids": [stop]})
+    res = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop]},
+    )
     c = res.choices[0]
-    assert c.token_ids == full[:full.index(stop) + 1] and c.finish_reason == "stop"
+    assert c.token_ids == full[: full.index(stop) + 1] and c.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"temperature": 0.7}, "BadRequestError", "temperature 0.7 is not supported"),
-    ({"model": "gpt-4"}, "NotFoundError", "'gpt-4' does not exist"),
-    ({"n": 2}, "BadRequestError", "'n' 2 is not supported"),
-    ({"max_tokens": 40}, "BadRequestError", "exceed the model's context of 32 tokens"),
-    ({"prompt": [1, 500]}, "BadRequestError", r"prompt\[1\]: token id 500 is outside"),
-    ({"prompt": []}, "BadRequestError", "'prompt' must be a string"),
-    ({"stop": ["\n"]}, "BadRequestError", "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"temperature": 0.7}, "BadRequestError", "temperature 0.7 is not supported"),
+        ({"model": "gpt-4"}, "NotFoundError", "'gpt-4' does not exist"),
+        ({"n": 2}, "BadRequestError", "'n' 2 is not supported"),
+        ({"max_tokens": 40}, "BadRequestError", "exceed the model's context of 32 tokens"),
+        ({"prompt": [1, 500]}, "BadRequestError", r"prompt\[1\]: token id 500 is outside"),
+        ({"prompt": []}, "BadRequestError", "'prompt' must be a string"),
+        ({"stop": ["\n"]}, "BadRequestError", "stop_token_ids"),
+    ],
+)
 def test_bad_requests_are_openai_shaped_4xx_errors(client, kwargs, error, match):
     args = {"model": NAME, "prompt": [1, 2], "max_tokens": 2, **kwargs}
     with pytest.raises(getattr(openai, error), match=match) as e:
@@ -136,8 +164,9 @@ def test_bad_requests_are_openai_shaped_4xx_errors(client, kwargs, error, match)
 
 
 def test_error_bodies_have_openais_shape_and_the_server_keeps_serving(server, client):
-    status, body, _ = raw(server, "POST", "/v1/completions",
-                          {"model": NAME, "prompt": [1], "max_token": 3})
+    status, body, _ = raw(
+        server, "POST", "/v1/completions", {"model": NAME, "prompt": [1], "max_token": 3}
+    )
     err = json.loads(body)["error"]
     assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == "max_token"
     assert "did you mean 'max_tokens'" in err["message"]
@@ -149,11 +178,13 @@ def test_error_bodies_have_openais_shape_and_the_server_keeps_serving(server, cl
 
 
 def test_the_tiny_llama_server_answers_v1_with_ids_only(tmp_path):
-    from examples.server import ModelSpec
+    from graphplan.server import ModelSpec
+
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
-    s = Server(plan, spec=ModelSpec(layers=1, hidden=64, vocab_size=128, max_model_len=32),
-               progress=False).start()
+    s = Server(
+        plan, spec=ModelSpec(layers=1, hidden=64, vocab_size=128, max_model_len=32), progress=False
+    ).start()
     try:
         assert s.wait_ready(30)
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
@@ -169,12 +200,14 @@ def test_the_tiny_llama_server_answers_v1_with_ids_only(tmp_path):
 def test_cli_refuses_an_unsupported_checkpoint_before_capturing(tmp_path, capsys):
     from transformers import GPT2Config
 
-    from examples.server.__main__ import main
+    from graphplan.server.cli import main
+
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
-    assert main(["--model", str(tmp_path), "--plan", str(plan), "--port", "0",
-                 "--device", "cpu"]) == 1
+    assert (
+        main(["--model", str(tmp_path), "--plan", str(plan), "--port", "0", "--device", "cpu"]) == 1
+    )
     err = capsys.readouterr().err
     assert "model type 'gpt2'" in err and "Traceback" not in err
     assert main(["--model", str(tmp_path / "nowhere"), "--plan", str(plan), "--port", "0"]) == 1
@@ -186,8 +219,9 @@ def raw(server, method, path, body=None, raw_body: bytes | None = None):
     conn = http.client.HTTPConnection(host, port, timeout=60)
     data = raw_body if raw_body is not None else (json.dumps(body).encode() if body else None)
     try:
-        conn.request(method, path, body=data,
-                     headers={"Content-Type": "application/json"} if data else {})
+        conn.request(
+            method, path, body=data, headers={"Content-Type": "application/json"} if data else {}
+        )
         resp = conn.getresponse()
         return resp.status, resp.read().decode(), resp.getheader("Content-Type", "")
     finally:

@@ -2,7 +2,6 @@
 
 import itertools
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,12 +14,19 @@ from hypothesis import strategies as st
 from graphplan.compiler import DispatchTable, RuntimeMode, compile_plan
 from graphplan.compiler.cli import main
 from graphplan.compiler.load import load_plan
-from graphplan.compiler.memory import FORMAT, MIB, estimate, save_profile
-from graphplan.compiler.optimize import OptimizeError, optimize
 from graphplan.compiler.resolve import resolve
-from graphplan.compiler.size_dp import solve
 from graphplan.compiler.spec import CaptureSizesSpec
-from graphplan.compiler.trace import Trace, TraceError, aggregate, check_trace, load_trace, step_route
+from graphplan.compiler.tools.memory import FORMAT, MIB, estimate, save_profile
+from graphplan.compiler.tools.optimize import OptimizeError, optimize
+from graphplan.compiler.tools.size_dp import solve
+from graphplan.compiler.tools.trace import (
+    Trace,
+    TraceError,
+    aggregate,
+    check_trace,
+    load_trace,
+    step_route,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS, TRACES = ROOT / "plans", ROOT / "bench" / "traces"
@@ -66,40 +72,65 @@ def test_dp_optimum_equals_brute_force_over_every_subset(problem):
 
 # -- the whole optimizer against brute force over every legal size set -------------------------
 def small_plan(**kw):
-    base = {"version": 1, "name": "small", "scheduler": {"max_num_seqs": 6,
-            "max_num_batched_tokens": 12, "decode_query_len": 1},
-            "cudagraph": {"mode": "FULL_AND_PIECEWISE", "attention_support": "ALWAYS",
-                          "capture_sizes": [1, 2, 4, 8, 12]}}
+    base = {
+        "version": 1,
+        "name": "small",
+        "scheduler": {"max_num_seqs": 6, "max_num_batched_tokens": 12, "decode_query_len": 1},
+        "cudagraph": {
+            "mode": "FULL_AND_PIECEWISE",
+            "attention_support": "ALWAYS",
+            "capture_sizes": [1, 2, 4, 8, 12],
+        },
+    }
     for key, value in kw.items():
         section, _, field = key.partition("__")
         base.setdefault(section, {})[field] = value
     return base
 
 
-DBO = {"enabled": True, "decode_token_threshold": 6, "prefill_token_threshold": 8,
-       "plain_twins": False}
+DBO = {
+    "enabled": True,
+    "decode_token_threshold": 6,
+    "prefill_token_threshold": 8,
+    "plain_twins": False,
+}
 CONFIGS = {
     "full-and-piecewise": small_plan(),
     "piecewise": small_plan(cudagraph__mode="PIECEWISE", cudagraph__attention_support="NEVER"),
     "full": small_plan(cudagraph__mode="FULL"),
     "full-decode-only-q2": small_plan(
-        scheduler__decode_query_len=2, scheduler__max_num_seqs=4, scheduler__max_num_batched_tokens=20,
-        cudagraph__mode="FULL_DECODE_ONLY", cudagraph__attention_support="UNIFORM_BATCH",
-        cudagraph__splitting_ops=[], cudagraph__capture_sizes=[2, 4, 8, 20]),
+        scheduler__decode_query_len=2,
+        scheduler__max_num_seqs=4,
+        scheduler__max_num_batched_tokens=20,
+        cudagraph__mode="FULL_DECODE_ONLY",
+        cudagraph__attention_support="UNIFORM_BATCH",
+        cudagraph__splitting_ops=[],
+        cudagraph__capture_sizes=[2, 4, 8, 20],
+    ),
     "dbo-no-twins-q2": small_plan(
-        scheduler__decode_query_len=2, scheduler__max_num_batched_tokens=20,
-        cudagraph__attention_support="UNIFORM_BATCH", cudagraph__capture_sizes=[2, 4, 8, 12, 20],
-        parallel__data_parallel_size=2, parallel__ubatch=DBO),
+        scheduler__decode_query_len=2,
+        scheduler__max_num_batched_tokens=20,
+        cudagraph__attention_support="UNIFORM_BATCH",
+        cudagraph__capture_sizes=[2, 4, 8, 12, 20],
+        parallel__data_parallel_size=2,
+        parallel__ubatch=DBO,
+    ),
     "decode-only-dbo": small_plan(
-        cudagraph__mode="FULL_DECODE_ONLY", cudagraph__splitting_ops=[],
-        parallel__data_parallel_size=2, parallel__ubatch={**DBO, "decode_token_threshold": 4}),
+        cudagraph__mode="FULL_DECODE_ONLY",
+        cudagraph__splitting_ops=[],
+        parallel__data_parallel_size=2,
+        parallel__ubatch={**DBO, "decode_token_threshold": 4},
+    ),
     "lora": small_plan(lora__enabled=True, lora__max_loras=2),
 }
 
 
 def table_with(loaded, sizes):
-    cg = replace(loaded.spec.cudagraph, strict=False,
-                 capture_sizes=CaptureSizesSpec(kind="list", sizes=tuple(sizes)))
+    cg = replace(
+        loaded.spec.cudagraph,
+        strict=False,
+        capture_sizes=CaptureSizesSpec(kind="list", sizes=tuple(sizes)),
+    )
     return DispatchTable(**resolve(replace(loaded.spec, cudagraph=cg), loaded.plan)[0])
 
 
@@ -113,8 +144,10 @@ def brute_force(plan, steps, max_graphs, pins, top):
     legal = list(range(step, top + 1, step))
     every = table_with(loaded, legal)
     kept = [s for s in steps if s[0] <= top]
-    need = [max(int(step_route(every, n, r, m, pad_to=s).mode) for s in legal if s >= n)
-            for n, r, m in kept]
+    need = [
+        max(int(step_route(every, n, r, m, pad_to=s).mode) for s in legal if s >= n)
+        for n, r, m in kept
+    ]
     free = [s for s in legal if s != top and s not in pins]
     best = None
     for mask in range(1 << len(free)):
@@ -161,8 +194,10 @@ def cases(draw):
 def test_optimizer_equals_brute_force_over_every_legal_size_set(case):
     name, plan, table, steps, top, pins, max_graphs = case
     n, r, m = (np.array(x, dtype=np.int64) for x in zip(*steps))
-    work = aggregate(Trace(source="t", num_tokens=n, num_reqs=r, max_query_len=m,
-                           line=np.arange(1, len(n) + 1)), table.q)
+    work = aggregate(
+        Trace(source="t", num_tokens=n, num_reqs=r, max_query_len=m, line=np.arange(1, len(n) + 1)),
+        table.q,
+    )
     if table.settings.mixed_mode.name == "NONE":  # the optimizer stops at q * max_num_seqs
         top = min(top, table.q * table.max_num_seqs)
         pins = [p for p in pins if p <= top]
@@ -190,15 +225,23 @@ def test_same_graph_count_as_vllm_cuts_chat_padding_and_keeps_coverage():
     assert res.graphs <= len(table.graphs) and res.sizes[-1] == table.capture_sizes[-1]
     assert res.after.padded_tokens <= 0.7 * res.before.padded_tokens
     assert res.after.eager_steps == res.before.eager_steps
-    assert res.after.routines["decode"]["graphed_steps"] == res.before.routines["decode"]["graphed_steps"]
+    assert (
+        res.after.routines["decode"]["graphed_steps"]
+        == res.before.routines["decode"]["graphed_steps"]
+    )
     assert all(g.key.num_tokens in res.sizes for g in res.table.graphs)
 
 
 def test_decode_steps_that_had_full_graphs_keep_full_graphs():
     table = compile_plan(H100)  # sizes <= 256 cost 2 graphs (FULL decode + PIECEWISE), above 1
     n = np.array([250, 250, 10, 300])
-    trace = Trace(source="t", num_tokens=n, num_reqs=np.array([250, 250, 1, 2]),
-                  max_query_len=np.array([1, 1, 10, 299]), line=np.arange(1, 5))
+    trace = Trace(
+        source="t",
+        num_tokens=n,
+        num_reqs=np.array([250, 250, 1, 2]),
+        max_query_len=np.array([1, 1, 10, 299]),
+        line=np.arange(1, 5),
+    )
     work = aggregate(trace, 1)
     # 5 graphs: the decode steps need a FULL size in 250..256; 300 then pads to 512 (212 tokens)
     # rather than 10 padding to 250 (240 tokens); 257 (1 graph) would push decode to PIECEWISE
@@ -210,11 +253,19 @@ def test_decode_steps_that_had_full_graphs_keep_full_graphs():
 
 
 def test_sizes_of_an_explicit_list_and_pins_are_kept(tmp_path):
-    plan = small_plan(scheduler__max_num_seqs=64, scheduler__max_num_batched_tokens=512,
-                      cudagraph__capture_sizes=[3, 100, 512])
+    plan = small_plan(
+        scheduler__max_num_seqs=64,
+        scheduler__max_num_batched_tokens=512,
+        cudagraph__capture_sizes=[3, 100, 512],
+    )
     table = compile_plan(plan)
-    trace = Trace(source="t", num_tokens=np.arange(1, 300), num_reqs=np.ones(299, dtype=np.int64),
-                  max_query_len=np.arange(1, 300), line=np.arange(1, 300))
+    trace = Trace(
+        source="t",
+        num_tokens=np.arange(1, 300),
+        num_reqs=np.ones(299, dtype=np.int64),
+        max_query_len=np.arange(1, 300),
+        line=np.arange(1, 300),
+    )
     res = optimize(table, aggregate(trace, 1), 12, pins=[3, 100, 512, 7])
     assert {3, 7, 100, 512} <= set(res.sizes) and res.graphs <= 12
 
@@ -222,8 +273,15 @@ def test_sizes_of_an_explicit_list_and_pins_are_kept(tmp_path):
 def test_memory_budget_is_respected_and_lowers_the_graph_count():
     table = compile_plan(H100)
     work = work_of(table, TRACES / "chat.jsonl")
-    prof = {"format": FORMAT, "version": 1, "model_fingerprint": "m", "device": "d",
-            "per_graph_bytes": 2 * MIB, "per_token_bytes": 64 * 1024, "samples": []}
+    prof = {
+        "format": FORMAT,
+        "version": 1,
+        "model_fingerprint": "m",
+        "device": "d",
+        "per_graph_bytes": 2 * MIB,
+        "per_token_bytes": 64 * 1024,
+        "samples": [],
+    }
     res = optimize(table, work, 86, memory_budget=100 * MIB, profile=prof)
     assert estimate(res.table, prof)["total_bytes"] <= 100 * MIB
     assert res.budget_graphs == (100 * MIB - 512 * 64 * 1024) // (2 * MIB) == 34
@@ -245,8 +303,13 @@ def test_speculative_decoding_sizes_are_multiples_of_q_and_the_strict_plan_compi
     mixed = rng.integers(1, 2000, 100)
     n = np.concatenate((3 * r, mixed))
     reqs = np.concatenate((r, np.ones(100, dtype=np.int64)))
-    trace = Trace(source="t", num_tokens=n, num_reqs=reqs, max_query_len=np.concatenate((
-        np.full(500, 3), mixed)), line=np.arange(1, 601))
+    trace = Trace(
+        source="t",
+        num_tokens=n,
+        num_reqs=reqs,
+        max_query_len=np.concatenate((np.full(500, 3), mixed)),
+        line=np.arange(1, 601),
+    )
     res = optimize(table, aggregate(trace, 3), len(table.graphs))
     assert all(s % 3 == 0 for s in res.sizes)
     assert res.after.padded_tokens < res.before.padded_tokens
@@ -256,20 +319,36 @@ def test_speculative_decoding_sizes_are_multiples_of_q_and_the_strict_plan_compi
 
 def test_a_plan_without_graphs_has_nothing_to_optimize():
     table = compile_plan(PLANS / "eager.yaml")
-    trace = Trace(source="t", num_tokens=np.array([4]), num_reqs=np.array([4]),
-                  max_query_len=np.array([1]), line=np.array([1]))
+    trace = Trace(
+        source="t",
+        num_tokens=np.array([4]),
+        num_reqs=np.array([4]),
+        max_query_len=np.array([1]),
+        line=np.array([1]),
+    )
     with pytest.raises(OptimizeError, match="mode NONE"):
         optimize(table, aggregate(trace, 1), 10)
 
 
 # -- traces --------------------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(1, 10**6), st.integers(1, 999), st.integers(1, 999)),
-                min_size=1, max_size=30),
-       st.sampled_from([(", ", ": "), (",", ":")]), st.booleans(), st.integers(0, 3))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 10**6), st.integers(1, 999), st.integers(1, 999)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.sampled_from([(", ", ": "), (",", ":")]),
+    st.booleans(),
+    st.integers(0, 3),
+)
 def test_fast_and_json_parsing_read_the_same_steps_and_lines(tmp_path, rows, seps, trailing, blank):
-    lines = [json.dumps(dict(zip(("num_tokens", "num_reqs", "max_query_len"), row)),
-                        separators=seps) for row in rows]
+    lines = [
+        json.dumps(dict(zip(("num_tokens", "num_reqs", "max_query_len"), row)), separators=seps)
+        for row in rows
+    ]
     if blank:
         lines.insert(min(blank, len(lines)), "")
     text = "\n".join(lines) + ("\n" if trailing else "")
@@ -282,17 +361,32 @@ def test_fast_and_json_parsing_read_the_same_steps_and_lines(tmp_path, rows, sep
     assert a.line.tolist() == b.line.tolist() == [i + 1 for i, t in enumerate(lines) if t]
 
 
-@pytest.mark.parametrize("line, match", [
-    ('{"num_tokens": 5, "num_reqs": 1}', "missing 'max_query_len'"),
-    ('{"num_tokens": 5.0, "num_reqs": 1, "max_query_len": 5}', "num_tokens: expected an integer"),
-    ('{"num_tokens": 5, "num_reqs": 1, "max_query_len": 5', "not JSON"),
-    ("[5, 1, 5]", "expected a JSON object"),
-    ('{"num_tokens": 9000, "num_reqs": 1, "max_query_len": 9000}', "exceeds scheduler.max_num_batched"),
-    ('{"num_tokens": 300, "num_reqs": 300, "max_query_len": 1}', "exceeds scheduler.max_num_seqs"),
-    ('{"num_tokens": 5, "num_reqs": 6, "max_query_len": 1}', r"num_reqs 6 must be in 1..num_tokens"),
-    ('{"num_tokens": 10, "num_reqs": 2, "max_query_len": 3}', "max_query_len 3 is impossible"),
-    ('{"num_tokens": 0, "num_reqs": 0, "max_query_len": 0}', "num_tokens 0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('{"num_tokens": 5, "num_reqs": 1}', "missing 'max_query_len'"),
+        (
+            '{"num_tokens": 5.0, "num_reqs": 1, "max_query_len": 5}',
+            "num_tokens: expected an integer",
+        ),
+        ('{"num_tokens": 5, "num_reqs": 1, "max_query_len": 5', "not JSON"),
+        ("[5, 1, 5]", "expected a JSON object"),
+        (
+            '{"num_tokens": 9000, "num_reqs": 1, "max_query_len": 9000}',
+            "exceeds scheduler.max_num_batched",
+        ),
+        (
+            '{"num_tokens": 300, "num_reqs": 300, "max_query_len": 1}',
+            "exceeds scheduler.max_num_seqs",
+        ),
+        (
+            '{"num_tokens": 5, "num_reqs": 6, "max_query_len": 1}',
+            r"num_reqs 6 must be in 1..num_tokens",
+        ),
+        ('{"num_tokens": 10, "num_reqs": 2, "max_query_len": 3}', "max_query_len 3 is impossible"),
+        ('{"num_tokens": 0, "num_reqs": 0, "max_query_len": 0}', "num_tokens 0 must be >= 1"),
+    ],
+)
 def test_a_bad_trace_line_is_an_error_naming_its_line(tmp_path, line, match):
     path = tmp_path / "t.jsonl"
     path.write_text('{"num_tokens": 4, "num_reqs": 4, "max_query_len": 1}\n\n' + line + "\n")
@@ -303,8 +397,8 @@ def test_a_bad_trace_line_is_an_error_naming_its_line(tmp_path, line, match):
 
 
 def test_shipped_traces_are_small_valid_and_reproducible():
-    sys.path.insert(0, str(ROOT / "bench"))
     import make_traces
+
     table = compile_plan(H100)
     for name in ("chat", "long_prompt"):
         path = TRACES / f"{name}.jsonl"
@@ -313,8 +407,10 @@ def test_shipped_traces_are_small_valid_and_reproducible():
         check_trace(trace, table)
         assert trace.steps == 20000
         again = make_traces.simulate(name, 300)
-        assert again.tolist() == np.stack([trace.num_tokens, trace.num_reqs,
-                                           trace.max_query_len], 1)[:300].tolist()
+        assert (
+            again.tolist()
+            == np.stack([trace.num_tokens, trace.num_reqs, trace.max_query_len], 1)[:300].tolist()
+        )
     chat = aggregate(load_trace(TRACES / "chat.jsonl"), 1)
     assert chat.count[chat.uniform].sum() > 0.6 * chat.steps  # decode-heavy
     long = load_trace(TRACES / "long_prompt.jsonl")
@@ -322,10 +418,25 @@ def test_shipped_traces_are_small_valid_and_reproducible():
 
 
 # -- the CLI -------------------------------------------------------------------------------------
-def test_cli_writes_a_plan_that_compiles_keeps_the_other_fields_and_reports_the_gain(tmp_path, capsys):
+def test_cli_writes_a_plan_that_compiles_keeps_the_other_fields_and_reports_the_gain(
+    tmp_path, capsys
+):
     out = tmp_path / "tuned.yaml"
-    assert main(["optimize", str(H100), "--trace", str(TRACES / "chat.jsonl"), "-o", str(out),
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "optimize",
+                str(H100),
+                "--trace",
+                str(TRACES / "chat.jsonl"),
+                "-o",
+                str(out),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     text = out.read_text()
     tuned, original = yaml.safe_load(text), yaml.safe_load(H100.read_text())
@@ -348,22 +459,32 @@ def test_cli_text_output_and_rerun_replace_the_old_header(tmp_path, capsys):
     assert "before (plan)" in out and "after (optimized)" in out and "padded tokens: -" in out
     assert main(["optimize", str(first), *args, "-o", str(second)]) == 0
     text = second.read_text()
-    assert text.count("# Tuned by") == 1 and yaml.safe_load(text)["cudagraph"]["capture_sizes"][0] == 1
+    assert (
+        text.count("# Tuned by") == 1 and yaml.safe_load(text)["cudagraph"]["capture_sizes"][0] == 1
+    )
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--trace", "MISSING"], "cannot read trace"),
-    (["--trace", "BAD"], ":2: num_tokens: expected an integer"),
-    (["--trace", "CHAT", "--pin", "0"], "--pin 0"),
-    (["--trace", "CHAT", "--max-graphs", "2"], "need at least"),
-    (["--trace", "CHAT", "-o", "/nonexistent-dir/tuned.yaml"], "cannot write here"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--trace", "MISSING"], "cannot read trace"),
+        (["--trace", "BAD"], ":2: num_tokens: expected an integer"),
+        (["--trace", "CHAT", "--pin", "0"], "--pin 0"),
+        (["--trace", "CHAT", "--max-graphs", "2"], "need at least"),
+        (["--trace", "CHAT", "-o", "/nonexistent-dir/tuned.yaml"], "cannot write here"),
+    ],
+)
 def test_cli_errors_exit_1_without_traceback_or_partial_file(tmp_path, capsys, args, match):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"num_tokens": 4, "num_reqs": 4, "max_query_len": 1}\n'
-                   '{"num_tokens": "4", "num_reqs": 4, "max_query_len": 1}\n')
-    sub = {"MISSING": str(tmp_path / "none.jsonl"), "BAD": str(bad),
-           "CHAT": str(TRACES / "chat.jsonl")}
+    bad.write_text(
+        '{"num_tokens": 4, "num_reqs": 4, "max_query_len": 1}\n'
+        '{"num_tokens": "4", "num_reqs": 4, "max_query_len": 1}\n'
+    )
+    sub = {
+        "MISSING": str(tmp_path / "none.jsonl"),
+        "BAD": str(bad),
+        "CHAT": str(TRACES / "chat.jsonl"),
+    }
     out = tmp_path / "tuned.yaml"
     args = [sub.get(a, a) for a in args]
     if "-o" not in args:
@@ -376,18 +497,42 @@ def test_cli_errors_exit_1_without_traceback_or_partial_file(tmp_path, capsys, a
 
 def test_cli_memory_budget_uses_the_profile(tmp_path, capsys):
     prof = tmp_path / "p.json"
-    save_profile(prof, {"format": FORMAT, "version": 1, "model_fingerprint": "m", "device": "d",
-                        "per_graph_bytes": 2 * MIB, "per_token_bytes": 64 * 1024})
-    assert main(["optimize", str(H100), "--trace", str(TRACES / "chat.jsonl"),
-                 "--memory-budget", "100", "--profile", str(prof), "--format", "json"]) == 0
+    save_profile(
+        prof,
+        {
+            "format": FORMAT,
+            "version": 1,
+            "model_fingerprint": "m",
+            "device": "d",
+            "per_graph_bytes": 2 * MIB,
+            "per_token_bytes": 64 * 1024,
+        },
+    )
+    assert (
+        main(
+            [
+                "optimize",
+                str(H100),
+                "--trace",
+                str(TRACES / "chat.jsonl"),
+                "--memory-budget",
+                "100",
+                "--profile",
+                str(prof),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["budget_graphs"] == 34 and report["after"]["graphs"] <= 34
     assert report["after"]["memory_bytes"] <= 100 * MIB
 
 
 def test_the_benchmark_program_runs_and_passes_its_bars(capsys):
-    sys.path.insert(0, str(ROOT / "bench"))
     import optimize_bench
+
     assert optimize_bench.main(["--steps", "20000"]) == 0
     assert "overall: PASS" in capsys.readouterr().out
 

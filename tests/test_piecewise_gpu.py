@@ -4,23 +4,45 @@ Skipped cleanly without CUDA (tests/conftest.py)."""
 
 import pytest
 import torch
-from generate import continuous_greedy, make_prompts
-from tiny_llama import TinyLlama, TinyLlamaConfig, greedy, greedy_mismatch, make_batch, static_inputs
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import (
+    TinyLlama,
+    TinyLlamaConfig,
+    greedy,
+    greedy_mismatch,
+    make_batch,
+    static_inputs,
+)
 from graphplan.runtime import GraphRunner
+from graphplan.server.generation import continuous_greedy, make_prompts
 
 pytestmark = pytest.mark.gpu
 
-CFG = TinyLlamaConfig(vocab_size=2048, hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408,
-                      max_model_len=256, num_cache_rows=16)
+CFG = TinyLlamaConfig(
+    vocab_size=2048,
+    hidden=512,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    intermediate=1408,
+    max_model_len=256,
+    num_cache_rows=16,
+)
 
 
 def plan(mode, sizes):
-    return {"version": 1, "name": "pw-gpu",
-            "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
-            "cudagraph": {"mode": mode, "attention_support": "ALWAYS", "splitting_ops": ["attention"],
-                          "capture_sizes": list(sizes)}}
+    return {
+        "version": 1,
+        "name": "pw-gpu",
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "cudagraph": {
+            "mode": mode,
+            "attention_support": "ALWAYS",
+            "splitting_ops": ["attention"],
+            "capture_sizes": list(sizes),
+        },
+    }
 
 
 def model(cfg=CFG):
@@ -28,13 +50,16 @@ def model(cfg=CFG):
 
 
 def toks(n, seed):
-    return torch.randint(1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        1, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
-STEPS = [[(0, 0, toks(40, 1)), (1, 0, toks(9, 2))],                                    # 49 -> 64
-         [(0, 40, toks(1, 3)), (1, 9, toks(1, 4)), (2, 0, toks(100, 5))],               # 102 -> 128
-         [(0, 41, toks(1, 8)), (1, 10, toks(1, 9)), (2, 100, toks(30, 6)),
-          (3, 0, toks(200, 7))]]                                                        # 232 -> 256
+STEPS = [
+    [(0, 0, toks(40, 1)), (1, 0, toks(9, 2))],  # 49 -> 64
+    [(0, 40, toks(1, 3)), (1, 9, toks(1, 4)), (2, 0, toks(100, 5))],  # 102 -> 128
+    [(0, 41, toks(1, 8)), (1, 10, toks(1, 9)), (2, 100, toks(30, 6)), (3, 0, toks(200, 7))],
+]  # 232 -> 256
 
 
 def check_mixed(graphs, eager, runner):
@@ -54,8 +79,12 @@ def check_mixed(graphs, eager, runner):
 
 def test_mixed_batches_through_piecewise_cuda_graphs_match_eager_in_bf16():
     graphs, eager = model(), model()
-    runner = GraphRunner(graphs, compile_plan(plan("PIECEWISE", [8, 16, 32, 64, 128, 256])),
-                         static_inputs(graphs), progress=False)
+    runner = GraphRunner(
+        graphs,
+        compile_plan(plan("PIECEWISE", [8, 16, 32, 64, 128, 256])),
+        static_inputs(graphs),
+        progress=False,
+    )
     summary = runner.capture()
     assert summary["backend"] == "cuda" and summary["piecewise"]["pieces"] == CFG.layers + 1
     assert summary["piecewise"]["split_ops"] == CFG.layers
@@ -63,16 +92,26 @@ def test_mixed_batches_through_piecewise_cuda_graphs_match_eager_in_bf16():
 
 
 def test_continuous_batching_greedy_generation_with_graphs_is_identical_to_eager(root):
-    cfg = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=2, heads=4, kv_heads=1,
-                          intermediate=768, max_model_len=128, num_cache_rows=64)
+    cfg = TinyLlamaConfig(
+        vocab_size=2048,
+        hidden=256,
+        layers=2,
+        heads=4,
+        kv_heads=1,
+        intermediate=768,
+        max_model_len=128,
+        num_cache_rows=64,
+    )
     m = model(cfg)
-    runner = GraphRunner(m, compile_plan(str(root / "plans" / "tiny-llama.yaml")), static_inputs(m),
-                         progress=False)
+    runner = GraphRunner(
+        m, compile_plan(str(root / "plans" / "tiny-llama.yaml")), static_inputs(m), progress=False
+    )
     runner.capture()
     prompts = make_prompts(8, seed=0, vocab=cfg.vocab_size, max_len=64)
     kw = dict(chunk=32, max_num_seqs=runner.table.max_num_seqs, arrive_every=2)
-    with_graphs, got = continuous_greedy(m, prompts, 12, **kw,
-                                         step=lambda b, r, q: runner.step(b, r, q))
+    with_graphs, got = continuous_greedy(
+        m, prompts, 12, **kw, step=lambda b, r, q: runner.step(b, r, q)
+    )
     s = runner.stats()
     assert s["replays_by_mode"]["PIECEWISE"] > 0 and s["replays_by_mode"]["FULL"] > 0
     assert s["eager_steps"] == {}

@@ -16,12 +16,34 @@ from graphplan.compiler.resolve import STRICT_CODES
 
 # weighted towards plans that capture graphs (repeats = weight; hypothesis also favours the
 # first entry); every value still appears
-MODES = ["FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE",
-         "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "NONE"]
-SUPPORT = ["ALWAYS", "UNIFORM_BATCH", "ALWAYS", "UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_BATCH",
-           "ALWAYS", "NEVER"]
-SPLITTING = [["attention"], ["attention"], ["attention", "all_reduce"], ["attention"],
-             ["all_reduce"], []]
+MODES = [
+    "FULL_AND_PIECEWISE",
+    "FULL_AND_PIECEWISE",
+    "FULL",
+    "FULL_DECODE_ONLY",
+    "PIECEWISE",
+    "FULL_AND_PIECEWISE",
+    "FULL_DECODE_ONLY",
+    "FULL",
+    "NONE",
+]
+SUPPORT = [
+    "ALWAYS",
+    "UNIFORM_BATCH",
+    "ALWAYS",
+    "UNIFORM_SINGLE_TOKEN_DECODE",
+    "UNIFORM_BATCH",
+    "ALWAYS",
+    "NEVER",
+]
+SPLITTING = [
+    ["attention"],
+    ["attention"],
+    ["attention", "all_reduce"],
+    ["attention"],
+    ["all_reduce"],
+    [],
+]
 # errors a random plan may legitimately hit: the property is over the plans that compile
 PLAN_RULE_ERRORS = {"full-attention-never", "no-sizes"}
 
@@ -34,15 +56,23 @@ def capture_sizes(draw, tokens: int):
     if kind == "sglang":
         return {"preset": "sglang", "max_size": draw(st.integers(0, 600))}
     if kind == "trtllm":
-        return {"preset": "trtllm", "max_size": draw(st.integers(0, 600)),
-                "enable_padding": draw(st.booleans())}
+        return {
+            "preset": "trtllm",
+            "max_size": draw(st.integers(0, 600)),
+            "enable_padding": draw(st.booleans()),
+        }
     if kind == "list":  # may exceed max_num_batched_tokens: those are dropped with a diagnostic
         return draw(st.lists(st.integers(1, tokens + 64), min_size=1, max_size=40))
     ranges = []
     for _ in range(draw(st.integers(1, 3))):
         start = draw(st.integers(1, tokens))
-        ranges.append({"from": start, "to": draw(st.integers(start, tokens + 64)),
-                       "step": draw(st.integers(max(1, (tokens + 64) // 64), tokens + 64))})
+        ranges.append(
+            {
+                "from": start,
+                "to": draw(st.integers(start, tokens + 64)),
+                "step": draw(st.integers(max(1, (tokens + 64) // 64), tokens + 64)),
+            }
+        )
     return {"ranges": ranges, "include": draw(st.lists(st.integers(1, tokens), max_size=8))}
 
 
@@ -52,23 +82,38 @@ def plans(draw) -> dict:
     seqs = draw(st.integers(1, 160))
     tokens = draw(st.integers(max(seqs, q), 4096))
     plan = {
-        "version": 1, "name": "prop",
-        "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": tokens,
-                      "decode_query_len": q},
-        "cudagraph": {"mode": draw(st.sampled_from(MODES)),
-                      "attention_support": draw(st.sampled_from(SUPPORT)),
-                      "splitting_ops": draw(st.sampled_from(SPLITTING)),
-                      "capture_sizes": draw(capture_sizes(tokens))},
-        "lora": {"enabled": draw(st.booleans()), "max_loras": draw(st.integers(1, 8)),
-                 "specialize_count": draw(st.booleans()), "separate_base": draw(st.booleans())},
+        "version": 1,
+        "name": "prop",
+        "scheduler": {
+            "max_num_seqs": seqs,
+            "max_num_batched_tokens": tokens,
+            "decode_query_len": q,
+        },
+        "cudagraph": {
+            "mode": draw(st.sampled_from(MODES)),
+            "attention_support": draw(st.sampled_from(SUPPORT)),
+            "splitting_ops": draw(st.sampled_from(SPLITTING)),
+            "capture_sizes": draw(capture_sizes(tokens)),
+        },
+        "lora": {
+            "enabled": draw(st.booleans()),
+            "max_loras": draw(st.integers(1, 8)),
+            "specialize_count": draw(st.booleans()),
+            "separate_base": draw(st.booleans()),
+        },
     }
     if draw(st.booleans()):
         k = draw(st.integers(2, 4))
-        plan["parallel"] = {"data_parallel_size": draw(st.integers(2, 8)), "ubatch": {
-            "enabled": True, "num_ubatches": k,
-            "decode_token_threshold": draw(st.integers(k, 64) | st.integers(k, 600)),
-            "prefill_token_threshold": draw(st.integers(k, 2000)),
-            "plain_twins": draw(st.booleans())}}
+        plan["parallel"] = {
+            "data_parallel_size": draw(st.integers(2, 8)),
+            "ubatch": {
+                "enabled": True,
+                "num_ubatches": k,
+                "decode_token_threshold": draw(st.integers(k, 64) | st.integers(k, 600)),
+                "prefill_token_threshold": draw(st.integers(k, 2000)),
+                "plain_twins": draw(st.booleans()),
+            },
+        }
     return plan
 
 
@@ -81,8 +126,11 @@ def compile_or_reject(plan: dict):
         assume(False)
 
 
-SETTINGS = settings(max_examples=120, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def check_route(t, r, n: int, c: int, uniform: bool) -> None:
@@ -174,6 +222,7 @@ def test_the_same_plan_compiles_to_the_same_bytes(plan):
     again = compile_plan(copy.deepcopy(plan))
     assert again.dumps() == t.dumps()
     from graphplan.compiler import DispatchTable
+
     assert DispatchTable.from_json(t.to_json()).dumps() == t.dumps()
 
 

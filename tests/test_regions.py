@@ -1,4 +1,4 @@
-"""Regional compilation (runtime/regions.py): a model's repeated layers compiled once, the graph cut
+"""Regional compilation (runtime/compiled/regions.py): a model's repeated layers compiled once, the graph cut
 after matmuls so that nothing that fuses is cut apart, outputs equal to the model's own."""
 
 import logging
@@ -6,16 +6,25 @@ import operator
 
 import pytest
 import torch
-from compiling import Recording, batch
-from tiny_llama import TinyLlama, TinyLlamaConfig
 
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 from graphplan.runtime import CompiledModel
-from graphplan.runtime.regions import split
+from graphplan.runtime.compiled.regions import split
+
+from compiling import Recording, batch
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=4, heads=4, kv_heads=2, intermediate=96,
-                      max_model_len=48, num_cache_rows=8)
+CFG = TinyLlamaConfig(
+    vocab_size=128,
+    hidden=64,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=96,
+    max_model_len=48,
+    num_cache_rows=8,
+)
 
 
 def test_tiny_llama_compiles_head_attention_mlp_and_tail_once_with_the_same_logits():
@@ -29,8 +38,9 @@ def test_tiny_llama_compiles_head_attention_mlp_and_tail_once_with_the_same_logi
     assert (compiled.regions, compiled.region_compiles) == (2 * CFG.layers + 1, 4)
     assert len(rec.graphs) == 4 and compiled.compiles == 1
     for n in (1, 3, 8):
-        torch.testing.assert_close(compiled(**batch(model, n)), eager(**batch(eager, n)),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            compiled(**batch(model, n)), eager(**batch(eager, n)), rtol=1e-5, atol=1e-5
+        )
     torch.testing.assert_close(model.kv_cache, eager.kv_cache, rtol=1e-5, atol=1e-5)
     assert compiled.recompiles == 0
 
@@ -94,8 +104,9 @@ def test_regions_whose_inputs_share_memory_at_other_offsets_do_not_share_compile
     for n in (6, 3, 1):
         x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
         slots = torch.arange(n) * 2
-        torch.testing.assert_close(compiled(x=x, slots=slots), eager(x, slots), rtol=1e-6,
-                                   atol=1e-6)
+        torch.testing.assert_close(
+            compiled(x=x, slots=slots), eager(x, slots), rtol=1e-6, atol=1e-6
+        )
         torch.testing.assert_close(model.cache, eager.cache, rtol=1e-6, atol=1e-6)
     # regions: layer 0's k GEMM; per layer, the cache writes and reads up to the o GEMM; between
     # layers, the residual add and the next k GEMM; the last add. Layer i's two cache views lie
@@ -105,8 +116,19 @@ def test_regions_whose_inputs_share_memory_at_other_offsets_do_not_share_compile
 
 
 def test_fewer_than_three_layers_and_regional_false_compile_the_whole_graph():
-    two = TinyLlama(TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
-                                    intermediate=96, max_model_len=48, num_cache_rows=8), seed=0)
+    two = TinyLlama(
+        TinyLlamaConfig(
+            vocab_size=128,
+            hidden=64,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            intermediate=96,
+            max_model_len=48,
+            num_cache_rows=8,
+        ),
+        seed=0,
+    )
     compiled = CompiledModel(two, "aot_eager")
     compiled.warm_up(batch(two, 4))
     assert (compiled.regions, compiled.region_compiles, compiled.compiles) == (0, 0, 1)
@@ -124,8 +146,10 @@ def test_a_backend_that_fails_on_regions_gets_the_whole_graph(caplog):
     compiled = CompiledModel(model, rec)
     with caplog.at_level(logging.WARNING, logger="graphplan.runtime"):
         compiled.warm_up(batch(model, 8))
-    assert "compiling this graph region by region failed (RuntimeError: this backend takes " \
-           "whole graphs only); compiling it whole" in caplog.text
+    assert (
+        "compiling this graph region by region failed (RuntimeError: this backend takes "
+        "whole graphs only); compiling it whole" in caplog.text
+    )
     assert (compiled.regions, compiled.compiles, len(rec.graphs)) == (0, 1, 1)
     assert compiled.merged == 2 * CFG.layers
     torch.testing.assert_close(compiled(**batch(model, 3)), ref, rtol=1e-5, atol=1e-5)

@@ -13,10 +13,10 @@ import pytest
 
 from graphplan.compiler import RuntimeMode, compile_plan
 from graphplan.compiler.cli import main
-from graphplan.compiler.memory import estimate
-from graphplan.compiler.report_charts import X0, X1, Y0, Y1
-from graphplan.compiler.summary import coverage
-from graphplan.compiler.trace import step_route
+from graphplan.compiler.tools.memory import estimate
+from graphplan.compiler.tools.report_charts import X0, X1, Y0, Y1
+from graphplan.compiler.tools.summary import coverage
+from graphplan.compiler.tools.trace import step_route
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
@@ -39,14 +39,17 @@ def svg(page: str, svg_id: str) -> str:
 
 def routine_row(page: str, routine: str) -> dict:
     row = re.search(rf'<tr data-routine="{routine}">(.*?)</tr>', page, re.S).group(1)
-    cell = lambda cls: re.search(rf'class="num {cls}">([^<]*)<', row).group(1)  # noqa: E731
-    return {"worst_pad": int(cell("worst-pad")), "worst_at": int(cell("worst-at")),
-            "mean_pad": float(cell("mean-pad"))}
+    cell = lambda cls: re.search(rf'class="num {cls}">([^<]*)<', row).group(1)
+    return {
+        "worst_pad": int(cell("worst-pad")),
+        "worst_at": int(cell("worst-at")),
+        "mean_pad": float(cell("mean-pad")),
+    }
 
 
 def padding_of(table, routine: str, n: int) -> int:
     """Padding a batch of n tokens gets, straight from the table's router."""
-    route = (step_route(table, n, n // table.q, table.q) if routine == "decode" else table.route(n))
+    route = step_route(table, n, n // table.q, table.q) if routine == "decode" else table.route(n)
     return route.padded_tokens - n
 
 
@@ -57,7 +60,10 @@ def test_every_plan_reports_to_a_self_contained_page(tmp_path, plan):
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     for forbidden in ("<script", " src=", " href=", "url(", "@import", "<link", "<iframe"):
         assert forbidden not in page.lower()
-    assert re.findall(r"https?://[^\s\"'<]+", page) in ([], ["http://www.w3.org/2000/svg"] * page.count("<svg"))
+    assert re.findall(r"https?://[^\s\"'<]+", page) in (
+        [],
+        ["http://www.w3.org/2000/svg"] * page.count("<svg"),
+    )
 
 
 @pytest.mark.parametrize("plan", [p for p in ALL_PLANS if p != "eager.yaml"])
@@ -92,25 +98,34 @@ def test_graph_counts_and_memory_match_the_table(tmp_path):
     assert re.search(r'id="num-graphs">(\d+)<', page).group(1) == str(len(table.graphs))
     chart = svg(page, "graphs-chart")
     bars = dict(re.findall(r'data-bar="([^"]+)"[^>]*>(\d+)<', chart))
-    assert bars == {"FULL decode": str(sum(g.routine == "full_decode" for g in table.graphs)),
-                    "FULL decode, ubatched": str(sum(g.routine == "full_decode_ubatched"
-                                                     for g in table.graphs))}
+    assert bars == {
+        "FULL decode": str(sum(g.routine == "full_decode" for g in table.graphs)),
+        "FULL decode, ubatched": str(
+            sum(g.routine == "full_decode_ubatched" for g in table.graphs)
+        ),
+    }
     assert int(re.search(r'id="graphs-FULL">(\d+)<', page).group(1)) == len(table.graphs)
     mem = estimate(table)
     assert f'data-bytes="{mem["total_bytes"]}"' in page
     assert html.escape(mem["explanation"]) in page
-    rows = re.findall(r'<tr><td class="num">(\d+)</td><td>(\w+)</td><td>(\w+)</td>'
-                      r'<td class="num">(\d+)</td>', page)
+    rows = re.findall(
+        r'<tr><td class="num">(\d+)</td><td>(\w+)</td><td>(\w+)</td>'
+        r'<td class="num">(\d+)</td>',
+        page,
+    )
     assert [(int(i), m, r, int(n)) for i, m, r, n in rows] == [
-        (g.id, g.mode.name, g.routine, g.key.num_tokens) for g in table.graphs]
+        (g.id, g.mode.name, g.routine, g.key.num_tokens) for g in table.graphs
+    ]
 
 
 def test_every_diagnostic_and_downgrade_is_listed_with_its_place(tmp_path):
     plan = tmp_path / "p.yaml"
-    plan.write_text("version: 1\nname: downgraded\n"
-                    "scheduler: {max_num_seqs: 16, max_num_batched_tokens: 64}\n"
-                    "cudagraph:\n  mode: FULL\n  attention_support: UNIFORM_BATCH\n"
-                    "  capture_sizes: [1, 8, 8, 100]\n")
+    plan.write_text(
+        "version: 1\nname: downgraded\n"
+        "scheduler: {max_num_seqs: 16, max_num_batched_tokens: 64}\n"
+        "cudagraph:\n  mode: FULL\n  attention_support: UNIFORM_BATCH\n"
+        "  capture_sizes: [1, 8, 8, 100]\n"
+    )
     table = compile_plan(plan)
     assert len(table.diagnostics) == 3
     page = report(tmp_path, plan)
@@ -159,8 +174,21 @@ def test_a_trace_that_does_not_fit_the_plan_gets_warnings(tmp_path, capsys):
     # the chat trace has steps of 130+ requests and was recorded without speculative decoding;
     # the eagle3 plan allows 128 requests and has decode_query_len 3
     out = tmp_path / "r.html"
-    assert main(["report", str(PLANS / "llama3-8b-eagle3.yaml"), "-o", str(out), "--trace",
-                 str(CHAT), "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(PLANS / "llama3-8b-eagle3.yaml"),
+                "-o",
+                str(out),
+                "--trace",
+                str(CHAT),
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)["trace"]
     w = got["warnings"]
     assert len(w) == 2 and got["steps"] < 20000
@@ -184,7 +212,7 @@ def test_a_report_from_a_compiled_table_matches_the_plans(tmp_path):
     assert main(["compile", str(H100), "-o", str(table_path)]) == 0
     a = report(tmp_path, H100)
     b = report(tmp_path, table_path)
-    strip = lambda s: re.sub(r"report of <code>[^<]*</code>", "", s)  # noqa: E731
+    strip = lambda s: re.sub(r"report of <code>[^<]*</code>", "", s)
     assert strip(a) == strip(b)
 
 
@@ -200,13 +228,23 @@ def test_failures_exit_1_without_traceback_and_leave_the_old_report(tmp_path, ca
     assert f"{bad}:1: num_tokens 99999 exceeds" in err and "cannot write here" in err
     assert "not a graphplan memory profile" in err and "Traceback" not in err
     assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "bad.jsonl", "report.html"]
+        "bad.jsonl",
+        "report.html",
+    ]
 
 
 # -- a real browser --------------------------------------------------------------------------------
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def png_rows(data: bytes) -> tuple[int, int, bytes]:
@@ -214,8 +252,8 @@ def png_rows(data: bytes) -> tuple[int, int, bytes]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width, height = 8, b"", 0, 0
     while pos < len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
         elif kind == b"IDAT":
@@ -233,8 +271,12 @@ def test_the_report_renders_in_headless_chromium(tmp_path):
     assert main(["report", str(H100), "-o", str(page), "--trace", str(CHAT)]) == 0
     shot = tmp_path / "shot.png"
     common = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
-    run = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,2000",
-                          page.as_uri()], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [*common, f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists(), run.stderr[-2000:]
     data = shot.read_bytes()
     width, height, rows = png_rows(data)
@@ -242,8 +284,15 @@ def test_the_report_renders_in_headless_chromium(tmp_path):
     # a blank page filters to (nearly) all zero bytes; text, tables and charts do not
     assert sum(b != 0 for b in rows[::7]) > 0.02 * len(rows[::7])
     assert len(set(rows)) > 100
-    dom = subprocess.run([*common, "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120).stdout
-    for element in ('<svg id="padding-decode"', '<svg id="padding-mixed"', '<svg id="graphs-chart"',
-                    '<svg id="trace-by-size"', '<table id="graphs">', '<polyline class="curve"'):
+    dom = subprocess.run(
+        [*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
+    for element in (
+        '<svg id="padding-decode"',
+        '<svg id="padding-mixed"',
+        '<svg id="graphs-chart"',
+        '<svg id="trace-by-size"',
+        '<table id="graphs">',
+        '<polyline class="curve"',
+    ):
         assert element in dom

@@ -8,22 +8,46 @@ import re
 
 import pytest
 import torch
-from tiny_llama import (TinyLlama, TinyLlamaConfig, greedy, greedy_mismatch, make_batch,
-                        reference_generate, static_inputs)
 
 from graphplan.compiler import compile_plan
-from graphplan.runtime import (BatchError, CaptureError, GraphRunner, RunnerStateError, StaticInput,
-                     TableError, render_prometheus)
+from graphplan.models.tiny_llama import (
+    TinyLlama,
+    TinyLlamaConfig,
+    greedy,
+    greedy_mismatch,
+    make_batch,
+    reference_generate,
+    static_inputs,
+)
+from graphplan.runtime import (
+    BatchError,
+    CaptureError,
+    GraphRunner,
+    RunnerStateError,
+    StaticInput,
+    TableError,
+    render_prometheus,
+)
 
-CFG = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
-                      max_model_len=32, num_cache_rows=8)
+CFG = TinyLlamaConfig(
+    vocab_size=128,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=96,
+    max_model_len=32,
+    num_cache_rows=8,
+)
 
 
 def plan(mode="FULL", sizes=(1, 2, 4, 8, 16), **sched):
-    return {"version": 1, "name": "t",
-            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, **sched},
-            "cudagraph": {"mode": mode, "attention_support": "ALWAYS",
-                          "capture_sizes": list(sizes)}}
+    return {
+        "version": 1,
+        "name": "t",
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, **sched},
+        "cudagraph": {"mode": mode, "attention_support": "ALWAYS", "capture_sizes": list(sizes)},
+    }
 
 
 def runner_for(p, model=None, **kw):
@@ -73,17 +97,27 @@ def context_checks(model, runner, tol):
 
     def rand(n):
         return torch.randint(1, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
     probe, other_past = rand(9), rand(9)
     neighbours = [[rand(12), rand(5)], [rand(3), rand(15)]]  # two different sets of neighbours
     out = {}
-    for name, past, nbrs in (("a", probe, neighbours[0]), ("b", probe, neighbours[1]),
-                             ("changed", other_past[:-1] + probe[-1:], neighbours[0])):
+    for name, past, nbrs in (
+        ("a", probe, neighbours[0]),
+        ("b", probe, neighbours[1]),
+        ("changed", other_past[:-1] + probe[-1:], neighbours[0]),
+    ):
         model.kv_cache.zero_()
-        prefill = make_batch(model, [(0, 0, past[:-1]), *((r + 1, 0, p[:-1])
-                                                            for r, p in enumerate(nbrs))])
+        prefill = make_batch(
+            model, [(0, 0, past[:-1]), *((r + 1, 0, p[:-1]) for r, p in enumerate(nbrs))]
+        )
         runner.step(prefill, num_reqs=3, max_query_len=max(len(past), *map(len, nbrs)) - 1)
-        decode = make_batch(model, [(0, len(past) - 1, past[-1:]),
-                                    *((r + 1, len(p) - 1, p[-1:]) for r, p in enumerate(nbrs))])
+        decode = make_batch(
+            model,
+            [
+                (0, len(past) - 1, past[-1:]),
+                *((r + 1, len(p) - 1, p[-1:]) for r, p in enumerate(nbrs)),
+            ],
+        )
         out[name] = runner.step(decode, num_reqs=3, max_query_len=1)[0].float().cpu().clone()
     torch.testing.assert_close(out["a"], out["b"], atol=tol, rtol=tol)  # neighbours: no effect
     moved = (out["a"] - out["changed"]).abs().max().item()
@@ -115,16 +149,23 @@ def test_copy_in_writes_every_dtype_and_a_non_contiguous_input_exactly():
     """StaticBuffers.load copies contiguous inputs in one foreach over byte views (mixed dtypes,
     trailing dimensions) and any other input on its own; pads follow the real rows."""
     from graphplan.runtime.buffers import StaticBuffers
-    specs = [StaticInput(name="ids", per="token", dtype=torch.int64, pad=-1),
-             StaticInput(name="emb", per="token", dtype=torch.float16, trailing=(3,)),
-             StaticInput(name="flag", per="token", dtype=torch.bool),
-             StaticInput(name="lens", per="req", dtype=torch.int32, pad=7),
-             StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last")]
+
+    specs = [
+        StaticInput(name="ids", per="token", dtype=torch.int64, pad=-1),
+        StaticInput(name="emb", per="token", dtype=torch.float16, trailing=(3,)),
+        StaticInput(name="flag", per="token", dtype=torch.bool),
+        StaticInput(name="lens", per="req", dtype=torch.int32, pad=7),
+        StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last"),
+    ]
     bufs = StaticBuffers(specs, max_tokens=8, max_reqs=4, device="cpu")
     wide = torch.arange(12, dtype=torch.float16).reshape(3, 4)
-    batch = {"ids": torch.tensor([5, -2, 1 << 40]), "emb": wide[:, :3],  # not contiguous
-             "flag": torch.tensor([True, False, True]), "lens": torch.tensor([9, 8], dtype=torch.int32),
-             "qsl": torch.tensor([0, 2, 3], dtype=torch.int32)}
+    batch = {
+        "ids": torch.tensor([5, -2, 1 << 40]),
+        "emb": wide[:, :3],  # not contiguous
+        "flag": torch.tensor([True, False, True]),
+        "lens": torch.tensor([9, 8], dtype=torch.int32),
+        "qsl": torch.tensor([0, 2, 3], dtype=torch.int32),
+    }
     assert not batch["emb"].is_contiguous()
     bufs.check(batch, 3, 2)
     bufs.load(batch, 3, 2, padded_tokens=4, padded_reqs=3)
@@ -141,6 +182,7 @@ def test_the_compiled_model_writes_its_outputs_into_the_callers_buffers():
     """CompiledModel.run_into: the body a compiled FULL graph records writes rows [0, n) of the
     static outputs from the compiled code (no copy after it); rows past n are left alone."""
     from graphplan.runtime import CompiledModel
+
     torch._dynamo.reset()
     model = TinyLlama(CFG, seed=0)
     compiled = CompiledModel(model, "eager")
@@ -186,8 +228,10 @@ def test_capture_twice_is_an_error():
 def test_bad_batches_give_clear_errors_and_leave_the_runner_usable():
     model, runner = runner_for(plan())
     runner.capture()
-    too_many = {k: torch.zeros(65 if k not in ("seq_lens", "query_start_loc") else 1,
-                               dtype=v.dtype) for k, v in decode_batch(model, 1).items()}
+    too_many = {
+        k: torch.zeros(65 if k not in ("seq_lens", "query_start_loc") else 1, dtype=v.dtype)
+        for k, v in decode_batch(model, 1).items()
+    }
     with pytest.raises(BatchError, match="outside 1..64"):
         runner.step(too_many, num_reqs=1, max_query_len=65)
     wrong_dtype = decode_batch(model, 2)
@@ -209,8 +253,12 @@ def test_bad_batches_give_clear_errors_and_leave_the_runner_usable():
 def test_table_fingerprint_mismatch_is_refused():
     model = TinyLlama(CFG, seed=0)
     with pytest.raises(TableError, match="does not match the runner's"):
-        GraphRunner(model, compile_plan(plan()), static_inputs(model),
-                    expected_fingerprint="sha256:" + "0" * 64)
+        GraphRunner(
+            model,
+            compile_plan(plan()),
+            static_inputs(model),
+            expected_fingerprint="sha256:" + "0" * 64,
+        )
 
 
 def test_runner_loads_a_table_file(tmp_path):
@@ -235,10 +283,14 @@ class FailsAt:
 
 def test_failed_capture_names_the_graph_releases_everything_and_runner_stays_usable():
     model = TinyLlama(CFG, seed=0)
-    runner = GraphRunner(FailsAt(model, 4), compile_plan(plan()), static_inputs(model),
-                         progress=False, device="cpu")
-    with pytest.raises(CaptureError, match=r"graph #2 \(4 tokens.*Released every graph.*lower "
-                                           r"cudagraph.capture_sizes"):
+    runner = GraphRunner(
+        FailsAt(model, 4), compile_plan(plan()), static_inputs(model), progress=False, device="cpu"
+    )
+    with pytest.raises(
+        CaptureError,
+        match=r"graph #2 \(4 tokens.*Released every graph.*lower "
+        r"cudagraph.capture_sizes",
+    ):
         runner.capture()
     assert runner.captured_graph_ids() == [] and not runner.captured
     out = runner.step(decode_batch(model, 2), num_reqs=2, max_query_len=1)  # eager, still works
@@ -257,8 +309,17 @@ def test_capture_summary_and_prometheus_metrics():
     runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
     runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
     s = runner.stats()
-    assert s["graphs"] == [{"id": 2, "mode": "FULL", "num_tokens": 4, "num_active_loras": 0,
-                            "num_ubatches": 1, "replays": 2, "padding_tokens": 2}]
+    assert s["graphs"] == [
+        {
+            "id": 2,
+            "mode": "FULL",
+            "num_tokens": 4,
+            "num_active_loras": 0,
+            "num_ubatches": 1,
+            "replays": 2,
+            "padding_tokens": 2,
+        }
+    ]
     text = render_prometheus(s)
     assert 'graphplan_graph_replays_total{graph="2",mode="FULL",num_tokens="4"} 2' in text
     assert 'graphplan_graph_padding_tokens_total{graph="2",mode="FULL",num_tokens="4"} 2' in text
@@ -281,8 +342,9 @@ def test_multiple_outputs_are_sliced_to_real_rows():
         logits = model(**kw)
         return logits, logits.argmax(-1)
 
-    runner = GraphRunner(two_outputs, compile_plan(plan()), static_inputs(model), device="cpu",
-                         progress=False)
+    runner = GraphRunner(
+        two_outputs, compile_plan(plan()), static_inputs(model), device="cpu", progress=False
+    )
     runner.capture()
     logits, ids = runner.step(decode_batch(model, 3), num_reqs=3, max_query_len=1)
     assert logits.shape == (3, CFG.vocab_size) and ids.shape == (3,)

@@ -3,18 +3,41 @@
 import pytest
 import torch
 from test_runtime import context_checks
-from tiny_llama import (LOGIT_TOL, TinyLlama, TinyLlamaConfig, greedy, greedy_mismatch,
-                        make_batch, static_inputs)
 
 from graphplan.compiler import compile_plan
+from graphplan.models.tiny_llama import (
+    LOGIT_TOL,
+    TinyLlama,
+    TinyLlamaConfig,
+    greedy,
+    greedy_mismatch,
+    make_batch,
+    static_inputs,
+)
 from graphplan.runtime import CaptureError, GraphRunner
 
 pytestmark = pytest.mark.gpu
 
-CFG = TinyLlamaConfig(vocab_size=2048, hidden=256, layers=2, heads=4, kv_heads=1,
-                      intermediate=768, max_model_len=64, num_cache_rows=32)
-PLAN = {"version": 1, "name": "gpu", "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256},
-        "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS", "capture_sizes": {"preset": "vllm"}}}
+CFG = TinyLlamaConfig(
+    vocab_size=2048,
+    hidden=256,
+    layers=2,
+    heads=4,
+    kv_heads=1,
+    intermediate=768,
+    max_model_len=64,
+    num_cache_rows=32,
+)
+PLAN = {
+    "version": 1,
+    "name": "gpu",
+    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256},
+    "cudagraph": {
+        "mode": "FULL",
+        "attention_support": "ALWAYS",
+        "capture_sizes": {"preset": "vllm"},
+    },
+}
 
 
 def model():
@@ -58,8 +81,10 @@ def test_greedy_generation_with_graphs_is_identical_to_eager():
     runner = GraphRunner(m, compile_plan(PLAN), static_inputs(m), progress=False)
     runner.capture()
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, CFG.vocab_size, (int(k),), generator=gen).tolist()
-               for k in torch.randint(1, 20, (12,), generator=gen)]
+    prompts = [
+        torch.randint(1, CFG.vocab_size, (int(k),), generator=gen).tolist()
+        for k in torch.randint(1, 20, (12,), generator=gen)
+    ]
     graphs, got = greedy(m, prompts, 24, step=lambda b, r, q: runner.step(b, r, q))
     _, want = greedy(model(), prompts, 24, forced=graphs)  # eager over the graphs' tokens
     assert greedy_mismatch(graphs, got, want, torch.bfloat16) is None

@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphplan.models.tiny_llama import greedy, greedy_mismatch, reference_generate
+from graphplan.server import ModelSpec, Server, build_model, load_table
+from graphplan.server import engine as engine_mod
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tiny_llama import greedy, greedy_mismatch, reference_generate  # noqa: E402
-
-from examples.server import ModelSpec, Server, build_model, load_table  # noqa: E402
-from examples.server import engine as engine_mod  # noqa: E402
 
 SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
 SPEC_ARGS = ["--layers", "2", "--hidden", "64", "--vocab-size", "128", "--max-model-len", "48"]
@@ -32,10 +30,12 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def plan_text(name="t", sizes=(1, 2, 4, 8), mode="FULL_AND_PIECEWISE", seqs=8) -> str:
-    return (f"version: 1\nname: {name}\n"
-            f"scheduler: {{max_num_seqs: {seqs}, max_num_batched_tokens: 64}}\n"
-            f"cudagraph: {{mode: {mode}, attention_support: ALWAYS, splitting_ops: [attention], "
-            f"capture_sizes: {list(sizes)}}}\n")
+    return (
+        f"version: 1\nname: {name}\n"
+        f"scheduler: {{max_num_seqs: {seqs}, max_num_batched_tokens: 64}}\n"
+        f"cudagraph: {{mode: {mode}, attention_support: ALWAYS, splitting_ops: [attention], "
+        f"capture_sizes: {list(sizes)}}}\n"
+    )
 
 
 @pytest.fixture
@@ -47,8 +47,7 @@ def plan_file(tmp_path):
 
 @pytest.fixture
 def server(plan_file):
-    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096,
-               admin_token=TOKEN).start()
+    s = Server(plan_file, spec=SPEC, progress=False, max_body_bytes=4096, admin_token=TOKEN).start()
     assert s.wait_ready(30)
     yield s
     s.stop()
@@ -71,11 +70,13 @@ def load_table_from_text(text):
     import yaml
 
     from graphplan.compiler import compile_plan
+
     return compile_plan(yaml.safe_load(text))
 
 
-def exchange(server, method, path, body=None, headers=None, raw: bytes | None = None,
-             timeout: float = 60):
+def exchange(
+    server, method, path, body=None, headers=None, raw: bytes | None = None, timeout: float = 60
+):
     """One HTTP request to ``server`` (a running app, or (host, port)): (response, body text).
     ``body`` is sent as JSON, ``raw`` as is."""
     host, port = server.httpd.server_address[:2] if hasattr(server, "httpd") else server
@@ -99,8 +100,10 @@ def request(server, method, path, body=None, headers=None, raw: bytes | None = N
 
 def random_prompts(n, seed):
     rng = random.Random(seed)
-    return [([rng.randrange(SPEC.vocab_size) for _ in range(rng.randint(1, 20))],
-             rng.randint(1, 12)) for _ in range(n)]
+    return [
+        ([rng.randrange(SPEC.vocab_size) for _ in range(rng.randint(1, 20))], rng.randint(1, 12))
+        for _ in range(n)
+    ]
 
 
 def run_concurrently(fns):
@@ -108,6 +111,7 @@ def run_concurrently(fns):
 
     def call(i):
         out[i] = fns[i]()
+
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
     for t in threads:
         t.start()
@@ -117,8 +121,9 @@ def run_concurrently(fns):
 
 
 def generate(server, prompt, max_tokens, stream=False):
-    status, body = request(server, "POST", "/generate",
-                           {"prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+    status, body = request(
+        server, "POST", "/generate", {"prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    )
     assert status == 200, body
     if stream:
         assert [line["token"] for line in body[:-1]] == body[-1]["tokens"] and body[-1]["done"]
@@ -133,6 +138,7 @@ def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkey
     def slow_capture(self, *a, **kw):
         assert gate.wait(30)
         return real_capture(self, *a, **kw)
+
     monkeypatch.setattr(engine_mod.GraphRunner, "capture", slow_capture)
     s = Server(plan_file, spec=SPEC, progress=False).start()
     try:
@@ -160,6 +166,7 @@ def record_logits(server) -> dict:
             if i >= 0:
                 rows.setdefault(rid, []).append(logits[i].to("cpu", torch.float32, copy=True))
         return commit(batch, logits)
+
     batcher.commit = recording
     return rows
 
@@ -178,17 +185,26 @@ def assert_logits_equal_offline(rows: dict, device: str = "cpu") -> None:
 def test_concurrent_generates_equal_offline_greedy_for_each_prompt_alone(server):
     rows = record_logits(server)
     work = random_prompts(20, seed=1)  # more requests than KV rows (8): queueing and row reuse
-    outs = run_concurrently([lambda p=p, n=n, i=i: generate(server, p, n, stream=i % 3 == 0)
-                             for i, (p, n) in enumerate(work)])
+    outs = run_concurrently(
+        [
+            lambda p=p, n=n, i=i: generate(server, p, n, stream=i % 3 == 0)
+            for i, (p, n) in enumerate(work)
+        ]
+    )
     assert outs == [_reference(tuple(p), n) for p, n in work]
     assert len(rows) == 20
     assert_logits_equal_offline(rows)  # logits too, not only tokens
-    status, body = request(server, "POST", "/generate",
-                           {"prompts": [p for p, _ in work[:3]], "max_tokens": 5})
+    status, body = request(
+        server, "POST", "/generate", {"prompts": [p for p, _ in work[:3]], "max_tokens": 5}
+    )
     assert status == 200
     assert [r["tokens"] for r in body["results"]] == [_reference(tuple(p), 5) for p, _ in work[:3]]
-    status, lines = request(server, "POST", "/generate",
-                            {"prompts": [p for p, _ in work[:2]], "max_tokens": 3, "stream": True})
+    status, lines = request(
+        server,
+        "POST",
+        "/generate",
+        {"prompts": [p for p, _ in work[:2]], "max_tokens": 3, "stream": True},
+    )
     finals = {x["prompt"]: x["tokens"] for x in lines if x.get("done")}
     assert status == 200 and finals == {i: _reference(tuple(work[i][0]), 3) for i in range(2)}
     assert len([x for x in lines if "token" in x]) == 6
@@ -249,6 +265,7 @@ def test_a_failing_step_fails_only_its_requests_with_500_and_the_loop_continues(
             calls.append(1)
             raise RuntimeError("injected")
         return type(runner).step(runner, *a, **kw)
+
     runner.step = broken_once
     status, body = request(server, "POST", "/generate", {"prompt": [5, 6], "max_tokens": 3})
     assert status == 500 and "injected" in body["error"]
@@ -262,28 +279,33 @@ def test_metrics_expose_the_runner_and_server_series(server):
     assert status == 200
     fp, stats = server.engine.table.fingerprint, server.engine.runner.stats()
     assert stats["replays"] + sum(stats["eager_steps"].values()) == 4  # 1 prefill + 3 decodes
-    for series in (f'graphplan_plan_info{{plan="t",fingerprint="{fp}",backend="cpu-stand-in"}} 1',
-                   f'graphplan_graph_replays_total{{fingerprint="{fp}",graph=',
-                   'graphplan_graph_padding_tokens_total{',
-                   "# TYPE graphplan_eager_steps_total counter",
-                   "graphplan_capture_seconds ", "graphplan_capture_bytes ",
-                   f"graphplan_captured_graphs {stats['capture']['graphs']}",
-                   'graphplan_server_requests_total{code="200"} 1',
-                   "graphplan_server_generated_tokens_total 4",
-                   "graphplan_server_prompt_tokens_total 3", "graphplan_server_queue_depth 0",
-                   "graphplan_server_running_requests 0",
-                   'graphplan_server_steps_total{kind="decode"} 3',
-                   "# TYPE graphplan_server_step_seconds histogram",
-                   'graphplan_server_step_seconds_bucket{le="+Inf"} 4',
-                   "graphplan_server_step_seconds_count 4",
-                   'graphplan_server_request_seconds_bucket{le="+Inf"} 1'):
+    for series in (
+        f'graphplan_plan_info{{plan="t",fingerprint="{fp}",backend="cpu-stand-in"}} 1',
+        f'graphplan_graph_replays_total{{fingerprint="{fp}",graph=',
+        "graphplan_graph_padding_tokens_total{",
+        "# TYPE graphplan_eager_steps_total counter",
+        "graphplan_capture_seconds ",
+        "graphplan_capture_bytes ",
+        f"graphplan_captured_graphs {stats['capture']['graphs']}",
+        'graphplan_server_requests_total{code="200"} 1',
+        "graphplan_server_generated_tokens_total 4",
+        "graphplan_server_prompt_tokens_total 3",
+        "graphplan_server_queue_depth 0",
+        "graphplan_server_running_requests 0",
+        'graphplan_server_steps_total{kind="decode"} 3',
+        "# TYPE graphplan_server_step_seconds histogram",
+        'graphplan_server_step_seconds_bucket{le="+Inf"} 4',
+        "graphplan_server_step_seconds_count 4",
+        'graphplan_server_request_seconds_bucket{le="+Inf"} 1',
+    ):
         assert series in text, series
 
 
 def _series(text: str, name: str) -> dict[str, float]:
     """{labels: value} of one Prometheus series."""
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)
+    }
 
 
 def test_metrics_count_every_response_by_code(server):
@@ -293,23 +315,34 @@ def test_metrics_count_every_response_by_code(server):
     assert request(server, "GET", "/healthz")[0] == 200
     text = request(server, "GET", "/metrics")[1]
     got = _series(text, "graphplan_server_http_responses_total")
-    assert got == {'code="200",endpoint="/generate"': 1, 'code="422",endpoint="/generate"': 1,
-                   'code="404",endpoint="other"': 1, 'code="200",endpoint="/healthz"': 1}
+    assert got == {
+        'code="200",endpoint="/generate"': 1,
+        'code="422",endpoint="/generate"': 1,
+        'code="404",endpoint="other"': 1,
+        'code="200",endpoint="/healthz"': 1,
+    }
     text = request(server, "GET", "/metrics")[1]  # the first scrape is counted by the next
-    assert _series(text, "graphplan_server_http_responses_total")[
-        'code="200",endpoint="/metrics"'] == 1
+    assert (
+        _series(text, "graphplan_server_http_responses_total")['code="200",endpoint="/metrics"']
+        == 1
+    )
 
 
-def test_replay_counters_stay_cumulative_per_plan_fingerprint_across_reloads(server, plan_file,
-                                                                             tmp_path):
+def test_replay_counters_stay_cumulative_per_plan_fingerprint_across_reloads(
+    server, plan_file, tmp_path
+):
     other = plan_file.parent / "other-cumulative.yaml"  # inside the reload directory
     other.write_text(plan_text(name="t2", sizes=(1, 2, 4), mode="FULL"))
     fp_a = server.engine.table.fingerprint
 
     def replays(fp):
         text = request(server, "GET", "/metrics")[1]
-        return sum(v for k, v in _series(text, "graphplan_graph_replays_total").items()
-                   if f'fingerprint="{fp}"' in k)
+        return sum(
+            v
+            for k, v in _series(text, "graphplan_graph_replays_total").items()
+            if f'fingerprint="{fp}"' in k
+        )
+
     generate(server, [1, 2, 3], 4)
     a1 = replays(fp_a)
     assert a1 > 0
@@ -330,16 +363,22 @@ def test_replay_counters_stay_cumulative_per_plan_fingerprint_across_reloads(ser
     assert replays(fp_a) + replays(fp_b) + eager == steps  # every step of every plan counted
 
 
-def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_finish(server,
-                                                                                      tmp_path):
+def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_finish(
+    server, tmp_path
+):
     new = tmp_path / "new.yaml"
     new.write_text(plan_text(name="t2", sizes=(1, 2, 4), mode="FULL", seqs=4))  # fewer seats
     old_fp = server.engine.table.fingerprint
     work = random_prompts(12, seed=2)
     work = [(p, 30 - len(p) % 7) for p, _ in work]  # long enough to straddle the swap
     results = []
-    clients = threading.Thread(target=lambda: results.extend(run_concurrently(
-        [lambda p=p, n=n: generate(server, p, n, stream=True) for p, n in work])))
+    clients = threading.Thread(
+        target=lambda: results.extend(
+            run_concurrently(
+                [lambda p=p, n=n: generate(server, p, n, stream=True) for p, n in work]
+            )
+        )
+    )
     clients.start()
     deadline = time.monotonic() + 20
     while server.engine.num_running() <= 4 and time.monotonic() < deadline:
@@ -360,8 +399,13 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
     load_table_from_text(plan_text(name="t3", sizes=(1, 8), mode="FULL")).save(table)
     status, body = request(server, "POST", "/admin/reload", {"path": str(table)}, ADMIN)
     assert status == 200 and body["plan"] == "t3" and body["capture"]["graphs"] == 2
-    status, body = request(server, "POST", "/admin/reload",
-                           {"path": str(table), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
+    status, body = request(
+        server,
+        "POST",
+        "/admin/reload",
+        {"path": str(table), "set": {"cudagraph.mode": "NONE"}},
+        ADMIN,
+    )
     assert status == 422 and "apply to plans, not to a compiled table" in body["error"]
     assert generate(server, [8, 1], 4) == _reference((8, 1), 4)
 
@@ -373,19 +417,25 @@ def test_reload_with_a_bad_plan_is_rejected_and_the_old_plan_kept(server, tmp_pa
     too_big = tmp_path / "big.yaml"
     too_big.write_text(plan_text(seqs=16))
     for body, status, message in [
-            ({"path": str(bad)}, 422, r"bad\.yaml:\d+:\d+: error.*did you mean 'FULL_DECODE_ONLY'"),
-            ({"path": str(too_big)}, 422, "max_num_seqs=16, but this server's KV cache has 8 rows"),
-            ({"path": str(tmp_path / "missing.yaml")}, 422, "missing.yaml: error.*no such file"),
-            ({"path": 3}, 400, "'path' must be a non-empty string"),
-            ({"set": ["x"]}, 400, "'set' must be an object"),
-            (None, 400, "malformed JSON")]:
+        ({"path": str(bad)}, 422, r"bad\.yaml:\d+:\d+: error.*did you mean 'FULL_DECODE_ONLY'"),
+        ({"path": str(too_big)}, 422, "max_num_seqs=16, but this server's KV cache has 8 rows"),
+        ({"path": str(tmp_path / "missing.yaml")}, 422, "missing.yaml: error.*no such file"),
+        ({"path": 3}, 400, "'path' must be a non-empty string"),
+        ({"set": ["x"]}, 400, "'set' must be an object"),
+        (None, 400, "malformed JSON"),
+    ]:
         raw = b"{" if body is None else None
         got, reply = request(server, "POST", "/admin/reload", body, ADMIN, raw=raw)
         assert got == status and re.search(message, reply["error"]), reply
         assert status == 400 or f"still serving {fp[:19]}" in reply["error"]
         assert server.engine.table.fingerprint == fp
-    got, reply = request(server, "POST", "/admin/reload",  # the bad plan, fixed by an override
-                         {"path": str(bad), "set": {"cudagraph.mode": "NONE"}}, ADMIN)
+    got, reply = request(
+        server,
+        "POST",
+        "/admin/reload",  # the bad plan, fixed by an override
+        {"path": str(bad), "set": {"cudagraph.mode": "NONE"}},
+        ADMIN,
+    )
     assert got == 200 and server.engine.runner.stats()["capture"]["graphs"] == 0, reply
     assert server.engine.metrics.reloads == {"rejected": 3, "ok": 1}
     assert generate(server, [9, 9], 4) == _reference((9, 9), 4)
@@ -437,7 +487,8 @@ def _wait_for_port(proc, deadline):
 
 
 def test_cli_refuses_a_bad_plan_with_the_compiler_message_and_exit_code(tmp_path, capsys):
-    from examples.server.__main__ import main
+    from graphplan.server.cli import main
+
     bad = tmp_path / "bad.yaml"
     bad.write_text(plan_text(mode="FULL_DECODE"))
     assert main(["--plan", str(bad), "--port", "0", "--device", "cpu", *SPEC_ARGS]) == 2
@@ -448,8 +499,19 @@ def test_cli_refuses_a_bad_plan_with_the_compiler_message_and_exit_code(tmp_path
 
 
 def test_cli_serves_reloads_on_sighup_and_stops_cleanly_on_sigterm(plan_file):
-    cmd = [sys.executable, "-m", "examples.server", "--plan", str(plan_file), "--port", "0",
-           "--device", "cpu", "--no-progress", *SPEC_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphplan.server",
+        "--plan",
+        str(plan_file),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *SPEC_ARGS,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -482,8 +544,10 @@ def test_server_on_cuda_generates_offline_greedy_tokens_with_graphs():
         assert s.wait_ready(120), s.engine.error
         rows = record_logits(s)
         rng = random.Random(3)
-        work = [([rng.randrange(2048) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
-                for _ in range(24)]
+        work = [
+            ([rng.randrange(2048) for _ in range(rng.randint(1, 40))], rng.randint(1, 40))
+            for _ in range(24)
+        ]
         outs = run_concurrently([lambda p=p, n=n: generate(s, p, n) for p, n in work])
         assert_logits_equal_offline(rows, "cuda")  # float32: LOGIT_TOL 1e-3
         assert outs == [_reference(tuple(p), n, "cuda") for p, n in work]

@@ -15,8 +15,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from graphplan.compiler import DispatchTable, OutputError, TableError, compile_plan
-from graphplan.compiler import records, table_format
+from graphplan.compiler import (
+    DispatchTable,
+    OutputError,
+    TableError,
+    compile_plan,
+    records,
+    table_format,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_VARS = {"sweep.yaml.j2": {"max_num_seqs": 128, "spec_tokens": 2}}
@@ -39,10 +45,12 @@ def resealed(data: dict) -> dict:
     data = copy.deepcopy(data)
     try:
         version = data.get("compiler_version")
-        data["fingerprint"] = table_format.plan_fingerprint(data.get("plan"), data.get("settings"),
-                                                            version)
+        data["fingerprint"] = table_format.plan_fingerprint(
+            data.get("plan"), data.get("settings"), version
+        )
         data["content_fingerprint"] = table_format.content_fingerprint(
-            data.get("settings"), data.get("graphs"), data.get("routes"), version)
+            data.get("settings"), data.get("graphs"), data.get("routes"), version
+        )
     except (TypeError, ValueError, AttributeError):
         pass  # damage that cannot be hashed; the loader must still refuse it cleanly
     data["checksum"] = checksum(data)
@@ -52,8 +60,12 @@ def resealed(data: dict) -> dict:
 def checksum(data: dict) -> str:
     """The checksum of everything but the checksum, as the compiler writes it."""
     body = {k: v for k, v in data.items() if k != "checksum"}
-    return "sha256:" + hashlib.sha256(json.dumps(
-        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()).hexdigest()
+    return (
+        "sha256:"
+        + hashlib.sha256(
+            json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        ).hexdigest()
+    )
 
 
 def all_routes(t: DispatchTable) -> list[tuple]:
@@ -70,6 +82,7 @@ def all_routes(t: DispatchTable) -> list[tuple]:
 
 # -- round trip and determinism ----------------------------------------------------------------
 
+
 def test_save_then_load_gives_the_same_table_and_routes(h100, tmp_path):
     path = tmp_path / "table.json"
     h100.save(path)
@@ -77,14 +90,16 @@ def test_save_then_load_gives_the_same_table_and_routes(h100, tmp_path):
     assert path.read_bytes() == h100.dumps() == loaded.dumps()
     assert loaded.graphs == h100.graphs
     assert loaded.fingerprint == h100.fingerprint
-    assert {k: v.tolist() for k, v in loaded.routes.items()} == \
-        {k: v.tolist() for k, v in h100.routes.items()}
+    assert {k: v.tolist() for k, v in loaded.routes.items()} == {
+        k: v.tolist() for k, v in h100.routes.items()
+    }
     assert all(v.dtype.name == "int32" for v in loaded.routes.values())
     assert all_routes(loaded) == all_routes(h100)
 
 
 def test_a_table_pickles_and_copies_with_its_own_routes(h100):
     import pickle
+
     for other in (pickle.loads(pickle.dumps(h100)), copy.copy(h100), copy.deepcopy(h100)):
         assert other.dumps() == h100.dumps()
         assert all_routes(other) == all_routes(h100)
@@ -94,8 +109,12 @@ def test_a_table_pickles_and_copies_with_its_own_routes(h100):
 def test_table_bytes_are_canonical_json_with_one_trailing_newline(h100):
     raw = h100.dumps()
     assert raw.endswith(b"}\n") and raw.count(b"\n") == 1
-    assert raw[:-1] == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"),
-                                  ensure_ascii=True).encode()
+    assert (
+        raw[:-1]
+        == json.dumps(
+            json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode()
+    )
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
@@ -104,16 +123,25 @@ def test_two_compiles_give_the_same_bytes(plan):
 
 
 def test_other_processes_with_other_hash_seeds_give_the_same_bytes():
-    code = ("import hashlib, json, sys; from pathlib import Path; from graphplan.compiler import compile_plan; "
-            f"v = {TEMPLATE_VARS!r}; "
-            "ps = sorted(p for p in Path('plans').iterdir() if p.is_file()); "
-            "print(json.dumps({p.name: hashlib.sha256(compile_plan(p, v.get(p.name)).dumps())"
-            ".hexdigest() for p in ps}))")
+    code = (
+        "import hashlib, json, sys; from pathlib import Path; from graphplan.compiler import compile_plan; "
+        f"v = {TEMPLATE_VARS!r}; "
+        "ps = sorted(p for p in Path('plans').iterdir() if p.is_file()); "
+        "print(json.dumps({p.name: hashlib.sha256(compile_plan(p, v.get(p.name)).dumps())"
+        ".hexdigest() for p in ps}))"
+    )
     here = {p.name: hashlib.sha256(compile_shipped(p).dumps()).hexdigest() for p in PLANS}
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert json.loads(out.stdout) == here
 
 
@@ -133,6 +161,7 @@ def test_the_fingerprint_follows_the_plan_not_its_spelling():
 
 # -- versions and corruption --------------------------------------------------------------------
 
+
 def write(path: Path, data) -> Path:
     path.write_text(json.dumps(data) if not isinstance(data, str) else data)
     return path
@@ -141,8 +170,11 @@ def write(path: Path, data) -> Path:
 def test_a_table_of_another_format_version_names_both_versions(h100, tmp_path):
     data = json.loads(h100.dumps())
     data["format_version"] = 1
-    with pytest.raises(TableError, match=r"table format version 1, this graphplan reads version 2"
-                                         r".*recompile"):
+    with pytest.raises(
+        TableError,
+        match=r"table format version 1, this graphplan reads version 2"
+        r".*recompile",
+    ):
         DispatchTable.load(write(tmp_path / "t.json", resealed(data)))
     del data["format_version"]
     with pytest.raises(TableError, match=r"table format version None"):
@@ -181,8 +213,11 @@ def test_edited_settings_are_caught_even_with_a_fresh_checksum(h100, tmp_path):
     data["checksum"] = checksum(data)
     with pytest.raises(TableError, match=r"fingerprint mismatch"):
         DispatchTable.load(write(tmp_path / "t.json", data))
-    with pytest.raises(TableError, match=r"settings.max_num_seqs differs from a fresh compile of "
-                                         r"the embedded plan.*recompile"):
+    with pytest.raises(
+        TableError,
+        match=r"settings.max_num_seqs differs from a fresh compile of "
+        r"the embedded plan.*recompile",
+    ):
         DispatchTable.load(write(tmp_path / "t.json", resealed(data)))
 
 
@@ -195,12 +230,15 @@ def test_a_truncated_table_is_a_table_error(h100, tmp_path, cut):
         DispatchTable.load(path)
 
 
-@pytest.mark.parametrize("content,match", [
-    (b"\xff\xfe", r"not a graphplan table"),
-    (b"[]", r"not a graphplan table \(no \"format\""),
-    (b'{"format": "other"}', r"not a graphplan table"),
-    (b"null", r"not a graphplan table"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (b"\xff\xfe", r"not a graphplan table"),
+        (b"[]", r"not a graphplan table \(no \"format\""),
+        (b'{"format": "other"}', r"not a graphplan table"),
+        (b"null", r"not a graphplan table"),
+    ],
+)
 def test_files_that_are_not_tables_are_table_errors(tmp_path, content, match):
     path = tmp_path / "t.json"
     path.write_bytes(content)
@@ -215,25 +253,38 @@ def test_missing_paths_and_directories_are_table_errors(tmp_path):
         DispatchTable.load(tmp_path)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: d["settings"].pop("ubatch"), r"settings: missing 'ubatch'"),
-    (lambda d: d["settings"]["ubatch"].pop("enabled"), r"settings.ubatch: missing 'enabled'"),
-    (lambda d: d["settings"].update(mode="FAST"), r"settings.mode: 'FAST' is not one of NONE"),
-    (lambda d: d["settings"].update(decode_query_len=0), r"decode_query_len: 0 is outside 1\.\.64"),
-    (lambda d: d["settings"].update(lora_case_of_count=[-1]), r"lora_case_of_count: expected "
-                                                               r"integers in 0\.\.0"),
-    (lambda d: d["settings"].update(capture_sizes=[8, 4]), r"capture_sizes: expected sorted"),
-    (lambda d: d["settings"].update(sync_timeout_s=-1.0), r"sync_timeout_s: -1.0 is not a number"),
-    (lambda d: d["settings"].update(max_num_batched_tokens=2 ** 40), r"outside 1\.\.1048576"),
-    (lambda d: d["graphs"][0].pop("num_reqs"), r"graphs\[0\]: missing 'num_reqs'"),
-    (lambda d: d["graphs"][0].update(id=5), r"graphs\[0\].id: 5"),
-    (lambda d: d["graphs"][0].update(num_tokens=True), r"graphs\[0\].num_tokens: expected int"),
-    (lambda d: d["routes"].pop("piecewise"), r"routes: expected exactly"),
-    (lambda d: d["routes"]["piecewise"][0].append(0), r"routes.piecewise: expected a \[1 lora"),
-    (lambda d: d["routes"]["full_decode"][0].__setitem__(0, 10 ** 6), r"graph ids in -1\.\.85"),
-])
-def test_structurally_broken_tables_are_table_errors_even_when_resealed(h100, tmp_path, edit,
-                                                                      match):
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d["settings"].pop("ubatch"), r"settings: missing 'ubatch'"),
+        (lambda d: d["settings"]["ubatch"].pop("enabled"), r"settings.ubatch: missing 'enabled'"),
+        (lambda d: d["settings"].update(mode="FAST"), r"settings.mode: 'FAST' is not one of NONE"),
+        (
+            lambda d: d["settings"].update(decode_query_len=0),
+            r"decode_query_len: 0 is outside 1\.\.64",
+        ),
+        (
+            lambda d: d["settings"].update(lora_case_of_count=[-1]),
+            r"lora_case_of_count: expected "
+            r"integers in 0\.\.0",
+        ),
+        (lambda d: d["settings"].update(capture_sizes=[8, 4]), r"capture_sizes: expected sorted"),
+        (
+            lambda d: d["settings"].update(sync_timeout_s=-1.0),
+            r"sync_timeout_s: -1.0 is not a number",
+        ),
+        (lambda d: d["settings"].update(max_num_batched_tokens=2**40), r"outside 1\.\.1048576"),
+        (lambda d: d["graphs"][0].pop("num_reqs"), r"graphs\[0\]: missing 'num_reqs'"),
+        (lambda d: d["graphs"][0].update(id=5), r"graphs\[0\].id: 5"),
+        (lambda d: d["graphs"][0].update(num_tokens=True), r"graphs\[0\].num_tokens: expected int"),
+        (lambda d: d["routes"].pop("piecewise"), r"routes: expected exactly"),
+        (lambda d: d["routes"]["piecewise"][0].append(0), r"routes.piecewise: expected a \[1 lora"),
+        (lambda d: d["routes"]["full_decode"][0].__setitem__(0, 10**6), r"graph ids in -1\.\.85"),
+    ],
+)
+def test_structurally_broken_tables_are_table_errors_even_when_resealed(
+    h100, tmp_path, edit, match
+):
     data = json.loads(h100.dumps())
     edit(data)
     with pytest.raises(TableError, match=match):
@@ -243,7 +294,7 @@ def test_structurally_broken_tables_are_table_errors_even_when_resealed(h100, tm
 def test_randomly_damaged_resealed_tables_raise_only_table_errors(tmp_path):
     """Forged tables (fresh checksum and fingerprint) with random damage never crash the loader."""
     base = json.loads(compile_plan(ROOT / "plans" / "llama3-8b-lora8.yaml").dumps())
-    values = [None, True, 0, -1, 3, 10 ** 9, "", "FULL", [], {}, [0], {"a": 1}, 1.5]
+    values = [None, True, 0, -1, 3, 10**9, "", "FULL", [], {}, [0], {"a": 1}, 1.5]
     rnd = random.Random(0)
     outcomes = {"ok": 0, "error": 0}
     for _ in range(300):
@@ -274,6 +325,7 @@ def test_randomly_damaged_resealed_tables_raise_only_table_errors(tmp_path):
 
 # -- the schema ---------------------------------------------------------------------------------
 
+
 def test_table_schema_is_a_valid_draft_2020_12_schema():
     jsonschema.Draft202012Validator.check_schema(TABLE_SCHEMA)
     assert TABLE_SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
@@ -300,8 +352,10 @@ def test_every_table_schema_object_is_closed_and_every_field_described():
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
 def test_every_shipped_plan_emits_a_table_that_validates_against_the_schema(plan):
     data = json.loads(compile_shipped(plan).dumps())
-    errors = [f"{list(e.absolute_path)}: {e.message}"
-              for e in jsonschema.Draft202012Validator(TABLE_SCHEMA).iter_errors(data)]
+    errors = [
+        f"{list(e.absolute_path)}: {e.message}"
+        for e in jsonschema.Draft202012Validator(TABLE_SCHEMA).iter_errors(data)
+    ]
     assert errors == []
     assert list(jsonschema.Draft202012Validator(PLAN_SCHEMA).iter_errors(data["plan"])) == []
 
@@ -309,18 +363,24 @@ def test_every_shipped_plan_emits_a_table_that_validates_against_the_schema(plan
 def test_the_schema_rejects_what_the_loader_rejects(h100):
     validator = jsonschema.Draft202012Validator(TABLE_SCHEMA)
     data = json.loads(h100.dumps())
-    for edit in [lambda d: d.update(format_version=1), lambda d: d.update(extra=1),
-                 lambda d: d["graphs"][0].update(mode="NONE"),
-                 lambda d: d["settings"].pop("ubatch"),
-                 lambda d: d["routes"].pop("full_mixed"),
-                 lambda d: d["settings"].update(lora_case_of_count=[-1])]:
+    for edit in [
+        lambda d: d.update(format_version=1),
+        lambda d: d.update(extra=1),
+        lambda d: d["graphs"][0].update(mode="NONE"),
+        lambda d: d["settings"].pop("ubatch"),
+        lambda d: d["routes"].pop("full_mixed"),
+        lambda d: d["settings"].update(lora_case_of_count=[-1]),
+    ]:
         bad = copy.deepcopy(data)
         edit(bad)
         assert not validator.is_valid(bad)
-        with pytest.raises(TableError, match=r"^<table>: (table format version 1|table: unknown key "
-                           r"'extra'|graphs\[0\].mode: 'NONE' is not one of|settings: missing "
-                           r"'ubatch'|routes: expected exactly|settings\.lora_case_of_count: "
-                           r"expected integers)"):
+        with pytest.raises(
+            TableError,
+            match=r"^<table>: (table format version 1|table: unknown key "
+            r"'extra'|graphs\[0\].mode: 'NONE' is not one of|settings: missing "
+            r"'ubatch'|routes: expected exactly|settings\.lora_case_of_count: "
+            r"expected integers)",
+        ):
             DispatchTable.from_json(resealed(bad))
 
 
@@ -328,11 +388,18 @@ def test_the_schema_names_exactly_the_fields_table_format_writes_and_reads(h100)
     data = json.loads(h100.dumps())
     props = TABLE_SCHEMA["properties"]
     assert set(props) == set(data) == set(table_format._TOP)
-    assert set(props["settings"]["properties"]) == set(data["settings"]) == \
-        set(table_format._SETTINGS) == set(records.TableSettings.__slots__)
-    assert set(props["settings"]["properties"]["ubatch"]["properties"]) == \
-        set(data["settings"]["ubatch"]) == set(table_format._UBATCH) == \
-        set(records.UbatchSettings.__slots__)
+    assert (
+        set(props["settings"]["properties"])
+        == set(data["settings"])
+        == set(table_format._SETTINGS)
+        == set(records.TableSettings.__slots__)
+    )
+    assert (
+        set(props["settings"]["properties"]["ubatch"]["properties"])
+        == set(data["settings"]["ubatch"])
+        == set(table_format._UBATCH)
+        == set(records.UbatchSettings.__slots__)
+    )
     graph = props["graphs"]["items"]["properties"]
     assert set(graph) == set(data["graphs"][0]) == set(table_format._GRAPH)
     assert set(graph) - {"id", "mode", "routine"} == set(records.BatchDescriptor.__slots__)
@@ -345,12 +412,14 @@ def test_the_schema_names_exactly_the_fields_table_format_writes_and_reads(h100)
 
 # -- atomic saves -------------------------------------------------------------------------------
 
+
 def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != "table.json")
 
 
-def test_a_failing_rename_leaves_no_temp_file_and_the_old_table_untouched(h100, tmp_path,
-                                                                        monkeypatch):
+def test_a_failing_rename_leaves_no_temp_file_and_the_old_table_untouched(
+    h100, tmp_path, monkeypatch
+):
     path = tmp_path / "table.json"
     path.write_bytes(b"old table")
 
@@ -386,8 +455,9 @@ def test_saving_into_a_missing_folder_or_onto_a_folder_is_an_output_error(h100, 
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
-                    reason="root ignores directory permissions")
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions"
+)
 def test_saving_into_a_read_only_folder_is_an_output_error(h100, tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -407,8 +477,11 @@ def test_a_folder_without_write_permission_is_an_output_error(h100, tmp_path, mo
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(tempfile, "mkstemp", denied)
-    with pytest.raises(OutputError, match=r"cannot write here \(Permission denied\); choose a "
-                                          r"writable directory with -o"):
+    with pytest.raises(
+        OutputError,
+        match=r"cannot write here \(Permission denied\); choose a "
+        r"writable directory with -o",
+    ):
         h100.save(tmp_path / "table.json")
     assert list(tmp_path.iterdir()) == []
 
@@ -423,6 +496,7 @@ def test_save_replaces_an_existing_table_whole(h100, tmp_path):
 
 # -- routes stay what they were -------------------------------------------------------------------
 
+
 def route_digest(t: DispatchTable) -> str:
     """sha256 over every route on a grid of (tokens, requests, query length) x allowed mode x
     ubatched: mode, graph key, padded tokens and requests, wants_ubatch."""
@@ -434,10 +508,22 @@ def route_digest(t: DispatchTable) -> str:
                 for ub in (False, True):
                     rt = t.route(n, r, q, 0, allow=allow, ubatched=ub)
                     g = rt.graph
-                    key = None if g is None else (g.num_tokens, g.num_reqs, g.uniform,
-                                                  g.num_active_loras, g.num_ubatches)
-                    h.update(repr((rt.mode.name, key, rt.padded_tokens, rt.padded_reqs,
-                                   rt.wants_ubatch)).encode())
+                    key = (
+                        None
+                        if g is None
+                        else (
+                            g.num_tokens,
+                            g.num_reqs,
+                            g.uniform,
+                            g.num_active_loras,
+                            g.num_ubatches,
+                        )
+                    )
+                    h.update(
+                        repr(
+                            (rt.mode.name, key, rt.padded_tokens, rt.padded_reqs, rt.wants_ubatch)
+                        ).encode()
+                    )
     return h.hexdigest()
 
 
@@ -445,6 +531,9 @@ def test_every_shipped_plan_routes_exactly_as_recorded():
     """tests/data/route_digests.json was recorded with graphplan 0.1.0 (before the typed table):
     a refactor must not move a single route. Change it only with a rule change, saying why."""
     recorded = json.loads((ROOT / "tests" / "data" / "route_digests.json").read_text())
-    now = {p.name: {"graphs": len(t.graphs), "routes_sha256": route_digest(t)}
-           for p in PLANS for t in [compile_shipped(p)]}
+    now = {
+        p.name: {"graphs": len(t.graphs), "routes_sha256": route_digest(t)}
+        for p in PLANS
+        for t in [compile_shipped(p)]
+    }
     assert now == recorded

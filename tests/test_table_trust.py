@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_table import resealed  # the forger's helper, shared with the table tests
 
 from graphplan.compiler import DispatchTable, TableError, compile_plan
 from graphplan.compiler.cli import main
-from test_table import resealed  # the forger's helper, shared with the table tests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,35 +36,56 @@ def test_a_decode_route_pointed_at_a_smaller_graph_is_refused_even_resealed(tiny
     data["routes"]["full_decode"][0][sizes.index(8)] = g4
     path = tmp_path / "t.json"
     path.write_text(json.dumps(resealed(data)))
-    with pytest.raises(TableError, match=r"routes.full_decode\[0, \d+\]|routes.full_decode\[\[0, "
-                                         r"\d+\]\] differs from a fresh compile.*recompile"):
+    with pytest.raises(
+        TableError,
+        match=r"routes.full_decode\[0, \d+\]|routes.full_decode\[\[0, "
+        r"\d+\]\] differs from a fresh compile.*recompile",
+    ):
         DispatchTable.load(path)
 
 
 def test_routes_that_differ_change_the_content_fingerprint_that_dp_ranks_compare(tiny):
     a = DispatchTable.from_json(tiny)
-    other = compile_plan(ROOT / "plans" / "tiny-llama.yaml",
-                         {"cudagraph.capture_sizes": [1, 2, 4, 8, 16]})
+    other = compile_plan(
+        ROOT / "plans" / "tiny-llama.yaml", {"cudagraph.capture_sizes": [1, 2, 4, 8, 16]}
+    )
     assert a.content_fingerprint != other.content_fingerprint
-    assert a.content_fingerprint == DispatchTable.from_json(json.loads(a.dumps())).content_fingerprint
+    assert (
+        a.content_fingerprint == DispatchTable.from_json(json.loads(a.dumps())).content_fingerprint
+    )
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: d["graphs"][0].update(num_tokens=d["graphs"][0]["num_tokens"] + 1),
-     r"graphs\[0\] differs from a fresh compile"),
-    (lambda d: d["graphs"][0].update(mode={"FULL": "PIECEWISE", "PIECEWISE": "FULL"}[
-        d["graphs"][0]["mode"]]), r"graphs\[0\] differs from a fresh"),
-    (lambda d: d["settings"].update(max_num_seqs=4), r"settings.max_num_seqs differs"),
-    (lambda d: d["settings"].update(sync_timeout_s=float("nan")), r"not a number JSON allows"
-                                                                   r"|sync_timeout_s"),
-    (lambda d: d["settings"].update(sync_timeout_s=-5), r"sync_timeout_s: -5 is not a number"),
-    (lambda d: d["settings"].update(max_num_batched_tokens=2 ** 40), r"outside 1\.\.1048576"),
-    (lambda d: d["settings"].update(data_parallel_size=2.0), r"data_parallel_size: expected int, "
-                                                              r"got float"),
-    (lambda d: d["plan"]["scheduler"].update(max_num_seqs="many"), r"embedded plan"),
-    (lambda d: d["plan"].pop("cudagraph"), r"embedded plan is malformed"),
-    (lambda d: d["routes"]["piecewise"][0].__setitem__(0, 0), r"routes.piecewise.*differs"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            lambda d: d["graphs"][0].update(num_tokens=d["graphs"][0]["num_tokens"] + 1),
+            r"graphs\[0\] differs from a fresh compile",
+        ),
+        (
+            lambda d: d["graphs"][0].update(
+                mode={"FULL": "PIECEWISE", "PIECEWISE": "FULL"}[d["graphs"][0]["mode"]]
+            ),
+            r"graphs\[0\] differs from a fresh",
+        ),
+        (lambda d: d["settings"].update(max_num_seqs=4), r"settings.max_num_seqs differs"),
+        (
+            lambda d: d["settings"].update(sync_timeout_s=float("nan")),
+            r"not a number JSON allows"
+            r"|sync_timeout_s",
+        ),
+        (lambda d: d["settings"].update(sync_timeout_s=-5), r"sync_timeout_s: -5 is not a number"),
+        (lambda d: d["settings"].update(max_num_batched_tokens=2**40), r"outside 1\.\.1048576"),
+        (
+            lambda d: d["settings"].update(data_parallel_size=2.0),
+            r"data_parallel_size: expected int, "
+            r"got float",
+        ),
+        (lambda d: d["plan"]["scheduler"].update(max_num_seqs="many"), r"embedded plan"),
+        (lambda d: d["plan"].pop("cudagraph"), r"embedded plan is malformed"),
+        (lambda d: d["routes"]["piecewise"][0].__setitem__(0, 0), r"routes.piecewise.*differs"),
+    ],
+)
 def test_tampered_resealed_tables_are_table_errors_naming_the_field(tiny, tmp_path, edit, match):
     data = copy.deepcopy(tiny)
     edit(data)
@@ -78,11 +99,14 @@ def test_tampered_resealed_tables_are_table_errors_naming_the_field(tiny, tmp_pa
         DispatchTable.load(path)
 
 
-@pytest.mark.parametrize("text,match", [
-    ('{"format": "graphplan.table", "format_version": ' + "9" * 5000 + "}", r"digits|int"),
-    ("[" * 100_000 + "]" * 100_000, r"recursion|nested"),
-    ('{"format": "graphplan.table", "format_version": Infinity}', r"Infinity is not a number"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('{"format": "graphplan.table", "format_version": ' + "9" * 5000 + "}", r"digits|int"),
+        ("[" * 100_000 + "]" * 100_000, r"recursion|nested"),
+        ('{"format": "graphplan.table", "format_version": Infinity}', r"Infinity is not a number"),
+    ],
+)
 def test_hostile_json_is_a_table_error_not_a_crash(tmp_path, text, match):
     path = tmp_path / "t.json"
     path.write_text(text)
@@ -94,10 +118,14 @@ def test_non_regular_files_are_refused_before_reading(tmp_path):
     with pytest.raises(TableError, match=r"/dev/zero: cannot read table: is a character device"):
         DispatchTable.load("/dev/zero")
     import os
+
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
-    with pytest.raises(TableError, match=r"is a FIFO \(named pipe\); graphplan reads only "
-                                         r"regular files"):
+    with pytest.raises(
+        TableError,
+        match=r"is a FIFO \(named pipe\); graphplan reads only "
+        r"regular files",
+    ):
         DispatchTable.load(fifo)  # would block forever if opened
 
 
@@ -106,14 +134,35 @@ def test_an_oversized_table_is_refused_by_its_size(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"x": "y" * 200}))
     from graphplan.compiler.fileio import read_json
+
     with pytest.raises(TableError, match=r"a table is at most 100 bytes"):
         read_json(path, TableError, "table", "recompile", limit=100)
 
 
 def mutate(data, rnd: random.Random):
     """One random edit somewhere in a table document."""
-    values = [None, True, False, 0, -1, 1, 2, 7, 10 ** 6, 2 ** 40, 1.5, -0.0, "", "FULL", "NONE",
-              [], {}, [0], [1, 2], {"a": 1}]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1,
+        2,
+        7,
+        10**6,
+        2**40,
+        1.5,
+        -0.0,
+        "",
+        "FULL",
+        "NONE",
+        [],
+        {},
+        [0],
+        [1, 2],
+        {"a": 1},
+    ]
     node = data
     for _ in range(rnd.randint(0, 4)):
         keys = list(node) if isinstance(node, dict) else list(range(len(node)))
@@ -134,10 +183,12 @@ def mutate(data, rnd: random.Random):
         node[key] = rnd.choice(values)
 
 
-@pytest.mark.parametrize("plan", ["tiny-llama.yaml", "llama3-8b-lora8.yaml",
-                                  "deepseek-v3-dp8-dbo.yaml"])
-def test_fuzzed_tables_load_only_as_their_plan_compiles_or_fail_as_table_errors(plan, tmp_path,
-                                                                               capsys):
+@pytest.mark.parametrize(
+    "plan", ["tiny-llama.yaml", "llama3-8b-lora8.yaml", "deepseek-v3-dp8-dbo.yaml"]
+)
+def test_fuzzed_tables_load_only_as_their_plan_compiles_or_fail_as_table_errors(
+    plan, tmp_path, capsys
+):
     """Random edits, mostly resealed: the loader raises TableError, or (when the edit left the
     table meaning what its plan compiles to, e.g. a diagnostic changed) loads routes identical to
     a fresh compile of its embedded plan. `plan explain` exits 2 with one line, no traceback."""
@@ -186,15 +237,19 @@ def test_the_runtime_plan_check_agrees_with_jsonschema_on_mutated_plans():
     """schema_lite (no jsonschema in the runtime) refuses what jsonschema refuses, and more
     only where it is stricter on purpose: integral floats and non-finite numbers."""
     import jsonschema
+
     from graphplan.compiler.schema import load_schema
     from graphplan.compiler.schema_lite import first_error
+
     schema = load_schema()
     strict = jsonschema.Draft202012Validator(schema)
     rnd = random.Random(7)
-    bases = [compile_plan(p, {"max_num_seqs": 8, "spec_tokens": 1} if p.suffix == ".j2" else None).plan
-             for p in sorted((ROOT / "plans").iterdir())]
+    bases = [
+        compile_plan(p, {"max_num_seqs": 8, "spec_tokens": 1} if p.suffix == ".j2" else None).plan
+        for p in sorted((ROOT / "plans").iterdir())
+    ]
     disagreements = []
-    for i in range(600):
+    for _i in range(600):
         plan = copy.deepcopy(rnd.choice(bases))
         mutate(plan, rnd)
         ours, theirs = first_error(plan, schema) is None, strict.is_valid(plan)
@@ -207,7 +262,10 @@ def test_the_runtime_plan_check_agrees_with_jsonschema_on_mutated_plans():
 def test_the_runtime_plan_check_refuses_integral_floats():
     from graphplan.compiler.schema import load_schema
     from graphplan.compiler.schema_lite import first_error
+
     plan = compile_plan(ROOT / "plans" / "tiny-llama.yaml").plan
     plan["scheduler"]["max_num_seqs"] = 8.0
-    assert first_error(plan, load_schema()) == ("scheduler.max_num_seqs",
-                                                "expected integer, got float")
+    assert first_error(plan, load_schema()) == (
+        "scheduler.max_num_seqs",
+        "expected integer, got float",
+    )

@@ -1,17 +1,22 @@
-"""examples/tiny_llama.py: the attention op, batching invariances, determinism, the split op, capture."""
+"""models/tiny_llama.py: the attention op, batching invariances, determinism, the split op, capture."""
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-tl = importlib.import_module("tiny_llama")
+tl = importlib.import_module("graphplan.models.tiny_llama")
 
-SMALL = tl.TinyLlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2,
-                           intermediate=128, max_model_len=32, num_cache_rows=8)
+SMALL = tl.TinyLlamaConfig(
+    vocab_size=256,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    max_model_len=32,
+    num_cache_rows=8,
+)
 
 
 def small_model(seed: int = 0) -> "tl.TinyLlama":
@@ -32,10 +37,14 @@ def naive_attention(q, k, v, cache_before, reqs):
     group = q.shape[1] // k.shape[1]
     outs, first = [], 0
     for row, start, n in reqs:
-        keys = torch.cat([cache_before[0, row, :start], k[first:first + n]]).double()  # [start + n, KvH, D]
-        vals = torch.cat([cache_before[1, row, :start], v[first:first + n]]).double()
+        keys = torch.cat(
+            [cache_before[0, row, :start], k[first : first + n]]
+        ).double()  # [start + n, KvH, D]
+        vals = torch.cat([cache_before[1, row, :start], v[first : first + n]]).double()
         keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)  # [L, H, D]
-        scores = torch.einsum("qhd,khd->hqk", q[first:first + n].double(), keys) / q.shape[-1] ** 0.5
+        scores = (
+            torch.einsum("qhd,khd->hqk", q[first : first + n].double(), keys) / q.shape[-1] ** 0.5
+        )
         q_pos = torch.arange(start, start + n)[:, None]
         scores = scores.masked_fill(torch.arange(start + n)[None, :] > q_pos, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals))
@@ -55,10 +64,15 @@ def test_attention_op_matches_naive_per_request_reference_on_mixed_batch():
 
     out = tl.ATTENTION_OP(q, k, v, cache, batch["slot_mapping"], batch["positions"])
 
-    torch.testing.assert_close(out.double(), naive_attention(q, k, v, before, MIXED), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), naive_attention(q, k, v, before, MIXED), atol=1e-5, rtol=1e-5
+    )
     expected, first = before.clone(), 0
     for row, start, n in MIXED:
-        expected[0, row, start:start + n], expected[1, row, start:start + n] = k[first:first + n], v[first:first + n]
+        expected[0, row, start : start + n], expected[1, row, start : start + n] = (
+            k[first : first + n],
+            v[first : first + n],
+        )
         first += n
     assert torch.equal(cache, expected), "the op writes exactly this step's slots"
 
@@ -70,8 +84,12 @@ def test_chunked_prefill_gives_the_same_logits_as_one_shot_prefill():
     model.kv_cache[:, :, 2].normal_()  # stale data in the row the chunks go to
     model(**tl.make_batch(model, [(4, 0, other)]))
     chunks, decode_tok = [], 9
-    for step, (lo, hi) in enumerate([(0, 7), (7, 15), (15, 20)]):  # each step shares the batch with a decode
-        logits = model(**tl.make_batch(model, [(4, 6 + step, [decode_tok]), (2, lo, prompt[lo:hi])]))
+    for step, (lo, hi) in enumerate(
+        [(0, 7), (7, 15), (15, 20)]
+    ):  # each step shares the batch with a decode
+        logits = model(
+            **tl.make_batch(model, [(4, 6 + step, [decode_tok]), (2, lo, prompt[lo:hi])])
+        )
         chunks.append(logits[1:])
 
     torch.testing.assert_close(torch.cat(chunks), one_shot, atol=1e-4, rtol=1e-4)
@@ -81,7 +99,11 @@ def test_padding_tokens_and_requests_change_neither_real_logits_nor_real_cache_r
     plain, padded = small_model(), small_model()
     reqs = [(row, start, tokens(n, seed=row)) for row, start, n in MIXED]
     for m in (plain, padded):  # same context in every real row first
-        m(**tl.make_batch(m, [(row, 0, tokens(30, seed=10 + row)) for row in range(SMALL.num_cache_rows)]))
+        m(
+            **tl.make_batch(
+                m, [(row, 0, tokens(30, seed=10 + row)) for row in range(SMALL.num_cache_rows)]
+            )
+        )
     batch = tl.make_batch(plain, reqs)
     T, R = batch["input_ids"].shape[0], len(reqs)
 
@@ -91,12 +113,16 @@ def test_padding_tokens_and_requests_change_neither_real_logits_nor_real_cache_r
     assert got.shape == (T + 5, SMALL.vocab_size)
     torch.testing.assert_close(got[:T], want, atol=1e-5, rtol=1e-5)
     real = slice(0, SMALL.num_cache_rows)
-    torch.testing.assert_close(padded.kv_cache[:, :, real], plain.kv_cache[:, :, real], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        padded.kv_cache[:, :, real], plain.kv_cache[:, :, real], atol=1e-6, rtol=1e-6
+    )
 
 
 def test_pad_batch_pads_with_dummy_slot_and_empty_requests():
     model = small_model()
-    batch = tl.pad_batch(model, tl.make_batch(model, [(0, 3, [5, 6]), (1, 0, [7])]), num_tokens=5, num_reqs=4)
+    batch = tl.pad_batch(
+        model, tl.make_batch(model, [(0, 3, [5, 6]), (1, 0, [7])]), num_tokens=5, num_reqs=4
+    )
     assert batch["input_ids"].tolist() == [5, 6, 7, 0, 0]
     assert batch["positions"].tolist() == [3, 4, 0, 0, 0]
     assert batch["slot_mapping"].tolist() == [3, 4, 32, model.dummy_slot, model.dummy_slot]
@@ -106,7 +132,11 @@ def test_pad_batch_pads_with_dummy_slot_and_empty_requests():
 
 
 def test_weights_are_deterministic_for_a_seed_and_differ_across_seeds():
-    a, b, c = small_model(seed=0).state_dict(), small_model(seed=0).state_dict(), small_model(seed=1).state_dict()
+    a, b, c = (
+        small_model(seed=0).state_dict(),
+        small_model(seed=0).state_dict(),
+        small_model(seed=1).state_dict(),
+    )
     assert a.keys() == b.keys() and "kv_cache" not in a  # the cache is a non-persistent buffer
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["embed.weight"], c["embed.weight"])
@@ -130,17 +160,34 @@ def first_tokens_differ(cfg, pairs: int = 30) -> int:
     differ = 0
     for _ in range(pairs):
         last = int(torch.randint(1, cfg.vocab_size, (1,), generator=gen))
-        a, b = ([*torch.randint(1, cfg.vocab_size, (int(torch.randint(1, 20, (1,), generator=gen)),),
-                                generator=gen).tolist(), last] for _ in range(2))
+        a, b = (
+            [
+                *torch.randint(
+                    1,
+                    cfg.vocab_size,
+                    (int(torch.randint(1, 20, (1,), generator=gen)),),
+                    generator=gen,
+                ).tolist(),
+                last,
+            ]
+            for _ in range(2)
+        )
         la = model(**tl.make_batch(model, [(0, 0, a)]))[-1]
         lb = model(**tl.make_batch(model, [(1, 0, b)]))[-1]
         differ += int(la.argmax() != lb.argmax())
     return differ
 
 
-@pytest.mark.parametrize("cfg", [SMALL, tl.TinyLlamaConfig.sized(
-    hidden=256, layers=2, vocab_size=2048, max_model_len=128, num_cache_rows=2)],
-    ids=["small", "server"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SMALL,
+        tl.TinyLlamaConfig.sized(
+            hidden=256, layers=2, vocab_size=2048, max_model_len=128, num_cache_rows=2
+        ),
+    ],
+    ids=["small", "server"],
+)
 def test_outputs_depend_on_the_context_not_only_the_last_token(cfg):
     # with linears at std 0.02 the server-shaped model gave the same first token for 26 of 30
     # such pairs, so an equality check could not see a request reading another's KV cache
@@ -148,7 +195,7 @@ def test_outputs_depend_on_the_context_not_only_the_last_token(cfg):
 
 
 def test_forward_calls_the_attention_custom_op_once_per_layer_on_every_token():
-    """What the run-time split reaches by the name rule (runtime/breakable.py)."""
+    """What the run-time split reaches by the name rule (runtime/piecewise/breakable.py)."""
     from torch.overrides import TorchFunctionMode
 
     class Spy(TorchFunctionMode):
@@ -175,8 +222,10 @@ def test_cuda_graph_replay_of_uniform_decode_matches_eager_in_bf16():
     cfg = tl.TinyLlamaConfig()
     model = tl.TinyLlama(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
     cpu = tl.TinyLlama(cfg, seed=0)
-    assert all(torch.equal(p.cpu(), q.to(torch.bfloat16))
-               for p, q in zip(model.parameters(), cpu.parameters())), "weights independent of device"
+    assert all(
+        torch.equal(p.cpu(), q.to(torch.bfloat16))
+        for p, q in zip(model.parameters(), cpu.parameters())
+    ), "weights independent of device"
 
     prompts = [tokens(5 + 3 * r, seed=r) for r in range(8)]
     prefill = tl.make_batch(model, [(r, 0, p) for r, p in enumerate(prompts)])
@@ -184,7 +233,9 @@ def test_cuda_graph_replay_of_uniform_decode_matches_eager_in_bf16():
     next_ids = model(**prefill)[last].argmax(-1).tolist()
 
     def decode(step, ids):  # uniform decode: one token per request
-        return tl.make_batch(model, [(r, len(p) + step, [t]) for r, (p, t) in enumerate(zip(prompts, ids))])
+        return tl.make_batch(
+            model, [(r, len(p) + step, [t]) for r, (p, t) in enumerate(zip(prompts, ids))]
+        )
 
     static = decode(0, next_ids)
     side = torch.cuda.Stream()

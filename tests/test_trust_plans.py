@@ -39,16 +39,20 @@ def template(tmp_path, body: str, name="plan.yaml.j2") -> Path:
 
 # -- templates ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("expr", [
-    "cycler.__init__.__globals__.os.system('touch PWNED')",
-    "joiner.__init__.__globals__.os.system('touch PWNED')",
-    "namespace.__init__.__globals__.os.system('touch PWNED')",
-    "''.__class__.__mro__[1].__subclasses__()",
-    "(''|attr('__class__'))",
-    "'{0.__class__}'.format('')",
-    "range.__self__",
-    "lipsum()",
-])
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "cycler.__init__.__globals__.os.system('touch PWNED')",
+        "joiner.__init__.__globals__.os.system('touch PWNED')",
+        "namespace.__init__.__globals__.os.system('touch PWNED')",
+        "''.__class__.__mro__[1].__subclasses__()",
+        "(''|attr('__class__'))",
+        "'{0.__class__}'.format('')",
+        "range.__self__",
+        "lipsum()",
+    ],
+)
 def test_a_template_cannot_reach_python_internals_or_run_commands(tmp_path, monkeypatch, expr):
     monkeypatch.chdir(tmp_path)
     p = template(tmp_path, f"x-note: {{{{ {expr} }}}}\n")
@@ -72,63 +76,88 @@ def test_a_huge_range_fails_at_once_with_its_line(tmp_path):
 
 def test_a_slow_template_hits_the_time_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "MAX_RENDER_SECONDS", 0.3)
-    body = ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}\n")
+    body = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}\n"
     t0 = time.monotonic()
     [d] = plan_error(template(tmp_path, body))
     assert time.monotonic() - t0 < 3
     assert d.code == "template-limit" and "took more than 0.3 s" in d.message and d.line == 3
 
 
-@pytest.mark.parametrize("body", [
-    "# {{ 'x' * (10 ** 8) }}\n",
-    "# {% set s = 'x' * 4000000 %}{{ s ~ s }}\n",
-    "# {% set s = 'x' * 4000000 %}{{ [s, s, s] }}\n",
-    "# {{ 2 ** 100000 }}\n",
-    "{% for i in range(10000) %}# {{ 'y' * 1000 }}\n{% endfor %}",
-    "# {{ '%0999999999d' % 1 }}\n",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "# {{ 'x' * (10 ** 8) }}\n",
+        "# {% set s = 'x' * 4000000 %}{{ s ~ s }}\n",
+        "# {% set s = 'x' * 4000000 %}{{ [s, s, s] }}\n",
+        "# {{ 2 ** 100000 }}\n",
+        "{% for i in range(10000) %}# {{ 'y' * 1000 }}\n{% endfor %}",
+        "# {{ '%0999999999d' % 1 }}\n",
+    ],
+)
 def test_a_template_cannot_build_text_past_the_plan_size_limit(tmp_path, body):
     [d] = plan_error(template(tmp_path, body))
     assert d.code == "template-limit" and d.line >= 3, d
 
 
-@pytest.mark.parametrize("body", ["# {{ 'a'|center(10**9) }}\n", "# {{ 'a'.ljust(10**9) }}\n",
-                                  "# {{ '%s'|format(1) }}\n", "# {{ 'a'|indent(10**9) }}\n"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "# {{ 'a'|center(10**9) }}\n",
+        "# {{ 'a'.ljust(10**9) }}\n",
+        "# {{ '%s'|format(1) }}\n",
+        "# {{ 'a'|indent(10**9) }}\n",
+    ],
+)
 def test_filters_and_methods_that_build_unbounded_text_are_not_available(tmp_path, body):
     [d] = plan_error(template(tmp_path, body))
     assert d.code in ("template", "template-unsafe") and d.line == 3, d
 
 
 def test_ordinary_template_features_still_work(tmp_path):
-    p = template(tmp_path, "scheduler:\n  max_num_seqs: {{ [seqs, 8]|max }}\n"
-                 "cudagraph:\n  capture_sizes: [{% for i in range(1, 4) %}{{ 2 ** i }}"
-                 "{{ ', ' if not loop.last }}{% endfor %}]\n"
-                 "  mode: {{ modes|join('_') ~ '' }}\n"
-                 "# {% for k, v in d.items() %}{{ k }}={{ v|string|upper }} {% endfor %}\n")
+    p = template(
+        tmp_path,
+        "scheduler:\n  max_num_seqs: {{ [seqs, 8]|max }}\n"
+        "cudagraph:\n  capture_sizes: [{% for i in range(1, 4) %}{{ 2 ** i }}"
+        "{{ ', ' if not loop.last }}{% endfor %}]\n"
+        "  mode: {{ modes|join('_') ~ '' }}\n"
+        "# {% for k, v in d.items() %}{{ k }}={{ v|string|upper }} {% endfor %}\n",
+    )
     t = compile_plan(p, {"seqs": 16, "modes": ["FULL", "AND", "PIECEWISE"], "d": {"a": "b"}})
     assert t.plan["scheduler"]["max_num_seqs"] == 16
-    assert list(t.settings.capture_sizes) == [2, 4, 8] and t.settings.mode.name == "FULL_AND_PIECEWISE"
+    assert (
+        list(t.settings.capture_sizes) == [2, 4, 8] and t.settings.mode.name == "FULL_AND_PIECEWISE"
+    )
 
 
 def test_a_reload_thread_is_not_wedged_by_a_slow_template(tmp_path, monkeypatch):
     """The time limit applies wherever a plan is compiled (the server's reload included)."""
     monkeypatch.setattr(T, "MAX_RENDER_SECONDS", 0.2)
-    p = template(tmp_path, "{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}"
-                 "{% endfor %}\n")
+    p = template(
+        tmp_path, "{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}{% endfor %}\n"
+    )
     t0 = time.monotonic()
-    with pytest.raises(PlanError, match=r"plan.yaml.j2:\d+:\d+: error\[template-limit\]: "
-                                        r"template refused: rendering took more than"):
+    with pytest.raises(
+        PlanError,
+        match=r"plan.yaml.j2:\d+:\d+: error\[template-limit\]: "
+        r"template refused: rendering took more than",
+    ):
         load_plan(p)
     assert time.monotonic() - t0 < 3
 
 
 # -- --set on templates and tables (issue 17) -----------------------------------------------------
 
+
 def test_a_dotted_set_on_a_template_is_an_error_naming_the_key(capsys):
-    code, _, err = run(capsys, "validate", str(SWEEP), *SWEEP_SETS,
-                       "--set", "scheduler.max_num_seqs=8")
-    assert code == 2 and "--set scheduler.max_num_seqs: a dotted plan key cannot be set on a " \
-        "template" in err and "max_num_seqs, spec_tokens" in err and "Traceback" not in err
+    code, _, err = run(
+        capsys, "validate", str(SWEEP), *SWEEP_SETS, "--set", "scheduler.max_num_seqs=8"
+    )
+    assert (
+        code == 2
+        and "--set scheduler.max_num_seqs: a dotted plan key cannot be set on a template" in err
+        and "max_num_seqs, spec_tokens" in err
+        and "Traceback" not in err
+    )
 
 
 def test_an_unused_template_variable_is_an_error(capsys):
@@ -147,12 +176,16 @@ def test_set_on_a_compiled_table_is_an_error(capsys, tmp_path):
 
 # -- numbers --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,path,fix", [
-    ("scheduler: {max_num_seqs: 64.0}", "scheduler.max_num_seqs", "write 64"),
-    ("cudagraph: {capture_sizes: [1.0, 2.0]}", "cudagraph.capture_sizes[0]", "write 1"),
-    ("parallel: {data_parallel_size: 2.0}", "parallel.data_parallel_size", "write 2"),
-    ("version: 1.0", "version", "write 1"),
-])
+
+@pytest.mark.parametrize(
+    "text,path,fix",
+    [
+        ("scheduler: {max_num_seqs: 64.0}", "scheduler.max_num_seqs", "write 64"),
+        ("cudagraph: {capture_sizes: [1.0, 2.0]}", "cudagraph.capture_sizes[0]", "write 1"),
+        ("parallel: {data_parallel_size: 2.0}", "parallel.data_parallel_size", "write 2"),
+        ("version: 1.0", "version", "write 1"),
+    ],
+)
 def test_integral_floats_are_refused_with_a_located_error(tmp_path, text, path, fix):
     p = tmp_path / "plan.yaml"
     head = "name: x\n" if text.startswith("version") else "version: 1\nname: x\n"
@@ -169,12 +202,20 @@ def test_nan_and_infinity_are_refused_everywhere(tmp_path, value, capsys):
     p.write_text(f"version: 1\nname: x\nparallel: {{sync_timeout_s: {value}}}\n")
     d = plan_error(p)[0]
     assert d.path == "parallel.sync_timeout_s" and d.line == 3, d
-    code, _, err = run(capsys, "validate", str(ROOT / "plans" / "tiny-llama.yaml"),
-                       "--set", f"parallel.sync_timeout_s={value}")
+    code, _, err = run(
+        capsys,
+        "validate",
+        str(ROOT / "plans" / "tiny-llama.yaml"),
+        "--set",
+        f"parallel.sync_timeout_s={value}",
+    )
     assert code == 2 and "parallel.sync_timeout_s" in err
     number = float(value.replace(".", ""))  # nan, inf, -inf
-    with pytest.raises(PlanError, match=r"parallel.sync_timeout_s: -?(nan|inf) is not a finite "
-                                        r"number"):
+    with pytest.raises(
+        PlanError,
+        match=r"parallel.sync_timeout_s: -?(nan|inf) is not a finite "
+        r"number",
+    ):
         compile_plan({"version": 1, "name": "x", "parallel": {"sync_timeout_s": number}})
 
 
@@ -183,17 +224,24 @@ def test_a_5000_digit_integer_is_a_located_error_not_a_traceback(tmp_path, capsy
     p.write_text("version: 1\nname: x\nscheduler: {max_num_seqs: " + "9" * 5000 + "}\n")
     d = plan_error(p)[0]
     assert (d.code, d.line) == ("out-of-range", 3)
-    code, _, err = run(capsys, "validate", str(ROOT / "plans" / "tiny-llama.yaml"),
-                       "--set", "scheduler.max_num_seqs=" + "9" * 5000)
+    code, _, err = run(
+        capsys,
+        "validate",
+        str(ROOT / "plans" / "tiny-llama.yaml"),
+        "--set",
+        "scheduler.max_num_seqs=" + "9" * 5000,
+    )
     assert code == 2 and "Traceback" not in err and len(err) < 2000
 
 
 # -- one set of bounds for files, --set values and rendered templates -----------------------------
 
+
 def test_a_deep_set_value_is_an_error_not_a_recursion_error(capsys):
     deep = "[" * 3000 + "]" * 3000
-    code, out, err = run(capsys, "validate", str(ROOT / "plans" / "tiny-llama.yaml"),
-                         "--set", f"lora={deep}")
+    code, out, err = run(
+        capsys, "validate", str(ROOT / "plans" / "tiny-llama.yaml"), "--set", f"lora={deep}"
+    )
     assert code == 2 and out == "" and "too-deep" in err and "--set lora" in err
 
 
@@ -201,8 +249,13 @@ def test_an_alias_bomb_in_set_is_refused_quickly(capsys):
     levels = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
     levels += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
     t0 = time.monotonic()
-    code, _, err = run(capsys, "validate", str(ROOT / "plans" / "tiny-llama.yaml"),
-                       "--set", "lora={" + ", ".join(levels) + "}")
+    code, _, err = run(
+        capsys,
+        "validate",
+        str(ROOT / "plans" / "tiny-llama.yaml"),
+        "--set",
+        "lora={" + ", ".join(levels) + "}",
+    )
     assert time.monotonic() - t0 < 5
     assert code == 2 and "too-large" in err
 
@@ -254,9 +307,11 @@ def test_a_file_above_the_limit_is_refused_from_its_size(tmp_path, monkeypatch):
 
 # -- graph limits ---------------------------------------------------------------------------------
 
-HUGE = ("version: 1\nname: huge\nscheduler: {max_num_seqs: 1024, max_num_batched_tokens: 1048576,"
-        " decode_query_len: 64}\ncudagraph: {mode: PIECEWISE, capture_sizes: {preset: vllm, "
-        "ceiling: 1048576}}\nlora: {enabled: true, max_loras: 256}\n")
+HUGE = (
+    "version: 1\nname: huge\nscheduler: {max_num_seqs: 1024, max_num_batched_tokens: 1048576,"
+    " decode_query_len: 64}\ncudagraph: {mode: PIECEWISE, capture_sizes: {preset: vllm, "
+    "ceiling: 1048576}}\nlora: {enabled: true, max_loras: 256}\n"
+)
 
 
 def test_a_preset_with_a_huge_ceiling_is_refused_quickly(tmp_path):
@@ -270,9 +325,11 @@ def test_a_preset_with_a_huge_ceiling_is_refused_quickly(tmp_path):
 
 def test_too_many_graphs_names_the_limit_and_how_to_raise_it(tmp_path):
     p = tmp_path / "plan.yaml"
-    p.write_text("version: 1\nname: many\nscheduler: {max_num_seqs: 256, max_num_batched_tokens: "
-                 "8192}\ncudagraph: {capture_sizes: {ranges: [{from: 1, to: 4096, step: 1}]}}\n"
-                 "lora: {enabled: true, max_loras: 8}\n")
+    p.write_text(
+        "version: 1\nname: many\nscheduler: {max_num_seqs: 256, max_num_batched_tokens: "
+        "8192}\ncudagraph: {capture_sizes: {ranges: [{from: 1, to: 4096, step: 1}]}}\n"
+        "lora: {enabled: true, max_loras: 8}\n"
+    )
     t0 = time.monotonic()
     d = plan_error(p)[0]
     assert time.monotonic() - t0 < 3
@@ -290,6 +347,7 @@ def test_the_shipped_plans_are_within_the_default_graph_limit():
 
 # -- -o never destroys an input or a device -------------------------------------------------------
 
+
 @pytest.fixture
 def plan_copy(tmp_path) -> Path:
     p = tmp_path / "in.yaml"
@@ -300,8 +358,9 @@ def plan_copy(tmp_path) -> Path:
 
 @pytest.mark.parametrize("out", ["in.yaml", "sub/../in.yaml", "link.yaml", "hard.yaml"])
 @pytest.mark.parametrize("cmd", ["compile", "report"])
-def test_output_onto_an_input_is_refused_and_the_input_kept(capsys, plan_copy, monkeypatch, out,
-                                                           cmd):
+def test_output_onto_an_input_is_refused_and_the_input_kept(
+    capsys, plan_copy, monkeypatch, out, cmd
+):
     monkeypatch.chdir(plan_copy.parent)
     (plan_copy.parent / "link.yaml").symlink_to("in.yaml")
     os.link(plan_copy, plan_copy.parent / "hard.yaml")
@@ -352,8 +411,9 @@ def test_a_trace_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_path
 
 
 def test_a_profile_that_is_a_device_is_refused_without_reading_it(capsys):
-    code, out, err = run(capsys, "compile", str(ROOT / "plans" / "tiny-llama.yaml"),
-                         "--profile", "/dev/zero")
+    code, out, err = run(
+        capsys, "compile", str(ROOT / "plans" / "tiny-llama.yaml"), "--profile", "/dev/zero"
+    )
     assert code == 1 and out == "" and "cannot read memory profile: is a character device" in err
 
 

@@ -9,19 +9,17 @@ import hmac
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_server import SPEC, exchange, plan_text
+
+from graphplan.compiler import template as T
+from graphplan.server import Server
+from graphplan.server.security import TOKEN_ENV, admin_token
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from examples.server import Server  # noqa: E402
-from examples.server.security import TOKEN_ENV, admin_token  # noqa: E402
-from graphplan.compiler import template as T  # noqa: E402
-from test_server import SPEC, exchange, plan_text  # noqa: E402
 
 TOKEN = "trust-test-token-abcdefghijkl"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -43,8 +41,9 @@ def plans(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(plans):
-    s = Server(plans / "plan.yaml", spec=SPEC, progress=False, max_body_bytes=1 << 16,
-               admin_token=TOKEN).start()
+    s = Server(
+        plans / "plan.yaml", spec=SPEC, progress=False, max_body_bytes=1 << 16, admin_token=TOKEN
+    ).start()
     assert s.wait_ready(30)
     yield s
     s.stop()
@@ -61,24 +60,37 @@ def open_server(plans):
 
 # -- the admin token ------------------------------------------------------------------------------
 
+
 def test_admin_routes_are_off_without_a_token(open_server, plans):
     fp = open_server.engine.table.fingerprint
-    for method, path in (("POST", "/admin/reload"), ("GET", "/admin/reload"),
-                         ("POST", "/admin/other"), ("DELETE", "/admin/reload")):
-        status, body, _ = call(open_server, method, path, {"path": str(plans / "other.yaml")},
-                               ADMIN)
+    for method, path in (
+        ("POST", "/admin/reload"),
+        ("GET", "/admin/reload"),
+        ("POST", "/admin/other"),
+        ("DELETE", "/admin/reload"),
+    ):
+        status, body, _ = call(
+            open_server, method, path, {"path": str(plans / "other.yaml")}, ADMIN
+        )
         assert (status, body["status"]) == (403, 403) and TOKEN_ENV in body["error"], body
     assert open_server.engine.table.fingerprint == fp
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-xxxxxxxxxxxx"},
-                                     {"Authorization": f"Basic {TOKEN}"},
-                                     {"Authorization": "Bearer"},
-                                     {"Authorization": f"Bearer {TOKEN[:-1]}"}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-token-xxxxxxxxxxxx"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": "Bearer"},
+        {"Authorization": f"Bearer {TOKEN[:-1]}"},
+    ],
+)
 def test_admin_routes_refuse_a_missing_or_wrong_token(server, plans, headers):
     fp = server.engine.table.fingerprint
-    status, body, resp = call(server, "POST", "/admin/reload",
-                              {"path": str(plans / "other.yaml")}, headers)
+    status, body, resp = call(
+        server, "POST", "/admin/reload", {"path": str(plans / "other.yaml")}, headers
+    )
     assert (status, body["status"]) == (401, 401) and resp.getheader("WWW-Authenticate") == "Bearer"
     assert server.engine.table.fingerprint == fp
 
@@ -101,13 +113,25 @@ def test_the_token_comes_from_the_flag_or_the_environment(monkeypatch):
 
 
 def test_a_short_token_is_refused_at_start_up(plans, capsys):
-    from examples.server.__main__ import main
-    code = main(["--plan", str(plans / "plan.yaml"), "--port", "0", "--device", "cpu",
-                 "--admin-token", "short"])
+    from graphplan.server.cli import main
+
+    code = main(
+        [
+            "--plan",
+            str(plans / "plan.yaml"),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--admin-token",
+            "short",
+        ]
+    )
     assert code == 1 and "at least 16 characters" in capsys.readouterr().err
 
 
 # -- the reload directory -------------------------------------------------------------------------
+
 
 def test_reload_paths_outside_the_reload_directory_are_refused(server, plans, tmp_path):
     outside = tmp_path / "outside.yaml"
@@ -116,8 +140,14 @@ def test_reload_paths_outside_the_reload_directory_are_refused(server, plans, tm
     link.symlink_to(outside)
     fp = server.engine.table.fingerprint
     try:
-        for path in (str(outside), "/etc/passwd", "../" + outside.name, str(link), "link.yaml",
-                     str(plans / ".." / plans.name / ".." / "x.yaml")):
+        for path in (
+            str(outside),
+            "/etc/passwd",
+            "../" + outside.name,
+            str(link),
+            "link.yaml",
+            str(plans / ".." / plans.name / ".." / "x.yaml"),
+        ):
             status, body, _ = call(server, "POST", "/admin/reload", {"path": path}, ADMIN)
             assert status == 403 and "outside the reload directory" in body["error"], (path, body)
             assert server.engine.table.fingerprint == fp
@@ -125,8 +155,9 @@ def test_reload_paths_outside_the_reload_directory_are_refused(server, plans, tm
         link.unlink()
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "other.yaml"}, ADMIN)
     assert status == 200 and body["plan"] == "t2", body  # relative to the directory
-    status, body, _ = call(server, "POST", "/admin/reload",
-                           {"path": str(plans / "plan.yaml")}, ADMIN)
+    status, body, _ = call(
+        server, "POST", "/admin/reload", {"path": str(plans / "plan.yaml")}, ADMIN
+    )
     assert status == 200 and body["plan"] == "t"
 
 
@@ -134,12 +165,14 @@ def test_the_reload_directory_can_be_given_at_start_up(plans, tmp_path):
     elsewhere = tmp_path / "reloads"
     elsewhere.mkdir()
     (elsewhere / "p.yaml").write_text(plan_text(name="t3", sizes=(1, 4)))
-    s = Server(plans / "plan.yaml", spec=SPEC, progress=False, admin_token=TOKEN,
-               reload_dir=elsewhere).start()
+    s = Server(
+        plans / "plan.yaml", spec=SPEC, progress=False, admin_token=TOKEN, reload_dir=elsewhere
+    ).start()
     try:
         assert s.wait_ready(30)
-        assert call(s, "POST", "/admin/reload", {"path": str(plans / "other.yaml")},
-                    ADMIN)[0] == 403
+        assert (
+            call(s, "POST", "/admin/reload", {"path": str(plans / "other.yaml")}, ADMIN)[0] == 403
+        )
         status, body, _ = call(s, "POST", "/admin/reload", {"path": "p.yaml"}, ADMIN)
         assert status == 200 and body["plan"] == "t3"
         assert call(s, "POST", "/admin/reload", {}, ADMIN)[0] == 200  # the start-up plan
@@ -148,6 +181,7 @@ def test_the_reload_directory_can_be_given_at_start_up(plans, tmp_path):
 
 
 # -- every client error is a JSON 4xx -------------------------------------------------------------
+
 
 def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
     fifo, fifo_table = plans / "fifo.yaml", plans / "fifo.json"
@@ -159,29 +193,58 @@ def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
         (json.dumps({"path": str(plans)}).encode(), 422, "is a directory"),
         (json.dumps({"path": "fifo.yaml"}).encode(), 422, "is a FIFO"),
         (json.dumps({"path": "fifo.json"}).encode(), 422, "is a FIFO"),
-        (json.dumps({"path": "plan.yaml", "set": {"lora": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[
-            ]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}).encode(), 422, "too-deep"),
-        (json.dumps({"path": "plan.yaml", "set": {"parallel.sync_timeout_s": 1e400}}).encode(),
-         422, "not-finite"),
-        (json.dumps({"path": "plan.yaml", "set": {"scheduler.max_num_seqs": 8.0}}).encode(),
-         422, "expected integer"),
+        (
+            json.dumps(
+                {
+                    "path": "plan.yaml",
+                    "set": {
+                        "lora": [
+                            [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]
+                        ]
+                    },
+                }
+            ).encode(),
+            422,
+            "too-deep",
+        ),
+        (
+            json.dumps({"path": "plan.yaml", "set": {"parallel.sync_timeout_s": 1e400}}).encode(),
+            422,
+            "not-finite",
+        ),
+        (
+            json.dumps({"path": "plan.yaml", "set": {"scheduler.max_num_seqs": 8.0}}).encode(),
+            422,
+            "expected integer",
+        ),
     ]
     try:
         for raw, want, message in cases:
             status, body, _ = call(server, "POST", "/admin/reload", headers=ADMIN, raw=raw)
-            assert (status, body["status"]) == (want, want) and message in body["error"], \
-                (raw[:60], body)
+            assert (status, body["status"]) == (want, want) and message in body["error"], (
+                raw[:60],
+                body,
+            )
     finally:
         fifo.unlink()
         fifo_table.unlink()
 
 
-@pytest.mark.parametrize("method,path,status", [
-    ("PUT", "/generate", 405), ("DELETE", "/generate", 405), ("PATCH", "/healthz", 405),
-    ("GET", "/generate", 405), ("POST", "/healthz", 405), ("POST", "/metrics", 405),
-    ("PUT", "/nope", 501), ("DELETE", "/nope", 501), ("FOO", "/generate", 501),
-    ("GET", "/nope", 404),
-])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("PUT", "/generate", 405),
+        ("DELETE", "/generate", 405),
+        ("PATCH", "/healthz", 405),
+        ("GET", "/generate", 405),
+        ("POST", "/healthz", 405),
+        ("POST", "/metrics", 405),
+        ("PUT", "/nope", 501),
+        ("DELETE", "/nope", 501),
+        ("FOO", "/generate", 501),
+        ("GET", "/nope", 404),
+    ],
+)
 def test_wrong_and_unknown_methods_answer_json(server, method, path, status):
     got, body, resp = call(server, method, path, {})
     assert (got, body["status"]) == (status, status), body
@@ -209,6 +272,7 @@ def test_malformed_requests_answer_json_not_html(server):
 
 # -- timeouts and the reload lock -----------------------------------------------------------------
 
+
 def test_an_idle_connection_is_closed_after_the_idle_timeout(plans):
     s = Server(plans / "plan.yaml", spec=SPEC, progress=False, idle_timeout=0.3).start()
     try:
@@ -225,8 +289,10 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(plans):
 def test_a_slow_template_cannot_wedge_the_reload_lock(server, plans, monkeypatch):
     monkeypatch.setattr(T, "MAX_RENDER_SECONDS", 0.3)
     slow = plans / "slow.yaml.j2"
-    slow.write_text(plan_text() + "{% for i in range(9999) %}{% for j in range(9999) %}"
-                    "{% endfor %}{% endfor %}\n")
+    slow.write_text(
+        plan_text() + "{% for i in range(9999) %}{% for j in range(9999) %}"
+        "{% endfor %}{% endfor %}\n"
+    )
     fp = server.engine.table.fingerprint
     t0 = time.monotonic()
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "slow.yaml.j2"}, ADMIN)
@@ -241,22 +307,33 @@ def test_a_slow_template_cannot_wedge_the_reload_lock(server, plans, monkeypatch
 def test_a_template_cannot_run_code_through_a_reload(server, plans, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     evil = plans / "evil.yaml.j2"
-    evil.write_text("version: 1\nname: t{{ cycler.__init__.__globals__.os.system('touch PWNED') }}"
-                    "\n")
+    evil.write_text(
+        "version: 1\nname: t{{ cycler.__init__.__globals__.os.system('touch PWNED') }}\n"
+    )
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "evil.yaml.j2"}, ADMIN)
     assert status == 422 and not (tmp_path / "PWNED").exists(), body
 
 
 # -- an interrupted capture -----------------------------------------------------------------------
 
+
 def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_usable():
     import torch
-    from tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
 
     from graphplan.compiler import compile_plan
+    from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
     from graphplan.runtime import GraphRunner
-    cfg = TinyLlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
-                          intermediate=96, max_model_len=32, num_cache_rows=8)
+
+    cfg = TinyLlamaConfig(
+        vocab_size=128,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=96,
+        max_model_len=32,
+        num_cache_rows=8,
+    )
     model = TinyLlama(cfg, seed=0)
 
     class InterruptedAt:
@@ -268,12 +345,16 @@ def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_us
             if self.left == 0:
                 raise KeyboardInterrupt
             return model(**kw)
-    plan = {"version": 1, "name": "t",
-            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
-            "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS",
-                          "capture_sizes": [1, 2, 4, 8]}}
-    runner = GraphRunner(InterruptedAt(3), compile_plan(plan), static_inputs(model),
-                         progress=False, device="cpu")
+
+    plan = {
+        "version": 1,
+        "name": "t",
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "cudagraph": {"mode": "FULL", "attention_support": "ALWAYS", "capture_sizes": [1, 2, 4, 8]},
+    }
+    runner = GraphRunner(
+        InterruptedAt(3), compile_plan(plan), static_inputs(model), progress=False, device="cpu"
+    )
     with pytest.raises(KeyboardInterrupt):
         runner.capture()
     assert runner.captured_graph_ids() == [] and not runner.captured
@@ -286,11 +367,13 @@ def test_an_interrupt_during_capture_releases_everything_and_the_runner_stays_us
 
 
 def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serving(
-        server, plans, tmp_path, monkeypatch):
+    server, plans, tmp_path, monkeypatch
+):
     import random
 
     from test_fuzz import _hostile, mutate_text
     from test_server import _reference
+
     monkeypatch.setattr(T, "MAX_RENDER_SECONDS", 0.2)
     monkeypatch.chdir(tmp_path)
     base = plan_text()
@@ -298,8 +381,11 @@ def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serv
     for seed in range(30):
         rnd = random.Random(f"reload:{seed}")
         name = f"fuzz{seed}.yaml" + (".j2" if seed % 3 == 0 else "")
-        data = _hostile(base, name.endswith(".j2"), rnd).encode() if seed % 2 else \
-            mutate_text(base, rnd)
+        data = (
+            _hostile(base, name.endswith(".j2"), rnd).encode()
+            if seed % 2
+            else mutate_text(base, rnd)
+        )
         (plans / name).write_bytes(data)
         status, body, _ = call(server, "POST", "/admin/reload", {"path": name}, ADMIN)
         assert status in (200, 422) and body["status" if status != 200 else "plan"], (seed, body)
@@ -314,7 +400,8 @@ def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serv
 
 
 def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_right_tokens(
-        server, plans):
+    server, plans
+):
     """Resealed tables with random edits (routes re-aimed, settings, graphs, the embedded plan)
     through /admin/reload: each is refused (422) or, if it still means what its plan compiles
     to, accepted; the server then serves the tokens offline greedy decoding gives."""
@@ -325,6 +412,7 @@ def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_
     from test_table_trust import mutate, resealed
 
     from graphplan.compiler import compile_plan
+
     base = json.loads(compile_plan(plans / "plan.yaml").dumps())
     rnd = random.Random("reload-tables")
     seen = {200: 0, 422: 0}

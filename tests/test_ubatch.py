@@ -6,16 +6,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphplan.runtime import StaticInput
-from graphplan.runtime.dp import agree
-from graphplan.runtime.ubatch import (Collective, UbatchSlice, drive, last_ubatch_empty, run_ubatches,
-                            slice_inputs, ubatch_slices)
+from graphplan.runtime.dp.agreement import agree
+from graphplan.runtime.dp.ubatch import (
+    Collective,
+    UbatchSlice,
+    drive,
+    last_ubatch_empty,
+    run_ubatches,
+    slice_inputs,
+    ubatch_slices,
+)
 
 
 def test_split_point_is_padded_tokens_floor_divided_by_the_ubatch_count():
     a, b = ubatch_slices([1] * 24, 32, 2, 32)
     assert (a.token_start, a.token_stop, a.padded_token_stop) == (0, 16, 16)
     assert (b.token_start, b.token_stop, b.padded_token_stop) == (16, 24, 32)
-    assert (a.req_start, a.req_stop, b.req_start, b.req_stop, b.padded_req_stop) == (0, 16, 16, 24, 32)
+    assert (a.req_start, a.req_stop, b.req_start, b.req_stop, b.padded_req_stop) == (
+        0,
+        16,
+        16,
+        24,
+        32,
+    )
 
 
 def test_a_request_crossing_the_split_belongs_to_both_ubatches():
@@ -60,23 +73,31 @@ def test_slices_partition_tokens_and_cover_every_request_they_touch(case):
     lens, padded, k, padded_reqs = case
     total, split = sum(lens), padded // k
     if split * (k - 1) >= total or split < 1:
-        with pytest.raises(ValueError, match=r"cannot split \d+ tokens into \d+ ubatches"
-                                             r"|do not fit \d+ ubatches .*\(last ubatch empty\?\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"cannot split \d+ tokens into \d+ ubatches"
+            r"|do not fit \d+ ubatches .*\(last ubatch empty\?\)",
+        ):
             ubatch_slices(lens, padded, k, padded_reqs)
         return
     sl = ubatch_slices(lens, padded, k, padded_reqs)
     assert len(sl) == k
     # tokens: contiguous, split at multiples of padded // k, last runs to the real count then pads
     assert [s.token_start for s in sl] == [i * split for i in range(k)]
-    assert all(s.token_stop == s.padded_token_stop == (i + 1) * split for i, s in enumerate(sl[:-1]))
+    assert all(
+        s.token_stop == s.padded_token_stop == (i + 1) * split for i, s in enumerate(sl[:-1])
+    )
     assert sl[-1].token_stop == total and sl[-1].padded_token_stop == padded
     assert sum(s.num_tokens for s in sl) == padded
     assert all(s.token_stop > s.token_start for s in sl)  # no empty ubatch
     # requests: exactly those whose tokens meet the slice; neighbours share at most one request
     starts = [sum(lens[:j]) for j in range(len(lens))]
     for s in sl:
-        touching = [j for j, (a, q) in enumerate(zip(starts, lens))
-                    if a < s.token_stop and a + q > s.token_start]
+        touching = [
+            j
+            for j, (a, q) in enumerate(zip(starts, lens))
+            if a < s.token_stop and a + q > s.token_start
+        ]
         assert list(range(s.req_start, s.req_stop)) == touching
     for a, b in zip(sl, sl[1:]):
         assert b.req_start in (a.req_stop - 1, a.req_stop)
@@ -94,9 +115,11 @@ def test_slices_partition_tokens_and_cover_every_request_they_touch(case):
     assert per_req == lens
 
 
-SPECS = [StaticInput(name="ids", per="token", dtype=torch.int64),
-         StaticInput(name="seq_lens", per="req", dtype=torch.int32),
-         StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last")]
+SPECS = [
+    StaticInput(name="ids", per="token", dtype=torch.int64),
+    StaticInput(name="seq_lens", per="req", dtype=torch.int32),
+    StaticInput(name="qsl", per="req+1", dtype=torch.int32, pad="last"),
+]
 
 
 @settings(max_examples=150, deadline=None)
@@ -106,10 +129,15 @@ def test_sliced_offsets_give_each_ubatch_its_part_of_every_request(case):
     total = sum(lens)
     if padded // k < 1 or (padded // k) * (k - 1) >= total:
         return
-    qsl = torch.tensor([0] + [sum(lens[:j + 1]) for j in range(len(lens))]
-                       + [total] * (padded_reqs - len(lens)), dtype=torch.int32)
-    inputs = {"ids": torch.arange(padded), "seq_lens": torch.arange(padded_reqs, dtype=torch.int32),
-              "qsl": qsl}
+    qsl = torch.tensor(
+        [0] + [sum(lens[: j + 1]) for j in range(len(lens))] + [total] * (padded_reqs - len(lens)),
+        dtype=torch.int32,
+    )
+    inputs = {
+        "ids": torch.arange(padded),
+        "seq_lens": torch.arange(padded_reqs, dtype=torch.int32),
+        "qsl": qsl,
+    }
     got = [0] * padded_reqs
     for s in ubatch_slices(lens, padded, k, padded_reqs):
         u = slice_inputs(SPECS, inputs, s)
@@ -134,7 +162,7 @@ class Staged(torch.nn.Module):
 
     def forward_stages(self, x):
         for layer in range(2):
-            x = (yield Collective(self.comm, (f"u{x.shape[0]}l{layer}", x + 1)))
+            x = yield Collective(self.comm, (f"u{x.shape[0]}l{layer}", x + 1))
         return x
 
     def forward(self, x):
@@ -159,15 +187,21 @@ def test_a_model_without_stages_runs_each_ubatch_whole():
 
 
 def test_slice_dataclass_counts():
-    s = UbatchSlice(token_start=4, token_stop=7, padded_token_stop=8, req_start=2, req_stop=5,
-                    padded_req_stop=6)
+    s = UbatchSlice(
+        token_start=4, token_stop=7, padded_token_stop=8, req_start=2, req_stop=5, padded_req_stop=6
+    )
     assert (s.num_tokens, s.num_reqs) == (4, 4)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(2, 4), st.lists(st.tuples(st.integers(0, 600), st.integers(0, 64),
-                                              st.booleans(), st.integers(0, 2)),
-                                    min_size=1, max_size=8))
+@given(
+    st.integers(2, 4),
+    st.lists(
+        st.tuples(st.integers(0, 600), st.integers(0, 64), st.booleans(), st.integers(0, 2)),
+        min_size=1,
+        max_size=8,
+    ),
+)
 def test_agreement_follows_the_rules_for_any_columns(k, cols):
     # a rank wants to micro-batch only at or above a threshold, and thresholds are >= k (plan rule)
     cols = [(n, n + extra, int(w and n >= k), m) if n else (0, 0, 0, 2) for n, extra, w, m in cols]
@@ -184,7 +218,9 @@ def test_agreement_follows_the_rules_for_any_columns(k, cols):
 
 def test_sm_carveout_is_set_inside_and_restored_after_even_on_error():
     import torch
-    from graphplan.runtime.ubatch import sm_carveout
+
+    from graphplan.runtime.dp.ubatch import sm_carveout
+
     get = torch._C._get_sm_carveout_experimental
     before = get()
     with sm_carveout(16):

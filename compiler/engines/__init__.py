@@ -10,22 +10,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.errors import Diagnostic, PlanError
+from ..errors import Diagnostic, PlanError
+from . import flags as F
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
 
 def adapter(engine: str):
     if engine == "vllm":
-        from graphplan.compiler.engines import vllm as mod
+        from . import vllm as mod
     elif engine == "sglang":
-        from graphplan.compiler.engines import sglang as mod
+        from . import sglang as mod
     elif engine == "trtllm":
-        from graphplan.compiler.engines import trtllm as mod
+        from . import trtllm as mod
     else:
-        raise F.input_error("<engine>", "unknown-engine", f"{engine!r} is not an engine graphplan "
-                            "speaks", "one of vllm, sglang, trtllm")
+        raise F.input_error(
+            "<engine>",
+            "unknown-engine",
+            f"{engine!r} is not an engine graphplan speaks",
+            "one of vllm, sglang, trtllm",
+        )
     return mod
 
 
@@ -42,23 +46,34 @@ class Exported:
         return tuple(d for d in self.diagnostics if d.code == F.LOST)
 
 
-def export_plan(loaded, sizes, engine: str, fmt: str | None = None,
-                version: str | None = None) -> Exported:
+def export_plan(
+    loaded, sizes, engine: str, fmt: str | None = None, version: str | None = None
+) -> Exported:
     """``loaded``: a LoadedPlan; ``sizes``: the compiled table's capture sizes."""
-    from graphplan.compiler.modes import resolve_mode
+    from ..modes import resolve_mode
+
     mod = adapter(engine)
     version = F.check_version(engine, version, mod.VERSIONS, mod.DEFAULT_VERSION)
     fmt = fmt or mod.FORMATS[0]
     if fmt not in mod.FORMATS:
-        raise F.input_error(f"<{engine}>", "unknown-format", f"{F.ENGINE_NAMES[engine]} export has "
-                            f"no format {fmt!r}", f"one of {', '.join(mod.FORMATS)}")
+        raise F.input_error(
+            f"<{engine}>",
+            "unknown-format",
+            f"{F.ENGINE_NAMES[engine]} export has no format {fmt!r}",
+            f"one of {', '.join(mod.FORMATS)}",
+        )
     spec = loaded.spec
     mode, _ = resolve_mode(spec.cudagraph, spec.scheduler.decode_query_len)
     cfg, diags = mod.export_config(spec, mode.name, tuple(sizes), version)
     diags = [loaded.locate(d) for d in diags]
     if spec.cudagraph.strict and any(d.code == F.LOST for d in diags):
-        raise PlanError([replace(d, severity="error", hint=d.hint + "; or set strict: false")
-                         for d in diags if d.code == F.LOST])
+        raise PlanError(
+            [
+                replace(d, severity="error", hint=d.hint + "; or set strict: false")
+                for d in diags
+                if d.code == F.LOST
+            ]
+        )
     text = mod.render(cfg, fmt, version, spec.name)
     return Exported(text=text, config=cfg, version=version, diagnostics=tuple(diags))
 
@@ -72,18 +87,30 @@ class Imported:
     diagnostics: tuple[Diagnostic, ...] = field(default_factory=tuple)
 
 
-def import_plan(engine: str, *, args=None, config: str | None = None, log: str | None = None,
-                version: str | None = None, sets: dict | None = None,
-                allow_unknown: bool = False) -> Imported:
+def import_plan(
+    engine: str,
+    *,
+    args=None,
+    config: str | None = None,
+    log: str | None = None,
+    version: str | None = None,
+    sets: dict | None = None,
+    allow_unknown: bool = False,
+) -> Imported:
     """A plan from flags (``args``: a list or a command line), a config file path, or (vLLM) a
     log file path. Raises PlanError (exit code 2) for bad input; nothing is written."""
-    from graphplan.compiler import compile_plan
+    from .. import compile_plan
+
     mod = adapter(engine)
     version = F.check_version(engine, version, mod.VERSIONS, mod.DEFAULT_VERSION)
     given = [k for k, v in (("args", args), ("--config", config), ("--log", log)) if v is not None]
     if len(given) != 1:
-        raise F.input_error(f"<{engine}>", "one-source", "give exactly one of --config FILE, "
-                            "--log FILE or -- ARGS...", f"got {', '.join(given) or 'none'}")
+        raise F.input_error(
+            f"<{engine}>",
+            "one-source",
+            "give exactly one of --config FILE, --log FILE or -- ARGS...",
+            f"got {', '.join(given) or 'none'}",
+        )
     notes: list[Diagnostic] = []
     if args is not None:
         settings, notes = mod.read_args(args, version, allow_unknown)
@@ -93,21 +120,33 @@ def import_plan(engine: str, *, args=None, config: str | None = None, log: str |
         source = config
     else:
         if not hasattr(mod, "read_log"):
-            raise F.input_error(log, "no-log-reader", f"{F.ENGINE_NAMES[engine]} logs are not "
-                                "read", "give --config FILE or -- ARGS...")
+            raise F.input_error(
+                log,
+                "no-log-reader",
+                f"{F.ENGINE_NAMES[engine]} logs are not read",
+                "give --config FILE or -- ARGS...",
+            )
         settings, seen, notes = mod.read_log(log)
         source = log
         if seen and seen != version:
-            notes.append(F.note("", f"the log is from vLLM {seen}; read with the rules of "
-                                f"{version}", "pass --engine-version to match"))
+            notes.append(
+                F.note(
+                    "",
+                    f"the log is from vLLM {seen}; read with the rules of {version}",
+                    "pass --engine-version to match",
+                )
+            )
     draft = mod.to_draft(settings, version)
     draft.apply_sets(dict(sets or {}))
     mod.finish_sizes(draft, version)
     draft.fill_defaults()
     plan = draft.as_dict()
     compile_plan(plan)  # an imported plan that does not compile is an error, not a file
-    header = [f"Imported by graphplan's `plan import --engine {engine}` "
-              f"({F.ENGINE_NAMES[engine]} {version}) from {source}.",
-              "Each comment says where the value came from, or which default was assumed."]
-    return Imported(text=draft.yaml(header), plan=plan, version=version,
-                    diagnostics=tuple(notes + draft.notes))
+    header = [
+        f"Imported by graphplan's `plan import --engine {engine}` "
+        f"({F.ENGINE_NAMES[engine]} {version}) from {source}.",
+        "Each comment says where the value came from, or which default was assumed.",
+    ]
+    return Imported(
+        text=draft.yaml(header), plan=plan, version=version, diagnostics=tuple(notes + draft.notes)
+    )

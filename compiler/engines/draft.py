@@ -6,16 +6,31 @@ from __future__ import annotations
 
 import json
 
-from graphplan.compiler.engines.flags import NOTE, input_error
-from graphplan.compiler.errors import Diagnostic, did_you_mean
+from ..errors import Diagnostic, did_you_mean
+from .flags import NOTE, input_error
 
-ORDER = ("version", "name", "scheduler.max_num_seqs", "scheduler.max_num_batched_tokens",
-         "scheduler.decode_query_len", "cudagraph.mode", "cudagraph.attention_support",
-         "cudagraph.splitting_ops", "cudagraph.capture_sizes", "cudagraph.strict",
-         "lora.enabled", "lora.max_loras", "lora.specialize_count", "lora.separate_base",
-         "parallel.data_parallel_size", "parallel.ubatch.enabled", "parallel.ubatch.num_ubatches",
-         "parallel.ubatch.decode_token_threshold", "parallel.ubatch.prefill_token_threshold",
-         "parallel.ubatch.plain_twins")
+ORDER = (
+    "version",
+    "name",
+    "scheduler.max_num_seqs",
+    "scheduler.max_num_batched_tokens",
+    "scheduler.decode_query_len",
+    "cudagraph.mode",
+    "cudagraph.attention_support",
+    "cudagraph.splitting_ops",
+    "cudagraph.capture_sizes",
+    "cudagraph.strict",
+    "lora.enabled",
+    "lora.max_loras",
+    "lora.specialize_count",
+    "lora.separate_base",
+    "parallel.data_parallel_size",
+    "parallel.ubatch.enabled",
+    "parallel.ubatch.num_ubatches",
+    "parallel.ubatch.decode_token_threshold",
+    "parallel.ubatch.prefill_token_threshold",
+    "parallel.ubatch.plain_twins",
+)
 
 
 class Draft:
@@ -42,23 +57,32 @@ class Draft:
     def apply_sets(self, sets: dict) -> None:
         for key, value in sets.items():
             if key not in ORDER:
-                hint = did_you_mean(key, ORDER) or "keys are dotted plan paths, e.g. "\
-                    "scheduler.max_num_seqs"
+                hint = (
+                    did_you_mean(key, ORDER)
+                    or "keys are dotted plan paths, e.g. scheduler.max_num_seqs"
+                )
                 raise input_error("--set", "unknown-key", f"{key!r} is not a plan setting", hint)
             self.put(key, value, f"--set {key}")
 
     def fill_defaults(self) -> None:
         """Paths the engine has no setting for take graphplan's schema defaults."""
-        from graphplan.compiler.schema import fill_defaults
+        from ..schema import fill_defaults
+
         plan = fill_defaults({"version": 1, "name": "imported"})
         for path in ORDER:
             node = plan
             for part in path.split("."):
                 node = node[part]
-            why = "unused while LoRA is off" if path.startswith("lora.") and not \
-                self.values.get("lora.enabled") else ("unused while micro-batching is off" if
-                path.startswith("parallel.ubatch.") and not self.values.get(
-                    "parallel.ubatch.enabled") else "graphplan's default (no engine setting)")
+            why = (
+                "unused while LoRA is off"
+                if path.startswith("lora.") and not self.values.get("lora.enabled")
+                else (
+                    "unused while micro-batching is off"
+                    if path.startswith("parallel.ubatch.")
+                    and not self.values.get("parallel.ubatch.enabled")
+                    else "graphplan's default (no engine setting)"
+                )
+            )
             self.assume(path, node, why)
 
     def as_dict(self) -> dict:
@@ -72,15 +96,16 @@ class Draft:
 
     def yaml(self, header: list[str]) -> str:
         lines = [f"# {h}" if h else "#" for h in header]
-        lines.append("# yaml-language-server: "
-                     "$schema=https://graphplan.dev/schemas/plan.schema.json")
+        lines.append(
+            "# yaml-language-server: $schema=https://graphplan.dev/schemas/plan.schema.json"
+        )
         open_sections: list[str] = []
         for path in ORDER:
             parts = path.split(".")
             for depth, part in enumerate(parts[:-1]):
-                if open_sections[:depth + 1] != parts[:depth + 1]:
+                if open_sections[: depth + 1] != parts[: depth + 1]:
                     lines.append("  " * depth + f"{part}:")
-                    open_sections = parts[:depth + 1]
+                    open_sections = parts[: depth + 1]
             key = "  " * (len(parts) - 1) + f"{parts[-1]}: {_scalar(self.values[path])}"
             lines.append(f"{key:<43}  # {self.why[path]}")
         return "\n".join(lines) + "\n"

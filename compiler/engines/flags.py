@@ -10,7 +10,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from graphplan.compiler.errors import Diagnostic, PlanError, did_you_mean
+from ..errors import Diagnostic, PlanError, did_you_mean
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 LOST = "engine-lost-feature"
@@ -19,20 +19,36 @@ NOTE = "engine-note"
 """Something the reader should know that does not change the table (never an error)."""
 
 
-def input_error(file: str, code: str, message: str, hint: str = "", line: int = 0,
-                col: int = 0, path: str = "") -> PlanError:
+def input_error(
+    file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0, path: str = ""
+) -> PlanError:
     """A bad engine input (flag, config, log): exit code 2, located, nothing written."""
-    return PlanError([Diagnostic(code=code, message=message, hint=hint, severity="error",
-                                 file=file, line=line, col=col, path=path)])
+    return PlanError(
+        [
+            Diagnostic(
+                code=code,
+                message=message,
+                hint=hint,
+                severity="error",
+                file=file,
+                line=line,
+                col=col,
+                path=path,
+            )
+        ]
+    )
 
 
 def check_version(engine: str, version: str | None, known: dict, default: str) -> str:
     v = version or default
     if v not in known:
         hint = did_you_mean(v, known) or f"known: {', '.join(known)}"
-        raise input_error(f"<{engine}>", "unknown-engine-version",
-                          f"{ENGINE_NAMES[engine]} version {v!r} is not one graphplan targets",
-                          hint)
+        raise input_error(
+            f"<{engine}>",
+            "unknown-engine-version",
+            f"{ENGINE_NAMES[engine]} version {v!r} is not one graphplan targets",
+            hint,
+        )
     return v
 
 
@@ -72,9 +88,16 @@ def tokens_of(argv) -> list[str]:
     return words[i:]
 
 
-def read_flags(words: list[str], flags: dict, ignored: set, removed: dict, engine: str,
-               file: str = "<args>", allow_unknown: bool = False,
-               normalise=lambda name: name) -> tuple[dict, list[Diagnostic]]:
+def read_flags(
+    words: list[str],
+    flags: dict,
+    ignored: set,
+    removed: dict,
+    engine: str,
+    file: str = "<args>",
+    allow_unknown: bool = False,
+    normalise=lambda name: name,
+) -> tuple[dict, list[Diagnostic]]:
     """Flags -> {key: Setting}. ``ignored``: flags the engine has that do not shape graphs (their
     values are skipped); ``removed``: flag -> why this version lacks it (an error)."""
     out, notes, i = {}, [], 0
@@ -82,8 +105,14 @@ def read_flags(words: list[str], flags: dict, ignored: set, removed: dict, engin
         word, col = words[i], i + 1
         where = f"argument {col} ({word})"
         if not word.startswith("-"):
-            raise input_error(file, "stray-value", f"{where}: a value with no flag before it",
-                              "every value follows its flag, e.g. --max-num-seqs 128", 1, col)
+            raise input_error(
+                file,
+                "stray-value",
+                f"{where}: a value with no flag before it",
+                "every value follows its flag, e.g. --max-num-seqs 128",
+                1,
+                col,
+            )
         name, eq, inline = word.partition("=")
         name = normalise(name)
         if name in removed:
@@ -100,14 +129,27 @@ def read_flags(words: list[str], flags: dict, ignored: set, removed: dict, engin
                 continue
             hint = did_you_mean(name, list(flags) + sorted(ignored))
             if allow_unknown:
-                notes.append(Diagnostic(code=NOTE, message=f"{where}: unknown {engine} flag "
-                                        "ignored", hint=hint, file=file, line=1, col=col))
+                notes.append(
+                    Diagnostic(
+                        code=NOTE,
+                        message=f"{where}: unknown {engine} flag ignored",
+                        hint=hint,
+                        file=file,
+                        line=1,
+                        col=col,
+                    )
+                )
                 i = j
                 continue
-            raise input_error(file, "unknown-flag", f"{where}: not a {ENGINE_NAMES[engine]} flag "
-                              "graphplan knows", (hint + " Or " if hint else "") +
-                              "pass --ignore-unknown to skip flags that do not shape CUDA graphs",
-                              1, col)
+            raise input_error(
+                file,
+                "unknown-flag",
+                f"{where}: not a {ENGINE_NAMES[engine]} flag graphplan knows",
+                (hint + " Or " if hint else "")
+                + "pass --ignore-unknown to skip flags that do not shape CUDA graphs",
+                1,
+                col,
+            )
         value, used = _value(spec, name, values, where, file, col)
         shown = [] if spec.kind == "json" or eq else values[:used]
         out[spec.key] = Setting(value, " ".join([name if spec.kind == "json" else word] + shown))
@@ -136,23 +178,37 @@ def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col:
         try:
             return json.loads(values[0]), 1
         except json.JSONDecodeError as e:
-            raise input_error(file, "bad-json", f"{where}: not JSON ({e.msg} at character "
-                              f"{e.pos + 1})", "quote it: --flag '{\"key\": 1}'", 1, col) from None
+            raise input_error(
+                file,
+                "bad-json",
+                f"{where}: not JSON ({e.msg} at character {e.pos + 1})",
+                "quote it: --flag '{\"key\": 1}'",
+                1,
+                col,
+            ) from None
     return values[0], 1
 
 
 def to_int(text, where: str, lo: int, hi: int, file: str, col: int = 0, line: int = 1) -> int:
     if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise input_error(file, "bad-value", f"{where}: expected an integer, got {text!r}", "",
-                          line, col)
+        raise input_error(
+            file, "bad-value", f"{where}: expected an integer, got {text!r}", "", line, col
+        )
     try:
         n = int(text)
     except ValueError:
-        raise input_error(file, "bad-value", f"{where}: {text!r} is not an integer", "",
-                          line, col) from None
+        raise input_error(
+            file, "bad-value", f"{where}: {text!r} is not an integer", "", line, col
+        ) from None
     if not lo <= n <= hi:
-        raise input_error(file, "out-of-range", f"{where}: {n} is out of range; graphplan "
-                          f"accepts {lo}..{hi}", "", line, col)
+        raise input_error(
+            file,
+            "out-of-range",
+            f"{where}: {n} is out of range; graphplan accepts {lo}..{hi}",
+            "",
+            line,
+            col,
+        )
     return n
 
 
@@ -160,8 +216,12 @@ def to_int(text, where: str, lo: int, hi: int, file: str, col: int = 0, line: in
 
 
 def lost(engine: str, version: str, path: str, what: str, hint: str = "") -> Diagnostic:
-    return Diagnostic(code=LOST, path=path, message=f"{ENGINE_NAMES[engine]} {version} cannot "
-                      f"express {what}", hint=hint)
+    return Diagnostic(
+        code=LOST,
+        path=path,
+        message=f"{ENGINE_NAMES[engine]} {version} cannot express {what}",
+        hint=hint,
+    )
 
 
 def note(path: str, message: str, hint: str = "") -> Diagnostic:
@@ -175,8 +235,11 @@ def shell_lines(pairs: list[tuple[str, object]]) -> list[str]:
         if value is True:
             out.append(flag)
         else:
-            text = json.dumps(value, separators=(", ", ": ")) if isinstance(value, (dict, list)) \
+            text = (
+                json.dumps(value, separators=(", ", ": "))
+                if isinstance(value, (dict, list))
                 else str(value)
+            )
             out.append(f"{flag} {shlex.quote(text)}")
     return out
 
@@ -188,15 +251,23 @@ def read_yaml_file(path: str) -> tuple[object, dict]:
     """(data, positions) of a YAML (or JSON) file, with graphplan's located loader errors."""
     from pathlib import Path
 
-    from graphplan.compiler.load import parse_yaml, read_text
+    from ..load import parse_yaml, read_text
+
     text = read_text(Path(path))
     if not text.strip():
         raise input_error(path, "empty", "the config file is empty", "", 1, 1)
     return parse_yaml(text, path)
 
 
-def read_flag_config(path: str, flags: dict, ignored: set, removed: dict, engine: str,
-                     allow_unknown: bool, normalise=lambda name: name) -> tuple[dict, list]:
+def read_flag_config(
+    path: str,
+    flags: dict,
+    ignored: set,
+    removed: dict,
+    engine: str,
+    allow_unknown: bool,
+    normalise=lambda name: name,
+) -> tuple[dict, list]:
     """A ``key: value`` config whose keys are the engine's flag names without dashes."""
     data, pos = read_yaml_file(path)
     if not isinstance(data, dict):
@@ -207,31 +278,47 @@ def read_flag_config(path: str, flags: dict, ignored: set, removed: dict, engine
         name = normalise("--" + str(key))
         where = f"{key}"
         if name in removed:
-            raise input_error(path, "flag-not-in-version", f"{where}: {removed[name]}", "",
-                              line, col)
+            raise input_error(
+                path, "flag-not-in-version", f"{where}: {removed[name]}", "", line, col
+            )
         spec = flags.get(name)
         if spec is None:
             if name in ignored:
                 continue
             hint = did_you_mean(name, list(flags) + sorted(ignored))
             if allow_unknown:
-                notes.append(Diagnostic(code=NOTE, message=f"{where}: unknown {engine} key "
-                                        "ignored", hint=hint, file=path, line=line, col=col))
+                notes.append(
+                    Diagnostic(
+                        code=NOTE,
+                        message=f"{where}: unknown {engine} key ignored",
+                        hint=hint,
+                        file=path,
+                        line=line,
+                        col=col,
+                    )
+                )
                 continue
-            raise input_error(path, "unknown-flag", f"{where}: not a {ENGINE_NAMES[engine]} "
-                              "setting graphplan knows", (hint + "; " if hint else "")
-                              + "pass --ignore-unknown to skip it", line, col)
+            raise input_error(
+                path,
+                "unknown-flag",
+                f"{where}: not a {ENGINE_NAMES[engine]} setting graphplan knows",
+                (hint + "; " if hint else "") + "pass --ignore-unknown to skip it",
+                line,
+                col,
+            )
         vline, vcol = pos.get((key,), (line, col))
-        out[spec.key] = Setting(_config_value(spec, value, where, path, vline, vcol),
-                                f"{path}:{vline} {key}")
+        out[spec.key] = Setting(
+            _config_value(spec, value, where, path, vline, vcol), f"{path}:{vline} {key}"
+        )
     return out, notes
 
 
 def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
     if spec.kind in ("bool", "negbool"):
         if not isinstance(value, bool):
-            raise input_error(path, "bad-value", f"{where}: expected true or false, got "
-                              f"{value!r}", "", line, col)
+            raise input_error(
+                path, "bad-value", f"{where}: expected true or false, got {value!r}", "", line, col
+            )
         return value if spec.kind == "bool" else not value
     if spec.kind == "int":
         return to_int(value, where, spec.lo, spec.hi, path, col, line)
@@ -242,8 +329,9 @@ def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int)
         try:
             return json.loads(value)
         except json.JSONDecodeError as e:
-            raise input_error(path, "bad-json", f"{where}: not JSON ({e.msg})", "", line,
-                              col) from None
+            raise input_error(
+                path, "bad-json", f"{where}: not JSON ({e.msg})", "", line, col
+            ) from None
     return value
 
 
@@ -257,22 +345,46 @@ def split_routines(sizes, q: int, seqs: int, mode: str) -> tuple[list[int], list
     pieces = list(sizes) if mode == "FULL_AND_PIECEWISE" else []
     top = decode[-1] if decode else 0
     if pieces and top < q * seqs and pieces[-1] > top:
-        problem = (f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
-                   " tokens (above the largest decode size; the engine runs them without a graph)")
+        problem = (
+            f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
+            " tokens (above the largest decode size; the engine runs them without a graph)"
+        )
     return [s // q for s in decode], pieces, problem
 
 
-def engine_routines(engine: str, version: str, mode: str, sizes, q: int, seqs: int,
-                    unsupported: dict[str, str], diags: list) -> tuple[str, list[int], list[int]]:
+def engine_routines(
+    engine: str,
+    version: str,
+    mode: str,
+    sizes,
+    q: int,
+    seqs: int,
+    unsupported: dict[str, str],
+    diags: list,
+) -> tuple[str, list[int], list[int]]:
     """For engines with FULL decode graphs and piecewise prefill graphs only: a mode they cannot
     run (``unsupported``: mode -> what is lost) becomes FULL_AND_PIECEWISE with a diagnostic, and
     the sizes split into (decode batch sizes, piecewise token counts). Returns (mode, both)."""
     if mode in unsupported:
-        diags.append(lost(engine, version, "cudagraph.mode", unsupported[mode],
-                          "use FULL_AND_PIECEWISE or FULL_DECODE_ONLY"))
+        diags.append(
+            lost(
+                engine,
+                version,
+                "cudagraph.mode",
+                unsupported[mode],
+                "use FULL_AND_PIECEWISE or FULL_DECODE_ONLY",
+            )
+        )
         mode = "FULL_AND_PIECEWISE"
     bs, pieces, problem = split_routines(sizes, q, seqs, mode)
     if problem:
-        diags.append(lost(engine, version, "cudagraph.capture_sizes", problem,
-                          f"add size {q * seqs} or drop the sizes above it"))
+        diags.append(
+            lost(
+                engine,
+                version,
+                "cudagraph.capture_sizes",
+                problem,
+                f"add size {q * seqs} or drop the sizes above it",
+            )
+        )
     return mode, bs, pieces

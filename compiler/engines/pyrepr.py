@@ -55,8 +55,16 @@ class ReprError(ValueError):
         self.pos = pos
 
 
-_CONST = {"True": True, "False": False, "None": None, "true": True, "false": False,
-          "null": None, "inf": float("inf"), "nan": float("nan")}
+_CONST = {
+    "True": True,
+    "False": False,
+    "None": None,
+    "true": True,
+    "false": False,
+    "null": None,
+    "inf": float("inf"),
+    "nan": float("nan"),
+}
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "0": "\0"}
 
 
@@ -158,7 +166,7 @@ class _Reader:
         start = self.i
         while self.i < len(self.s) and (self.s[self.i].isalnum() or self.s[self.i] in "+-._"):
             self.i += 1
-        text = self.s[start:self.i]
+        text = self.s[start : self.i]
         try:
             return int(text)
         except ValueError:
@@ -176,7 +184,7 @@ class _Reader:
             self.i += 1
         if start == self.i:
             self.fail("expected a name")
-        return self.s[start:self.i]
+        return self.s[start : self.i]
 
     def _enum(self) -> Enum:
         self.expect("<")

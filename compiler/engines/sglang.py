@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.engines.draft import Draft
-from graphplan.compiler.engines.flags import Flag
+from . import flags as F
+from .draft import Draft
+from .flags import Flag
 
 ENGINE = "sglang"
-VERSIONS = {"0.5": "SGLang 0.5.x: --cuda-graph-bs/--cuda-graph-max-bs, --enable-piecewise-cuda-"
-                   "graph with --piecewise-cuda-graph-tokens/--piecewise-cuda-graph-max-tokens"}
+VERSIONS = {
+    "0.5": "SGLang 0.5.x: --cuda-graph-bs/--cuda-graph-max-bs, --enable-piecewise-cuda-"
+    "graph with --piecewise-cuda-graph-tokens/--piecewise-cuda-graph-max-tokens"
+}
 DEFAULT_VERSION = "0.5"
 FORMATS = ("args", "json")
 BIG = 1 << 20
@@ -40,7 +42,8 @@ FLAGS = {
     "--enable-lora": Flag("enable_lora", "bool"),
     "--max-loras-per-batch": Flag("max_loras_per_batch", "int", 1, 256),
 }
-IGNORED = set("""--model-path --model --tokenizer-path --host --port --tp-size --tp
+IGNORED = set(
+    """--model-path --model --tokenizer-path --host --port --tp-size --tp
 --tensor-parallel-size --dp --ep-size --ep --pp-size --mem-fraction-static --trust-remote-code
 --dtype --quantization --kv-cache-dtype --context-length --attention-backend
 --decode-attention-backend --prefill-attention-backend --sampling-backend --served-model-name
@@ -51,50 +54,99 @@ IGNORED = set("""--model-path --model --tokenizer-path --host --port --tp-size -
 --max-lora-rank --lora-backend --speculative-draft-model-path --speculative-num-steps
 --speculative-eagle-topk --torch-compile-max-bs --enable-torch-compile --api-key
 --chat-template --reasoning-parser --tool-call-parser --enable-mixed-chunk
---piecewise-cuda-graph-compiler --cuda-graph-backend-prefill""".split())
-REMOVED = {"0.5": {"--cuda-graph-bs-prefill": "SGLang 0.5 spells it --piecewise-cuda-graph-tokens "
-                   "(later releases renamed it)",
-                   "--cuda-graph-max-bs-prefill": "SGLang 0.5 spells it "
-                   "--piecewise-cuda-graph-max-tokens (later releases renamed it)"}}
+--piecewise-cuda-graph-compiler --cuda-graph-backend-prefill""".split()
+)
+REMOVED = {
+    "0.5": {
+        "--cuda-graph-bs-prefill": "SGLang 0.5 spells it --piecewise-cuda-graph-tokens "
+        "(later releases renamed it)",
+        "--cuda-graph-max-bs-prefill": "SGLang 0.5 spells it "
+        "--piecewise-cuda-graph-max-tokens (later releases renamed it)",
+    }
+}
 
 
 def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, list]:
     s, cg, lora, par = spec.scheduler, spec.cudagraph, spec.lora, spec.parallel
     q, diags = s.decode_query_len, []
-    out: dict = {"max_running_requests": s.max_num_seqs,
-                 "chunked_prefill_size": s.max_num_batched_tokens}
+    out: dict = {
+        "max_running_requests": s.max_num_seqs,
+        "chunked_prefill_size": s.max_num_batched_tokens,
+    }
     if q > 1:
         out["speculative_num_draft_tokens"] = q
-        diags.append(F.note("scheduler.decode_query_len", "add --speculative-algorithm and the "
-                            "draft model; num_draft_tokens is the verify width q"))
-    mode, bs, pieces = F.engine_routines(ENGINE, version, mode, sizes, q, s.max_num_seqs, {
-        "PIECEWISE": "PIECEWISE graphs for decode batches (SGLang captures FULL decode graphs)",
-        "FULL": "FULL graphs for mixed batches (SGLang's prefill graphs are piecewise)"}, diags)
+        diags.append(
+            F.note(
+                "scheduler.decode_query_len",
+                "add --speculative-algorithm and the "
+                "draft model; num_draft_tokens is the verify width q",
+            )
+        )
+    mode, bs, pieces = F.engine_routines(
+        ENGINE,
+        version,
+        mode,
+        sizes,
+        q,
+        s.max_num_seqs,
+        {
+            "PIECEWISE": "PIECEWISE graphs for decode batches (SGLang captures FULL decode graphs)",
+            "FULL": "FULL graphs for mixed batches (SGLang's prefill graphs are piecewise)",
+        },
+        diags,
+    )
     if mode == "NONE" or not bs:
         out["disable_cuda_graph"] = True
         if mode != "NONE" and sizes:
-            diags.append(F.lost(ENGINE, version, "cudagraph.capture_sizes", "graphs without "
-                                "decode graphs",
-                                f"add a size between {q} and {q * s.max_num_seqs}"))
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "cudagraph.capture_sizes",
+                    "graphs without decode graphs",
+                    f"add a size between {q} and {q * s.max_num_seqs}",
+                )
+            )
     else:
         out.update(cuda_graph_bs=bs, cuda_graph_max_bs=bs[-1])
         if pieces:
-            out.update(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_tokens=pieces,
-                       piecewise_cuda_graph_max_tokens=pieces[-1])
+            out.update(
+                enable_piecewise_cuda_graph=True,
+                piecewise_cuda_graph_tokens=pieces,
+                piecewise_cuda_graph_max_tokens=pieces[-1],
+            )
     if lora.enabled:
         out.update(enable_lora=True, max_loras_per_batch=lora.max_loras)
         if lora.specialize_count or lora.separate_base:
-            diags.append(F.lost(ENGINE, version, "lora", "LoRA graphs per adapter count or base "
-                                "graphs without LoRA (SGLang captures one LoRA graph per size)",
-                                "set specialize_count: false and separate_base: false"))
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "lora",
+                    "LoRA graphs per adapter count or base "
+                    "graphs without LoRA (SGLang captures one LoRA graph per size)",
+                    "set specialize_count: false and separate_base: false",
+                )
+            )
     if par.data_parallel_size > 1:
         out["dp_size"] = par.data_parallel_size
-        diags.append(F.note("parallel.data_parallel_size", "SGLang DP attention also needs "
-                            "--enable-dp-attention and a tp size"))
+        diags.append(
+            F.note(
+                "parallel.data_parallel_size",
+                "SGLang DP attention also needs --enable-dp-attention and a tp size",
+            )
+        )
     if par.ubatch.enabled:
         out["enable_two_batch_overlap"] = True
-        diags.append(F.lost(ENGINE, version, "parallel.ubatch", "micro-batching thresholds and "
-                            "plain twins (two-batch overlap splits every eligible batch)"))
+        diags.append(
+            F.lost(
+                ENGINE,
+                version,
+                "parallel.ubatch",
+                "micro-batching thresholds and "
+                "plain twins (two-batch overlap splits every eligible batch)",
+            )
+        )
     if cg.strict:
         diags.append(F.note("cudagraph.strict", "SGLang has no strict mode"))
     return out, diags
@@ -103,8 +155,10 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
 def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     if fmt == "json":
         return json.dumps(cfg, indent=2) + "\n"
-    lines = [f"# SGLang {version} flags for plan {name} (written by graphplan's plan export)",
-             "# use: python -m sglang.launch_server --model-path MODEL $(grep -v '^#' this.args)"]
+    lines = [
+        f"# SGLang {version} flags for plan {name} (written by graphplan's plan export)",
+        "# use: python -m sglang.launch_server --model-path MODEL $(grep -v '^#' this.args)",
+    ]
     for key, value in cfg.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, list):
@@ -115,70 +169,113 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
 
 
 def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
-    return F.read_flags(F.tokens_of(words), FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE,
-                        file, allow_unknown)
+    return F.read_flags(
+        F.tokens_of(words), FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, file, allow_unknown
+    )
 
 
 def read_config(path: str, version: str, allow_unknown: bool):
     """A YAML/JSON of ServerArgs fields or flag names (``cuda_graph_max_bs: 256``)."""
-    return F.read_flag_config(path, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE,
-                              allow_unknown, lambda n: n.replace("_", "-"))
+    return F.read_flag_config(
+        path,
+        FLAGS,
+        IGNORED,
+        REMOVED.get(version, {}),
+        ENGINE,
+        allow_unknown,
+        lambda n: n.replace("_", "-"),
+    )
 
 
 def to_draft(settings: dict, version: str) -> Draft:
     d, get = Draft(), settings.get
     d.put("name", "sglang-import", "plan name (change with --set name=...)")
     if get("max_running_requests"):
-        d.put("scheduler.max_num_seqs", get("max_running_requests").value,
-              get("max_running_requests").source)
+        d.put(
+            "scheduler.max_num_seqs",
+            get("max_running_requests").value,
+            get("max_running_requests").source,
+        )
     else:
-        d.assume("scheduler.max_num_seqs", 256, "SGLang sizes max_running_requests from KV-cache "
-                 "memory: give --set scheduler.max_num_seqs=N")
+        d.assume(
+            "scheduler.max_num_seqs",
+            256,
+            "SGLang sizes max_running_requests from KV-cache "
+            "memory: give --set scheduler.max_num_seqs=N",
+        )
     chunk = get("chunked_prefill_size")
     if chunk and chunk.value > 0:
         d.put("scheduler.max_num_batched_tokens", chunk.value, chunk.source)
     elif get("max_prefill_tokens"):
-        d.put("scheduler.max_num_batched_tokens", get("max_prefill_tokens").value,
-              get("max_prefill_tokens").source + " (chunked prefill off)")
+        d.put(
+            "scheduler.max_num_batched_tokens",
+            get("max_prefill_tokens").value,
+            get("max_prefill_tokens").source + " (chunked prefill off)",
+        )
     else:
-        d.assume("scheduler.max_num_batched_tokens", 8192 if not chunk else 16384,
-                 "SGLang's chunked_prefill_size on an 80 GB GPU" if not chunk else
-                 "SGLang's max_prefill_tokens default (chunked prefill off)")
+        d.assume(
+            "scheduler.max_num_batched_tokens",
+            8192 if not chunk else 16384,
+            "SGLang's chunked_prefill_size on an 80 GB GPU"
+            if not chunk
+            else "SGLang's max_prefill_tokens default (chunked prefill off)",
+        )
     n = get("speculative_num_draft_tokens")
     if n:
         d.put("scheduler.decode_query_len", n.value, n.source + " (verify width)")
     elif get("speculative_algorithm"):
-        d.assume("scheduler.decode_query_len", 1, f"{get('speculative_algorithm').source} "
-                 "without its verify width: give --set scheduler.decode_query_len=N")
+        d.assume(
+            "scheduler.decode_query_len",
+            1,
+            f"{get('speculative_algorithm').source} "
+            "without its verify width: give --set scheduler.decode_query_len=N",
+        )
     d.assume("scheduler.decode_query_len", 1, "no speculative decoding")
     off = get("disable_cuda_graph")
     piece = get("enable_piecewise_cuda_graph")
     if off and off.value:
         d.put("cudagraph.mode", "NONE", off.source)
     elif piece and piece.value:
-        d.put("cudagraph.mode", "FULL_AND_PIECEWISE", "decode graphs (SGLang default) + "
-              + piece.source)
+        d.put(
+            "cudagraph.mode",
+            "FULL_AND_PIECEWISE",
+            "decode graphs (SGLang default) + " + piece.source,
+        )
     else:
-        d.assume("cudagraph.mode", "FULL_DECODE_ONLY", "SGLang captures FULL graphs for decode "
-                 "batches; prefill runs eager without --enable-piecewise-cuda-graph")
-    d.assume("cudagraph.attention_support", "UNIFORM_BATCH", "SGLang's backends run decode and "
-             "spec-verify batches in graphs")
-    d.assume("cudagraph.splitting_ops", ["attention"], "SGLang's piecewise graphs split at "
-             "attention")
+        d.assume(
+            "cudagraph.mode",
+            "FULL_DECODE_ONLY",
+            "SGLang captures FULL graphs for decode "
+            "batches; prefill runs eager without --enable-piecewise-cuda-graph",
+        )
+    d.assume(
+        "cudagraph.attention_support",
+        "UNIFORM_BATCH",
+        "SGLang's backends run decode and spec-verify batches in graphs",
+    )
+    d.assume(
+        "cudagraph.splitting_ops", ["attention"], "SGLang's piecewise graphs split at attention"
+    )
     d.put("cudagraph.strict", False, "SGLang has no strict mode")
     on = get("enable_lora")
     if on and on.value:
         d.put("lora.enabled", True, on.source)
         m = get("max_loras_per_batch")
-        d.put("lora.max_loras", m.value if m else 8, m.source if m else
-              "assumed: SGLang's default max_loras_per_batch")
+        d.put(
+            "lora.max_loras",
+            m.value if m else 8,
+            m.source if m else "assumed: SGLang's default max_loras_per_batch",
+        )
         d.put("lora.specialize_count", False, "SGLang captures one LoRA graph per size")
         d.put("lora.separate_base", False, "SGLang captures one LoRA graph per size")
     else:
         d.assume("lora.enabled", False, "no --enable-lora")
     dp = get("dp_size")
-    d.put("parallel.data_parallel_size", dp.value if dp else 1, dp.source if dp else
-          "assumed: SGLang's default dp_size")
+    d.put(
+        "parallel.data_parallel_size",
+        dp.value if dp else 1,
+        dp.source if dp else "assumed: SGLang's default dp_size",
+    )
     tbo = get("enable_two_batch_overlap")
     if tbo and tbo.value and dp and dp.value > 1:
         d.put("parallel.ubatch.enabled", True, tbo.source)
@@ -194,8 +291,9 @@ def to_draft(settings: dict, version: str) -> Draft:
 def finish_sizes(d: Draft, version: str) -> None:
     if "cudagraph.capture_sizes" in d.values:
         return
-    from graphplan.compiler.sizes import sglang_sizes
-    from graphplan.compiler.spec import SchedulerSpec
+    from ..sizes import sglang_sizes
+    from ..spec import SchedulerSpec
+
     get = d.pending.get
     seqs, q = d.values["scheduler.max_num_seqs"], d.values["scheduler.decode_query_len"]
     tokens = d.values["scheduler.max_num_batched_tokens"]
@@ -211,11 +309,15 @@ def finish_sizes(d: Draft, version: str) -> None:
     else:
         sched = SchedulerSpec(max_num_seqs=seqs, max_num_batched_tokens=tokens, decode_query_len=q)
         decode = sglang_sizes(sched, top.value if top else 0)
-        why = f"SGLang {version} default decode list, max_bs " + \
-            (top.source if top else "256 (assumed: its 80 GB GPU default)")
+        why = f"SGLang {version} default decode list, max_bs " + (
+            top.source if top else "256 (assumed: its 80 GB GPU default)"
+        )
         if d.values["cudagraph.mode"] != "FULL_AND_PIECEWISE":
-            d.put("cudagraph.capture_sizes", {"preset": "sglang", "max_size": top.value if top
-                                              else 0}, why)
+            d.put(
+                "cudagraph.capture_sizes",
+                {"preset": "sglang", "max_size": top.value if top else 0},
+                why,
+            )
             return
     sizes = set(decode)
     if d.values["cudagraph.mode"] == "FULL_AND_PIECEWISE":
@@ -225,12 +327,21 @@ def finish_sizes(d: Draft, version: str) -> None:
         else:
             m = get("piecewise_cuda_graph_max_tokens")
             cap = m.value if m else tokens
-            pieces = [t for t in (list(range(4, 33, 4)) + list(range(48, 257, 16))
-                                  + list(range(288, 513, 32)) + list(range(576, 1025, 64))
-                                  + list(range(1280, 4097, 256)) + list(range(4608, cap + 1, 512)))
-                      if t <= cap]
-            pwhy = "SGLang's default piecewise tokens up to " + (m.source if m else
-                                                                   "chunked_prefill_size")
+            pieces = [
+                t
+                for t in (
+                    list(range(4, 33, 4))
+                    + list(range(48, 257, 16))
+                    + list(range(288, 513, 32))
+                    + list(range(576, 1025, 64))
+                    + list(range(1280, 4097, 256))
+                    + list(range(4608, cap + 1, 512))
+                )
+                if t <= cap
+            ]
+            pwhy = "SGLang's default piecewise tokens up to " + (
+                m.source if m else "chunked_prefill_size"
+            )
         sizes |= set(pieces)
         why += f" united with {pwhy}: graphplan captures both routines at every size"
     d.put("cudagraph.capture_sizes", sorted(sizes), why)

@@ -9,32 +9,64 @@ from __future__ import annotations
 
 import json
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.engines.draft import Draft
-from graphplan.compiler.engines.flags import Flag
+from . import flags as F
+from .draft import Draft
+from .flags import Flag
 
 ENGINE = "trtllm"
-VERSIONS = {"1.0": "TensorRT-LLM 1.0: cuda_graph_config {batch_sizes, max_batch_size, "
-                   "enable_padding}; padded default list doubles after 128",
-            "main": "TensorRT-LLM after PR #12895 (2026-04): padded default list steps by 64 "
-                    "after 128"}
+VERSIONS = {
+    "1.0": "TensorRT-LLM 1.0: cuda_graph_config {batch_sizes, max_batch_size, "
+    "enable_padding}; padded default list doubles after 128",
+    "main": "TensorRT-LLM after PR #12895 (2026-04): padded default list steps by 64 after 128",
+}
 DEFAULT_VERSION = "1.0"
 FORMATS = ("yaml", "args", "json")
 BIG = 1 << 20
-FLAGS = {"--max_batch_size": Flag("max_batch_size", "int", 1, 65536),
-         "--max_num_tokens": Flag("max_num_tokens", "int", 1, BIG)}
-IGNORED = set("""--host --port --backend --tp_size --pp_size --ep_size --cluster_size
+FLAGS = {
+    "--max_batch_size": Flag("max_batch_size", "int", 1, 65536),
+    "--max_num_tokens": Flag("max_num_tokens", "int", 1, BIG),
+}
+IGNORED = set(
+    """--host --port --backend --tp_size --pp_size --ep_size --cluster_size
 --gpus_per_node --kv_cache_free_gpu_memory_fraction --max_seq_len --trust_remote_code
 --log_level --tokenizer --num_postprocess_workers --reasoning_parser --extra_llm_api_options
---config""".split())
-TOP_KEYS = {"max_batch_size", "max_num_tokens", "cuda_graph_config", "torch_compile_config",
-            "speculative_config", "lora_config", "enable_attention_dp", "tensor_parallel_size"}
-IGNORED_KEYS = {"kv_cache_config", "print_iter_log", "stream_interval", "attn_backend",
-                "compile_backend", "max_seq_len", "num_postprocess_workers", "backend",
-                "enable_chunked_prefill", "disable_overlap_scheduler", "moe_config",
-                "pipeline_parallel_size", "moe_expert_parallel_size", "enable_iter_perf_stats",
-                "trust_remote_code", "scheduler_config", "model_kwargs", "runtime", "world_size",
-                "max_beam_width", "enable_autotuner", "sampler_type", "cache_transceiver_config"}
+--config""".split()
+)
+TOP_KEYS = {
+    "max_batch_size",
+    "max_num_tokens",
+    "cuda_graph_config",
+    "torch_compile_config",
+    "speculative_config",
+    "lora_config",
+    "enable_attention_dp",
+    "tensor_parallel_size",
+}
+IGNORED_KEYS = {
+    "kv_cache_config",
+    "print_iter_log",
+    "stream_interval",
+    "attn_backend",
+    "compile_backend",
+    "max_seq_len",
+    "num_postprocess_workers",
+    "backend",
+    "enable_chunked_prefill",
+    "disable_overlap_scheduler",
+    "moe_config",
+    "pipeline_parallel_size",
+    "moe_expert_parallel_size",
+    "enable_iter_perf_stats",
+    "trust_remote_code",
+    "scheduler_config",
+    "model_kwargs",
+    "runtime",
+    "world_size",
+    "max_beam_width",
+    "enable_autotuner",
+    "sampler_type",
+    "cache_transceiver_config",
+}
 GRAPH_KEYS = {"batch_sizes", "max_batch_size", "enable_padding"}
 
 
@@ -42,31 +74,60 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
     s, lora, par = spec.scheduler, spec.lora, spec.parallel
     q, diags = s.decode_query_len, []
     out: dict = {"max_batch_size": s.max_num_seqs, "max_num_tokens": s.max_num_batched_tokens}
-    mode, bs, pieces = F.engine_routines(ENGINE, version, mode, sizes, q, s.max_num_seqs, {
-        "PIECEWISE": "PIECEWISE graphs for decode batches (its decode graphs are FULL)",
-        "FULL": "FULL graphs for mixed batches (its CUDA graphs are decode-only)"}, diags)
+    mode, bs, pieces = F.engine_routines(
+        ENGINE,
+        version,
+        mode,
+        sizes,
+        q,
+        s.max_num_seqs,
+        {
+            "PIECEWISE": "PIECEWISE graphs for decode batches (its decode graphs are FULL)",
+            "FULL": "FULL graphs for mixed batches (its CUDA graphs are decode-only)",
+        },
+        diags,
+    )
     if mode == "NONE" or not bs:
         out["cuda_graph_config"] = None
     else:
-        out["cuda_graph_config"] = {"batch_sizes": bs, "max_batch_size": bs[-1],
-                                    "enable_padding": True}
+        out["cuda_graph_config"] = {
+            "batch_sizes": bs,
+            "max_batch_size": bs[-1],
+            "enable_padding": True,
+        }
         if pieces:
-            out["torch_compile_config"] = {"enable_piecewise_cuda_graph": True,
-                                           "capture_num_tokens": pieces}
+            out["torch_compile_config"] = {
+                "enable_piecewise_cuda_graph": True,
+                "capture_num_tokens": pieces,
+            }
     if q > 1:
         out["speculative_config"] = {"max_draft_len": q - 1}
-        diags.append(F.note("scheduler.decode_query_len", "add decoding_type and the draft "
-                            "model to speculative_config"))
+        diags.append(
+            F.note(
+                "scheduler.decode_query_len",
+                "add decoding_type and the draft model to speculative_config",
+            )
+        )
     if lora.enabled:
         out["lora_config"] = {"max_loras": lora.max_loras}
         if lora.specialize_count or lora.separate_base:
-            diags.append(F.lost(ENGINE, version, "lora", "LoRA graphs per adapter count or base "
-                                "graphs (one LoRA graph per batch size)",
-                                "set specialize_count: false and separate_base: false"))
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "lora",
+                    "LoRA graphs per adapter count or base graphs (one LoRA graph per batch size)",
+                    "set specialize_count: false and separate_base: false",
+                )
+            )
     if par.data_parallel_size > 1:
         out.update(enable_attention_dp=True, tensor_parallel_size=par.data_parallel_size)
-        diags.append(F.note("parallel.data_parallel_size", "exported as attention DP over "
-                            "tensor_parallel_size ranks"))
+        diags.append(
+            F.note(
+                "parallel.data_parallel_size",
+                "exported as attention DP over tensor_parallel_size ranks",
+            )
+        )
     if par.ubatch.enabled:
         diags.append(F.lost(ENGINE, version, "parallel.ubatch", "micro-batching (DBO)"))
     if spec.cudagraph.strict:
@@ -79,11 +140,21 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     if fmt == "json":
         return json.dumps(cfg, indent=2) + "\n"
     if fmt == "args":
-        return (f"# {head}\n# CUDA-graph settings have no trtllm-serve flag: pass the yaml "
-                "export with --config\n" + "\n".join(F.shell_lines(
-                    [("--max_batch_size", cfg["max_batch_size"]),
-                     ("--max_num_tokens", cfg["max_num_tokens"])])) + "\n")
+        return (
+            f"# {head}\n# CUDA-graph settings have no trtllm-serve flag: pass the yaml "
+            "export with --config\n"
+            + "\n".join(
+                F.shell_lines(
+                    [
+                        ("--max_batch_size", cfg["max_batch_size"]),
+                        ("--max_num_tokens", cfg["max_num_tokens"]),
+                    ]
+                )
+            )
+            + "\n"
+        )
     import yaml
+
     body = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None, width=100)
     return f"# {head}\n# use: trtllm-serve MODEL --config this.yaml\n{body}"
 
@@ -95,8 +166,9 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
 def read_config(path: str, version: str, allow_unknown: bool):
     data, pos = F.read_yaml_file(path)
     if not isinstance(data, dict):
-        raise F.input_error(path, "not-a-mapping", "expected LLM API options (`key: value`)",
-                            "", 1, 1)
+        raise F.input_error(
+            path, "not-a-mapping", "expected LLM API options (`key: value`)", "", 1, 1
+        )
     out, notes = {}, []
 
     def at(*path):
@@ -111,9 +183,14 @@ def read_config(path: str, version: str, allow_unknown: bool):
             if allow_unknown:
                 notes.append(F.note("", f"{path}:{line}: {key}: unknown key ignored", hint))
                 continue
-            raise F.input_error(path, "unknown-key", f"{key}: not an LLM API option graphplan "
-                                "knows", (hint + " Or " if hint else "") + "pass "
-                                "--ignore-unknown to skip it", line, col)
+            raise F.input_error(
+                path,
+                "unknown-key",
+                f"{key}: not an LLM API option graphplan knows",
+                (hint + " Or " if hint else "") + "pass --ignore-unknown to skip it",
+                line,
+                col,
+            )
         if key in ("max_batch_size", "max_num_tokens", "tensor_parallel_size"):
             value = F.to_int(value, key, 1, BIG, path, col, line)
         elif key == "cuda_graph_config" and value is not None:
@@ -124,22 +201,44 @@ def read_config(path: str, version: str, allow_unknown: bool):
 
 def _check_graph_config(cfg, path: str, at) -> None:
     if not isinstance(cfg, dict):
-        raise F.input_error(path, "bad-value", "cuda_graph_config: expected a mapping or null",
-                            "", *at("cuda_graph_config"))
+        raise F.input_error(
+            path,
+            "bad-value",
+            "cuda_graph_config: expected a mapping or null",
+            "",
+            *at("cuda_graph_config"),
+        )
     for key, value in cfg.items():
         line, col = at("cuda_graph_config", key)
         if key == "padding_enabled":
-            raise F.input_error(path, "flag-not-in-version", "cuda_graph_config.padding_enabled "
-                                "was renamed enable_padding (TensorRT-LLM PR #5795, 2025-07)",
-                                "write enable_padding", line, col)
+            raise F.input_error(
+                path,
+                "flag-not-in-version",
+                "cuda_graph_config.padding_enabled "
+                "was renamed enable_padding (TensorRT-LLM PR #5795, 2025-07)",
+                "write enable_padding",
+                line,
+                col,
+            )
         if key not in GRAPH_KEYS:
-            raise F.input_error(path, "unknown-key", f"cuda_graph_config.{key}: not a "
-                                "CudaGraphConfig field", F.did_you_mean(key, sorted(GRAPH_KEYS)),
-                                line, col)
+            raise F.input_error(
+                path,
+                "unknown-key",
+                f"cuda_graph_config.{key}: not a CudaGraphConfig field",
+                F.did_you_mean(key, sorted(GRAPH_KEYS)),
+                line,
+                col,
+            )
         if key == "batch_sizes":
             if not isinstance(value, list) or not value:
-                raise F.input_error(path, "bad-value", "cuda_graph_config.batch_sizes: expected a "
-                                    "list of batch sizes", "", line, col)
+                raise F.input_error(
+                    path,
+                    "bad-value",
+                    "cuda_graph_config.batch_sizes: expected a list of batch sizes",
+                    "",
+                    line,
+                    col,
+                )
             for v in value:
                 F.to_int(v, "cuda_graph_config.batch_sizes", 1, 65536, path, col, line)
         elif key == "max_batch_size":
@@ -149,8 +248,10 @@ def _check_graph_config(cfg, path: str, at) -> None:
 def to_draft(settings: dict, version: str) -> Draft:
     d, get = Draft(), settings.get
     d.put("name", "trtllm-import", "plan name (change with --set name=...)")
-    for key, path, default in (("max_batch_size", "scheduler.max_num_seqs", 2048),
-                               ("max_num_tokens", "scheduler.max_num_batched_tokens", 8192)):
+    for key, path, default in (
+        ("max_batch_size", "scheduler.max_num_seqs", 2048),
+        ("max_num_tokens", "scheduler.max_num_batched_tokens", 8192),
+    ):
         if get(key):
             d.put(path, get(key).value, get(key).source)
         else:
@@ -161,21 +262,33 @@ def to_draft(settings: dict, version: str) -> Draft:
         if n is not None:
             d.put("scheduler.decode_query_len", 1 + int(n), f"1 + max_draft_len ({spec.source})")
         else:
-            d.assume("scheduler.decode_query_len", 1, f"{spec.source} has no max_draft_len: give "
-                     "--set scheduler.decode_query_len=N")
+            d.assume(
+                "scheduler.decode_query_len",
+                1,
+                f"{spec.source} has no max_draft_len: give --set scheduler.decode_query_len=N",
+            )
     d.assume("scheduler.decode_query_len", 1, "no speculative_config")
     graph = get("cuda_graph_config")
     tc = (get("torch_compile_config").value or {}) if get("torch_compile_config") else {}
     if graph and graph.value is None:
         d.put("cudagraph.mode", "NONE", f"{graph.source}: null")
     elif tc.get("enable_piecewise_cuda_graph"):
-        d.put("cudagraph.mode", "FULL_AND_PIECEWISE", "decode graphs + torch_compile_config."
-              "enable_piecewise_cuda_graph")
+        d.put(
+            "cudagraph.mode",
+            "FULL_AND_PIECEWISE",
+            "decode graphs + torch_compile_config.enable_piecewise_cuda_graph",
+        )
     else:
-        d.assume("cudagraph.mode", "FULL_DECODE_ONLY", "TensorRT-LLM's CUDA graphs are "
-                 "decode-only (cuda_graph_config is on by default)")
-    d.assume("cudagraph.attention_support", "UNIFORM_BATCH", "its decode graphs run "
-             "spec-verify batches too")
+        d.assume(
+            "cudagraph.mode",
+            "FULL_DECODE_ONLY",
+            "TensorRT-LLM's CUDA graphs are decode-only (cuda_graph_config is on by default)",
+        )
+    d.assume(
+        "cudagraph.attention_support",
+        "UNIFORM_BATCH",
+        "its decode graphs run spec-verify batches too",
+    )
     d.assume("cudagraph.splitting_ops", ["attention"], "piecewise graphs split at attention")
     d.put("cudagraph.strict", False, "TensorRT-LLM has no strict mode")
     lc = get("lora_config")
@@ -188,8 +301,11 @@ def to_draft(settings: dict, version: str) -> Draft:
         d.assume("lora.enabled", False, "no lora_config")
     if get("enable_attention_dp") and get("enable_attention_dp").value:
         tp = get("tensor_parallel_size")
-        d.put("parallel.data_parallel_size", tp.value if tp else 1, "attention DP over "
-              + (tp.source if tp else "tensor_parallel_size (default 1)"))
+        d.put(
+            "parallel.data_parallel_size",
+            tp.value if tp else 1,
+            "attention DP over " + (tp.source if tp else "tensor_parallel_size (default 1)"),
+        )
     d.assume("parallel.data_parallel_size", 1, "no enable_attention_dp")
     d.pending = (graph.value if graph else {}, graph.source if graph else "", tc)
     return d
@@ -199,14 +315,14 @@ def default_batch_sizes(max_bs: int, padding: bool, version: str) -> list[int]:
     """CudaGraphConfig._generate_cuda_graph_batch_sizes for a version (requests)."""
     if padding and version == "1.0":
         bs = [1, 2, 4] + list(range(8, 129, 8))
-        bs += [2 ** i for i in range(8, (max_bs - 1).bit_length())]  # powers of two below max
+        bs += [2**i for i in range(8, (max_bs - 1).bit_length())]  # powers of two below max
     elif padding:
         bs = [1, 2, 4] + list(range(8, 129, 8))
         while bs[-1] + 64 <= max_bs:
             bs.append(bs[-1] + 64)
     else:
         bs = list(range(1, 32)) + [32, 64, 128]
-        bs += [2 ** i for i in range(8, (max_bs - 1).bit_length())]
+        bs += [2**i for i in range(8, (max_bs - 1).bit_length())]
     bs = sorted(b for b in set(bs) if b <= max_bs)
     return bs + ([max_bs] if not bs or bs[-1] != max_bs else [])
 
@@ -224,16 +340,22 @@ def finish_sizes(d: Draft, version: str) -> None:
         bs, why = sorted(set(graph["batch_sizes"])), f"{src} batch_sizes (x q tokens)"
     else:
         bs = default_batch_sizes(top, padding, version)
-        why = f"TensorRT-LLM {version} default list, max_batch_size {top}" + \
-            (", padded" if padding else "")
+        why = f"TensorRT-LLM {version} default list, max_batch_size {top}" + (
+            ", padded" if padding else ""
+        )
     if not padding:
-        d.note("without enable_padding TensorRT-LLM runs a batch whose size is not captured "
-               "eagerly; graphplan pads it to the next captured size",
-               "export sets enable_padding: true")
+        d.note(
+            "without enable_padding TensorRT-LLM runs a batch whose size is not captured "
+            "eagerly; graphplan pads it to the next captured size",
+            "export sets enable_padding: true",
+        )
     sizes = {b * q for b in bs if b <= seqs}
     if d.values["cudagraph.mode"] == "FULL_AND_PIECEWISE":
         tokens = tc.get("capture_num_tokens") or bs
         sizes |= set(tokens)
-        why += " united with torch_compile_config.capture_num_tokens" if tc.get(
-            "capture_num_tokens") else " united with the same numbers as piecewise token counts"
+        why += (
+            " united with torch_compile_config.capture_num_tokens"
+            if tc.get("capture_num_tokens")
+            else " united with the same numbers as piecewise token counts"
+        )
     d.put("cudagraph.capture_sizes", sorted(sizes), why)

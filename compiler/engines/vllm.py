@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.engines import vllm_rules as R
-from graphplan.compiler.engines.flags import Flag
-from graphplan.compiler.engines.vllm_import import finish_sizes, to_draft  # noqa: F401 (API)
+from . import flags as F
+from . import vllm_rules as R
+from .flags import Flag
+from .vllm_import import finish_sizes, to_draft  # noqa: F401 (API)
 
 ENGINE = "vllm"
 VERSIONS, DEFAULT_VERSION = R.VERSIONS, R.DEFAULT_VERSION
@@ -41,7 +41,8 @@ FLAGS = {
     "--optimization-level": Flag("optimization_level", "int", 0, 3),
 }
 # Flags vLLM has that do not shape CUDA graphs (their values are skipped).
-IGNORED = set("""--model --host --port --served-model-name --tensor-parallel-size -tp
+IGNORED = set(
+    """--model --host --port --served-model-name --tensor-parallel-size -tp
 --pipeline-parallel-size -pp --gpu-memory-utilization --max-model-len --trust-remote-code --dtype
 --quantization -q --kv-cache-dtype --enable-prefix-caching --no-enable-prefix-caching
 --enable-chunked-prefill --no-enable-chunked-prefill --task --limit-mm-per-prompt
@@ -59,12 +60,15 @@ IGNORED = set("""--model --host --port --served-model-name --tensor-parallel-siz
 --disable-nccl-for-dp-synchronization --ubatch-size --allowed-origins --root-path --ssl-keyfile
 --ssl-certfile --max-seq-len-to-capture --num-gpu-blocks-override --cpu-offload-gb
 --disable-sliding-window --disable-cascade-attn --enable-prompt-embeds --structured-outputs-config
---kv-events-config --additional-config --cuda-graph-max-size""".split())
+--kv-events-config --additional-config --cuda-graph-max-size""".split()
+)
 # Flags a version lacks: flag -> why (an error: the engine would refuse it).
 REMOVED = {
-    "0.11": {"--specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora (added by "
-             "PR #32005, 2026-01); use --engine-version 0.15",
-             "--no-specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora"},
+    "0.11": {
+        "--specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora (added by "
+        "PR #32005, 2026-01); use --engine-version 0.15",
+        "--no-specialize-active-lora": "vLLM 0.11 has no --specialize-active-lora",
+    },
 }
 
 
@@ -85,59 +89,119 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
     out: dict = {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens}
     if s.decode_query_len > 1:
         out["speculative_config"] = {"num_speculative_tokens": s.decode_query_len - 1}
-        diags.append(F.note("scheduler.decode_query_len", "speculative_config carries only "
-                            "num_speculative_tokens", "add the method and draft model"))
+        diags.append(
+            F.note(
+                "scheduler.decode_query_len",
+                "speculative_config carries only num_speculative_tokens",
+                "add the method and draft model",
+            )
+        )
     if mode == "NONE" or not sizes:
         out["enforce_eager"] = True
         if mode != "NONE":
-            diags.append(F.note("cudagraph.capture_sizes", "no capture size survives: exported "
-                                "as --enforce-eager (every step eager, as in the plan)"))
+            diags.append(
+                F.note(
+                    "cudagraph.capture_sizes",
+                    "no capture size survives: exported "
+                    "as --enforce-eager (every step eager, as in the plan)",
+                )
+            )
     else:
-        cc: dict = {"cudagraph_mode": mode, "cudagraph_capture_sizes": list(sizes),
-                    "max_cudagraph_capture_size": max(sizes)}
+        cc: dict = {
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": list(sizes),
+            "max_cudagraph_capture_size": max(sizes),
+        }
         if list(cg.splitting_ops) != ["attention"]:
-            cc["splitting_ops"] = [o for op in cg.splitting_ops
-                                   for o in (R.ATTENTION_OPS if op == "attention" else (op,))]
+            cc["splitting_ops"] = [
+                o
+                for op in cg.splitting_ops
+                for o in (R.ATTENTION_OPS if op == "attention" else (op,))
+            ]
         if lora.enabled:
             cc["cudagraph_specialize_lora"] = lora.separate_base
         out["compilation_config"] = cc
         if mode != cg.mode.name:
-            diags.append(F.note("cudagraph.mode", f"exported the resolved mode {mode} (the plan "
-                                f"asks for {cg.mode.name}; attention_support "
-                                f"{cg.attention_support.name} lowers it)"))
+            diags.append(
+                F.note(
+                    "cudagraph.mode",
+                    f"exported the resolved mode {mode} (the plan "
+                    f"asks for {cg.mode.name}; attention_support "
+                    f"{cg.attention_support.name} lowers it)",
+                )
+            )
         if "FULL" in mode:
-            diags.append(F.note("cudagraph.attention_support", "vLLM takes graph support from "
-                                f"its attention backend: use one with {cg.attention_support.name} "
-                                "or stronger, or vLLM lowers the mode further"))
+            diags.append(
+                F.note(
+                    "cudagraph.attention_support",
+                    "vLLM takes graph support from "
+                    f"its attention backend: use one with {cg.attention_support.name} "
+                    "or stronger, or vLLM lowers the mode further",
+                )
+            )
     if lora.enabled:
         out.update(enable_lora=True, max_loras=lora.max_loras)
         if lora.specialize_count:
             if version == "0.11":
-                diags.append(F.lost(ENGINE, version, "lora.specialize_count", "per-count LoRA "
-                                    "graphs (one LoRA graph per size instead)",
-                                    "use --engine-version 0.15, or specialize_count: false"))
+                diags.append(
+                    F.lost(
+                        ENGINE,
+                        version,
+                        "lora.specialize_count",
+                        "per-count LoRA graphs (one LoRA graph per size instead)",
+                        "use --engine-version 0.15, or specialize_count: false",
+                    )
+                )
             elif not lora.separate_base:
-                diags.append(F.lost(ENGINE, version, "lora.specialize_count", "per-count LoRA "
-                                    "graphs without base graphs (vLLM honours "
-                                    "specialize_active_lora only with cudagraph_specialize_lora)",
-                                    "set lora.separate_base: true"))
+                diags.append(
+                    F.lost(
+                        ENGINE,
+                        version,
+                        "lora.specialize_count",
+                        "per-count LoRA "
+                        "graphs without base graphs (vLLM honours "
+                        "specialize_active_lora only with cudagraph_specialize_lora)",
+                        "set lora.separate_base: true",
+                    )
+                )
             else:
                 out["specialize_active_lora"] = True
     if par.data_parallel_size > 1:
         out["data_parallel_size"] = par.data_parallel_size
     if ub.enabled:
-        out.update(enable_dbo=True, dbo_decode_token_threshold=ub.decode_token_threshold,
-                   dbo_prefill_token_threshold=ub.prefill_token_threshold)
+        out.update(
+            enable_dbo=True,
+            dbo_decode_token_threshold=ub.decode_token_threshold,
+            dbo_prefill_token_threshold=ub.prefill_token_threshold,
+        )
         if ub.num_ubatches != 2:
-            diags.append(F.lost(ENGINE, version, "parallel.ubatch.num_ubatches",
-                                f"{ub.num_ubatches} micro-batches (DBO runs 2)", "use 2"))
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "parallel.ubatch.num_ubatches",
+                    f"{ub.num_ubatches} micro-batches (DBO runs 2)",
+                    "use 2",
+                )
+            )
         if ub.plain_twins:
-            diags.append(F.lost(ENGINE, version, "parallel.ubatch.plain_twins", "plain twins (an "
-                                "aborted micro-batch runs eager in vLLM)",
-                                "set plain_twins: false to match vLLM"))
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "parallel.ubatch.plain_twins",
+                    "plain twins (an aborted micro-batch runs eager in vLLM)",
+                    "set plain_twins: false to match vLLM",
+                )
+            )
     if cg.strict:
-        diags.append(F.note("cudagraph.strict", "vLLM has no strict mode: it logs downgrades "
-                            "and dropped sizes (graphplan checked them at compile time)"))
+        diags.append(
+            F.note(
+                "cudagraph.strict",
+                "vLLM has no strict mode: it logs downgrades "
+                "and dropped sizes (graphplan checked them at compile time)",
+            )
+        )
     return out, diags
 
 
@@ -153,12 +217,16 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     if fmt == "yaml":
         lines = [f"# {head}", "# use: vllm serve MODEL --config this.yaml"]
         for key, value in pairs:
-            text = "true" if value is True else (json.dumps(value) if isinstance(value, str)
-                                                 else str(value))
+            text = (
+                "true"
+                if value is True
+                else (json.dumps(value) if isinstance(value, str) else str(value))
+            )
             lines.append(f"{key}: {text}")
         return "\n".join(lines) + "\n"
-    lines = F.shell_lines([("--" + k, json.loads(v) if k.endswith("config") else v)
-                           for k, v in pairs])
+    lines = F.shell_lines(
+        [("--" + k, json.loads(v) if k.endswith("config") else v) for k, v in pairs]
+    )
     use = "# use: vllm serve MODEL $(grep -v '^#' this.args)"
     return f"# {head}\n{use}\n" + "\n".join(lines) + "\n"
 
@@ -181,8 +249,9 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
             level = F.Setting(int(w[2]), w)
         else:
             plain.append(w)
-    settings, notes = F.read_flags(plain, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, file,
-                                   allow_unknown, normalise)
+    settings, notes = F.read_flags(
+        plain, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, file, allow_unknown, normalise
+    )
     if level:
         settings["optimization_level"] = level
     if dotted:
@@ -194,13 +263,15 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
 
 def read_config(path: str, version: str, allow_unknown: bool):
     """``vllm serve --config`` YAML: keys are flag names (``max-num-seqs: 128``)."""
-    return F.read_flag_config(path, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE,
-                              allow_unknown, normalise)
+    return F.read_flag_config(
+        path, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, allow_unknown, normalise
+    )
 
 
 def read_log(path: str):
     from pathlib import Path
 
-    from graphplan.compiler.engines.vllm_log import read_log as parse
-    from graphplan.compiler.load import read_text
+    from ..load import read_text
+    from .vllm_log import read_log as parse
+
     return parse(read_text(Path(path)), path)

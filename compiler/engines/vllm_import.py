@@ -4,19 +4,29 @@ assumes; capture sizes are resolved last, once ``--set`` has fixed the scheduler
 
 from __future__ import annotations
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.engines.draft import Draft
-from graphplan.compiler.engines import vllm_rules as R
+from . import flags as F
+from . import vllm_rules as R
+from .draft import Draft
 
 
 def to_draft(settings: dict, version: str) -> Draft:
     """vLLM settings -> plan values, each with its source or the default vLLM assumes."""
     d, get = Draft(), settings.get
     d.put("name", "vllm-import", "plan name (change with --set name=...)")
-    for key, default, why in (("max_num_seqs", 256, "EngineArgs fallback; vLLM raises it on "
-                               "large GPUs: give --set scheduler.max_num_seqs=N"),
-                              ("max_num_batched_tokens", 8192, "vllm serve's default with "
-                               "chunked prefill; give --set scheduler.max_num_batched_tokens=N")):
+    for key, default, why in (
+        (
+            "max_num_seqs",
+            256,
+            "EngineArgs fallback; vLLM raises it on "
+            "large GPUs: give --set scheduler.max_num_seqs=N",
+        ),
+        (
+            "max_num_batched_tokens",
+            8192,
+            "vllm serve's default with "
+            "chunked prefill; give --set scheduler.max_num_batched_tokens=N",
+        ),
+    ):
         if key in settings:
             d.put(f"scheduler.{key}", settings[key].value, settings[key].source)
         else:
@@ -26,8 +36,12 @@ def to_draft(settings: dict, version: str) -> Draft:
     if spec and spec.value:
         n = spec.value.get("num_speculative_tokens", spec.value.get("num_spec_tokens"))
         if n is None:
-            raise F.input_error("<vllm>", "missing-value", f"{spec.source}: no "
-                                "num_speculative_tokens", "give --set scheduler.decode_query_len=N")
+            raise F.input_error(
+                "<vllm>",
+                "missing-value",
+                f"{spec.source}: no num_speculative_tokens",
+                "give --set scheduler.decode_query_len=N",
+            )
         q = 1 + F.to_int(n, spec.source, 0, 63, "<vllm>")
         d.put("scheduler.decode_query_len", q, f"1 + num_speculative_tokens ({spec.source})")
     else:
@@ -35,15 +49,20 @@ def to_draft(settings: dict, version: str) -> Draft:
     cc = dict(get("compilation_config").value) if get("compilation_config") else {}
     cc_src = get("compilation_config").source if cc else ""
     _mode(d, settings, cc, cc_src)
-    d.assume("cudagraph.attention_support", "UNIFORM_BATCH", "vLLM reads it from the attention "
-             "backend (FlashAttention 3: --set cudagraph.attention_support=ALWAYS)")
+    d.assume(
+        "cudagraph.attention_support",
+        "UNIFORM_BATCH",
+        "vLLM reads it from the attention "
+        "backend (FlashAttention 3: --set cudagraph.attention_support=ALWAYS)",
+    )
     ops = cc.get("splitting_ops")
     if ops is None:
         d.assume("cudagraph.splitting_ops", ["attention"], "vLLM splits at its attention ops")
     else:
         attn = set(R.ATTENTION_OPS) | {o.replace("::", ".") for o in R.ATTENTION_OPS}
-        names = (["attention"] if any(o in attn for o in ops) else []) + \
-            [o for o in ops if o not in attn]
+        names = (["attention"] if any(o in attn for o in ops) else []) + [
+            o for o in ops if o not in attn
+        ]
         d.put("cudagraph.splitting_ops", names, f"compilation_config.splitting_ops ({cc_src})")
     d.put("cudagraph.strict", False, "vLLM has no strict mode (it logs downgrades)")
     _lora(d, settings, cc)
@@ -58,19 +77,31 @@ def _mode(d: Draft, settings: dict, cc: dict, src: str) -> None:
     elif cc.get("cudagraph_mode") is not None:
         mode = str(cc["cudagraph_mode"]).upper()
         if mode not in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-            raise F.input_error("<vllm>", "bad-value", f"{src}: cudagraph_mode {mode!r} is not a "
-                                "vLLM CUDAGraphMode", "NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or "
-                                "FULL_AND_PIECEWISE")
+            raise F.input_error(
+                "<vllm>",
+                "bad-value",
+                f"{src}: cudagraph_mode {mode!r} is not a vLLM CUDAGraphMode",
+                "NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE",
+            )
         d.put("cudagraph.mode", mode, f"compilation_config.cudagraph_mode ({src})")
     elif cc.get("full_cuda_graph") or cc.get("use_cudagraph") is not None:  # vLLM <= 0.10
-        mode = "FULL" if cc.get("full_cuda_graph") else (
-            "PIECEWISE" if cc.get("use_cudagraph") else "NONE")
-        d.put("cudagraph.mode", mode, f"compilation_config use_cudagraph/full_cuda_graph ({src}; "
-              "vLLM <= 0.10 spelling)")
+        mode = (
+            "FULL"
+            if cc.get("full_cuda_graph")
+            else ("PIECEWISE" if cc.get("use_cudagraph") else "NONE")
+        )
+        d.put(
+            "cudagraph.mode",
+            mode,
+            f"compilation_config use_cudagraph/full_cuda_graph ({src}; vLLM <= 0.10 spelling)",
+        )
     elif settings.get("optimization_level"):
         lvl = settings["optimization_level"]
-        d.put("cudagraph.mode", ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE",
-                                 "FULL_AND_PIECEWISE")[lvl.value], f"{lvl.source} (its mode)")
+        d.put(
+            "cudagraph.mode",
+            ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE")[lvl.value],
+            f"{lvl.source} (its mode)",
+        )
     else:
         d.assume("cudagraph.mode", "FULL_AND_PIECEWISE", "vLLM's default cudagraph_mode (-O2)")
 
@@ -87,11 +118,18 @@ def _lora(d: Draft, settings: dict, cc: dict) -> None:
     else:
         d.assume("lora.max_loras", 1, "vLLM's default max_loras")
     base = bool(cc.get("cudagraph_specialize_lora", True))
-    d.put("lora.separate_base", base, "compilation_config.cudagraph_specialize_lora"
-          + ("" if "cudagraph_specialize_lora" in cc else " (vLLM default true)"))
+    d.put(
+        "lora.separate_base",
+        base,
+        "compilation_config.cudagraph_specialize_lora"
+        + ("" if "cudagraph_specialize_lora" in cc else " (vLLM default true)"),
+    )
     act = settings.get("specialize_active_lora")
-    d.put("lora.specialize_count", bool(act and act.value) and base,
-          act.source if act else "vLLM captures one LoRA graph per size (no per-count graphs)")
+    d.put(
+        "lora.specialize_count",
+        bool(act and act.value) and base,
+        act.source if act else "vLLM captures one LoRA graph per size (no per-count graphs)",
+    )
 
 
 def _parallel(d: Draft, settings: dict) -> None:
@@ -103,8 +141,11 @@ def _parallel(d: Draft, settings: dict) -> None:
     if dbo and dbo.value:
         d.put("parallel.ubatch.enabled", True, dbo.source)
         d.put("parallel.ubatch.num_ubatches", 2, "DBO runs two micro-batches")
-        d.put("parallel.ubatch.plain_twins", False, "vLLM captures no plain twin for a "
-              "micro-batched size")
+        d.put(
+            "parallel.ubatch.plain_twins",
+            False,
+            "vLLM captures no plain twin for a micro-batched size",
+        )
         for key, default in (("decode_token_threshold", 32), ("prefill_token_threshold", 512)):
             s = settings.get(f"dbo_{key}")
             if s:
@@ -127,25 +168,45 @@ def finish_sizes(d: Draft, version: str) -> None:
     where = f"compilation_config ({src})"
     for key in ("cudagraph_capture_sizes", "max_cudagraph_capture_size"):
         if key in settings:
-            explicit, top_in, where = ((settings[key].value, top_in, settings[key].source)
-                                       if key.startswith("cuda") else
-                                       (explicit, settings[key].value, settings[key].source))
+            explicit, top_in, where = (
+                (settings[key].value, top_in, settings[key].source)
+                if key.startswith("cuda")
+                else (explicit, settings[key].value, settings[key].source)
+            )
     legacy = settings.get("cuda_graph_sizes")
     if legacy:
-        explicit, top_in, where = ((None, legacy.value[0], legacy.source) if len(legacy.value) == 1
-                                   else (legacy.value, None, legacy.source))
+        explicit, top_in, where = (
+            (None, legacy.value[0], legacy.source)
+            if len(legacy.value) == 1
+            else (legacy.value, None, legacy.source)
+        )
     if explicit:
         sizes = R.explicit_sizes(explicit, tokens)
         if top_in is not None and sizes and top_in != sizes[-1] and not legacy:
-            raise F.input_error("<vllm>", "inconsistent", f"{where}: max_cudagraph_capture_size="
-                                f"{top_in} is not the largest capture size ({sizes[-1]}); vLLM "
-                                "refuses this", "drop one of the two")
+            raise F.input_error(
+                "<vllm>",
+                "inconsistent",
+                f"{where}: max_cudagraph_capture_size="
+                f"{top_in} is not the largest capture size ({sizes[-1]}); vLLM "
+                "refuses this",
+                "drop one of the two",
+            )
         dropped = len(set(explicit)) - len(sizes)
-        d.put("cudagraph.capture_sizes", sizes, f"{where}" + (f"; {dropped} above "
-              f"max_num_batched_tokens dropped as vLLM does" if dropped else ""))
+        d.put(
+            "cudagraph.capture_sizes",
+            sizes,
+            f"{where}"
+            + (f"; {dropped} above max_num_batched_tokens dropped as vLLM does" if dropped else ""),
+        )
     else:
         top = R.default_max_size(seqs, tokens, q, top_in)
-        why = (f"min(max_cudagraph_capture_size {top_in} ({where}), max_num_batched_tokens)"
-               if top_in is not None else "min(2 * q * max_num_seqs, 512, max_num_batched_tokens)")
-        d.put("cudagraph.capture_sizes", R.default_sizes(top), f"vLLM {version} default list "
-              f"[1, 2, 4] + 8../8 + 256../16 up to {top} = {why}")
+        why = (
+            f"min(max_cudagraph_capture_size {top_in} ({where}), max_num_batched_tokens)"
+            if top_in is not None
+            else "min(2 * q * max_num_seqs, 512, max_num_batched_tokens)"
+        )
+        d.put(
+            "cudagraph.capture_sizes",
+            R.default_sizes(top),
+            f"vLLM {version} default list [1, 2, 4] + 8../8 + 256../16 up to {top} = {why}",
+        )

@@ -8,18 +8,30 @@ from __future__ import annotations
 
 import re
 
-from graphplan.compiler.engines import flags as F
-from graphplan.compiler.engines import pyrepr
+from . import flags as F
+from . import pyrepr
 
 NON_DEFAULT = "non-default args:"
 ENGINE_CONFIG = "with config:"
 _VERSION = re.compile(r"engine \(v(\d+\.\d+)")
 # EngineArgs fields the plan reads (same keys as the flags in vllm.FLAGS)
-FIELDS = ("max_num_seqs", "max_num_batched_tokens", "speculative_config", "enable_lora",
-          "max_loras", "specialize_active_lora", "data_parallel_size", "enable_dbo",
-          "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "enforce_eager",
-          "compilation_config", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
-          "cuda_graph_sizes")
+FIELDS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "speculative_config",
+    "enable_lora",
+    "max_loras",
+    "specialize_active_lora",
+    "data_parallel_size",
+    "enable_dbo",
+    "dbo_decode_token_threshold",
+    "dbo_prefill_token_threshold",
+    "enforce_eager",
+    "compilation_config",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+    "cuda_graph_sizes",
+)
 
 
 def _parse(text: str, start: int, file: str, lineno: int, line: str, what: str, kwargs=False):
@@ -28,13 +40,26 @@ def _parse(text: str, start: int, file: str, lineno: int, line: str, what: str, 
             return pyrepr.parse_kwargs(text, start)
         value, end = pyrepr.parse_value(text, start)
     except pyrepr.ReprError as e:
-        raise F.input_error(file, "malformed-log-line", f"{what}: {e}", "paste the whole line; "
-                            "a line cut short (e.g. by a terminal or an issue excerpt) cannot be "
-                            "read", lineno, e.pos + 1) from None
+        raise F.input_error(
+            file,
+            "malformed-log-line",
+            f"{what}: {e}",
+            "paste the whole line; "
+            "a line cut short (e.g. by a terminal or an issue excerpt) cannot be "
+            "read",
+            lineno,
+            e.pos + 1,
+        ) from None
     rest = text[end:].strip()
     if rest:
-        raise F.input_error(file, "malformed-log-line", f"{what}: unexpected text after the "
-                            f"value: {rest[:40]!r}", "", lineno, end + 1)
+        raise F.input_error(
+            file,
+            "malformed-log-line",
+            f"{what}: unexpected text after the value: {rest[:40]!r}",
+            "",
+            lineno,
+            end + 1,
+        )
     return value
 
 
@@ -47,13 +72,20 @@ def read_log(text: str, file: str = "<log>") -> tuple[dict, str | None, list]:
             start = line.index(NON_DEFAULT) + len(NON_DEFAULT)
             args = _parse(line, start, file, lineno, line, "non-default args")
             if not isinstance(args, dict):
-                raise F.input_error(file, "malformed-log-line", "non-default args: expected a "
-                                    "dict", "", lineno, start + 1)
+                raise F.input_error(
+                    file,
+                    "malformed-log-line",
+                    "non-default args: expected a dict",
+                    "",
+                    lineno,
+                    start + 1,
+                )
             seen.append(NON_DEFAULT)
             for key in FIELDS:
                 if key in args:
-                    settings[key] = F.Setting(_value(key, args[key]), f"{file}:{lineno} "
-                                              f"non-default args {key}")
+                    settings[key] = F.Setting(
+                        _value(key, args[key]), f"{file}:{lineno} non-default args {key}"
+                    )
         elif "compilation_config=" in line:
             m = _VERSION.search(line)
             version = version or (m.group(1) if m else None)
@@ -62,18 +94,32 @@ def read_log(text: str, file: str = "<log>") -> tuple[dict, str | None, list]:
                 cfg = _parse(line, start, file, lineno, line, "engine config", kwargs=True)
             else:  # the line's head is missing (a quoted excerpt): read its last setting only
                 start = line.rindex("compilation_config=") + len("compilation_config=")
-                cfg = {"compilation_config": _parse(line, start, file, lineno, line,
-                                                    "compilation_config")}
+                cfg = {
+                    "compilation_config": _parse(
+                        line, start, file, lineno, line, "compilation_config"
+                    )
+                }
             seen.append(ENGINE_CONFIG)
-            for key in ("data_parallel_size", "enforce_eager", "speculative_config",
-                        "compilation_config"):
+            for key in (
+                "data_parallel_size",
+                "enforce_eager",
+                "speculative_config",
+                "compilation_config",
+            ):
                 if key in cfg and cfg[key] is not None and key not in settings:
-                    settings[key] = F.Setting(_value(key, cfg[key]), f"{file}:{lineno} engine "
-                                              f"config {key}")
+                    settings[key] = F.Setting(
+                        _value(key, cfg[key]), f"{file}:{lineno} engine config {key}"
+                    )
     if not seen:
-        raise F.input_error(file, "no-config-line", "no 'non-default args: {...}' line and no "
-                            "engine-config line ending in compilation_config={...}",
-                            "paste the lines vLLM prints at start-up", 1, 1)
+        raise F.input_error(
+            file,
+            "no-config-line",
+            "no 'non-default args: {...}' line and no "
+            "engine-config line ending in compilation_config={...}",
+            "paste the lines vLLM prints at start-up",
+            1,
+            1,
+        )
     return settings, version, []
 
 

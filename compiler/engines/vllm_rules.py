@@ -11,16 +11,25 @@ from dataclasses import dataclass
 
 VERSIONS = {
     "0.11": "vLLM 0.11.x: cudagraph_mode, max_cudagraph_capture_size, cudagraph_specialize_lora, "
-            "DBO flags; no per-count LoRA graphs",
+    "DBO flags; no per-count LoRA graphs",
     "0.15": "vLLM after PR #32005 (2026-01): adds --specialize-active-lora (LoRA graphs per "
-            "active-adapter count)",
+    "active-adapter count)",
 }
 DEFAULT_VERSION = "0.11"
-ATTENTION_OPS = ("vllm::unified_attention", "vllm::unified_attention_with_output",
-                 "vllm::unified_mla_attention", "vllm::unified_mla_attention_with_output",
-                 "vllm::mamba_mixer2", "vllm::mamba_mixer", "vllm::short_conv",
-                 "vllm::linear_attention", "vllm::plamo2_mamba_mixer", "vllm::gdn_attention_core",
-                 "vllm::kda_attention", "vllm::sparse_attn_indexer")
+ATTENTION_OPS = (
+    "vllm::unified_attention",
+    "vllm::unified_attention_with_output",
+    "vllm::unified_mla_attention",
+    "vllm::unified_mla_attention_with_output",
+    "vllm::mamba_mixer2",
+    "vllm::mamba_mixer",
+    "vllm::short_conv",
+    "vllm::linear_attention",
+    "vllm::plamo2_mamba_mixer",
+    "vllm::gdn_attention_core",
+    "vllm::kda_attention",
+    "vllm::sparse_attn_indexer",
+)
 """vLLM's default splitting ops (CompilationConfig._attention_ops): graphplan calls them all
 ``attention``; vLLM treats attention as split only when every one is listed."""
 DEFAULT_CEILING = 512
@@ -34,8 +43,9 @@ def round_up(n: int, q: int) -> int:
     return -(-n // q) * q
 
 
-def default_max_size(max_num_seqs: int, max_num_batched_tokens: int, q: int,
-                     max_capture: int | None = None) -> int:
+def default_max_size(
+    max_num_seqs: int, max_num_batched_tokens: int, q: int, max_capture: int | None = None
+) -> int:
     """``max_cudagraph_capture_size``: given, else min(2 * q * max_num_seqs, 512); then capped at
     max_num_batched_tokens (VllmConfig._set_cudagraph_sizes)."""
     top = max_capture if max_capture is not None else min(max_num_seqs * q * 2, DEFAULT_CEILING)
@@ -44,8 +54,11 @@ def default_max_size(max_num_seqs: int, max_num_batched_tokens: int, q: int,
 
 def default_sizes(top: int) -> list[int]:
     """``[1, 2, 4] + range(8, min(top + 1, 256), 8) + range(256, top + 1, 16)``, each <= top."""
-    return ([s for s in (1, 2, 4) if s <= top] + list(range(8, min(top + 1, 256), 8))
-            + list(range(256, top + 1, 16)))
+    return (
+        [s for s in (1, 2, 4) if s <= top]
+        + list(range(8, min(top + 1, 256), 8))
+        + list(range(256, top + 1, 16))
+    )
 
 
 def explicit_sizes(sizes, max_num_batched_tokens: int) -> list[int]:
@@ -73,8 +86,9 @@ def resolve_mode(mode: str, splitting_ops: list | None, support: str, q: int) ->
     set_splitting_ops_for_v1), then the attention backend's cudagraph support lowers FULL
     (GPUModelRunner's mode check: mixed FULL needs ALWAYS; decode FULL needs support, and
     UNIFORM_BATCH when q > 1)."""
-    attention_splits = splitting_ops is None or any(op in ATTENTION_OPS or op == "attention"
-                                                    for op in splitting_ops)
+    attention_splits = splitting_ops is None or any(
+        op in ATTENTION_OPS or op == "attention" for op in splitting_ops
+    )
     if splitting_ops is not None and not splitting_ops:
         mode = {"PIECEWISE": "NONE", "FULL_AND_PIECEWISE": "FULL"}.get(mode, mode)
     order = ("NEVER", "UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_BATCH", "ALWAYS")
@@ -89,8 +103,9 @@ def resolve_mode(mode: str, splitting_ops: list | None, support: str, q: int) ->
     return mode
 
 
-def lora_cases(enable_lora: bool, max_loras: int, specialize_lora: bool,
-               specialize_active: bool) -> list[int]:
+def lora_cases(
+    enable_lora: bool, max_loras: int, specialize_lora: bool, specialize_active: bool
+) -> list[int]:
     """Captured active-adapter counts in graphplan's labels (SEMANTICS.md section 5): LoRA off ->
     [0]; one LoRA graph per size labelled max_loras + 1, plus the no-LoRA graphs (0) when
     cudagraph_specialize_lora; per-count graphs only with specialize_active_lora, which vLLM honours
@@ -126,13 +141,18 @@ def read_engine_args(args: dict, support: str) -> VllmRun:
             sizes = explicit_sizes(cc["cudagraph_capture_sizes"], tokens)
             given = cc.get("max_cudagraph_capture_size")
             if given is not None and sizes and given != sizes[-1]:
-                raise VllmRuleError(f"max_cudagraph_capture_size={given} is not the largest of "
-                                    f"cudagraph_capture_sizes ({sizes[-1]})")
+                raise VllmRuleError(
+                    f"max_cudagraph_capture_size={given} is not the largest of "
+                    f"cudagraph_capture_sizes ({sizes[-1]})"
+                )
         else:
             sizes = default_sizes(top)
         if mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             sizes = spec_rounded(sizes, q)
-    cases = lora_cases(bool(args.get("enable_lora")), int(args.get("max_loras", 1)),
-                       bool(cc.get("cudagraph_specialize_lora", True)),
-                       bool(args.get("specialize_active_lora", False)))
+    cases = lora_cases(
+        bool(args.get("enable_lora")),
+        int(args.get("max_loras", 1)),
+        bool(cc.get("cudagraph_specialize_lora", True)),
+        bool(args.get("specialize_active_lora", False)),
+    )
     return VllmRun(mode=mode, sizes=tuple(sizes), lora_cases=tuple(cases))

@@ -1,0 +1,205 @@
+"""Graph-memory model: how many bytes the shared CUDA-graph pool will hold, before any GPU work.
+
+The model. Every graph is captured into one memory pool, largest first (docs/semantics.md §5.5).
+A graph's intermediate tensors are freed back to the pool when its capture ends, and the next
+(smaller) graph reuses those blocks, so activations cost what the *largest* graph needs, once.
+What is not reused is a per-graph fixed cost: the instantiated graph itself (kernel parameters,
+node bookkeeping) and the blocks a graph keeps alive (its outputs, library workspaces). Hence
+
+    pool bytes ~= base_bytes + per_graph_bytes * num_graphs + per_token_bytes * largest_graph_tokens
+
+``base_bytes`` is what a pool costs once whatever its graphs (library workspaces allocated on the
+capture stream, the allocator's first segments); optional, 0 in profiles that predate it.
+
+A *profile* holds the two coefficients for one model on one device. The runtime calibrates it once:
+capture one graph at each of a few token counts, each into a fresh pool, record the pool growth,
+and fit ``bytes = per_graph_bytes + per_token_bytes * num_tokens`` by least squares
+(``fit_profile``). Format (``save_profile`` / ``load_profile``)::
+
+    {"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": str,
+     "device": str, "per_graph_bytes": float, "per_token_bytes": float,
+     "base_bytes": float (optional, default 0), "samples": [[num_tokens, bytes], ...]}
+
+Without a profile, ``DEFAULT_PROFILE`` is used (an order-of-magnitude figure for an 8B-class bf16
+model; outputs say so). The profile's file format (what the runtime's calibration writes) is
+``compiler/profile_format.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..profile_format import (
+    FORMAT,
+    VERSION,
+    ProfileError,
+    _samples,
+    check_profile,
+    load_profile,
+    save_profile,
+)
+from ..table import DispatchTable
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "ProfileError",
+    "check_profile",
+    "load_profile",
+    "save_profile",
+    "fit_profile",
+    "estimate",
+    "estimate_lines",
+    "DEFAULT_PROFILE",
+]
+
+MIB = 1024 * 1024
+
+DEFAULT_PROFILE = {
+    "format": FORMAT,
+    "version": VERSION,
+    "model_fingerprint": "default:8b-class-bf16",
+    "device": "unspecified",
+    # An instantiated graph of a 32-layer decoder (piecewise graphs: one piece per layer) plus
+    # the buffers it keeps alive: a few MiB.
+    "per_graph_bytes": 4.0 * MIB,
+    # Largest live intermediates per token of a Llama-3-8B layer in bf16: gate/up projection
+    # (2 x 14336 x 2 B), the activation output (14336 x 2 B), and a few hidden-size tensors.
+    "per_token_bytes": 112.0 * 1024,
+    "base_bytes": 0.0,
+    "samples": [],
+}
+"""Used when no calibrated profile is given; calibrate with the runtime for real numbers."""
+
+
+def fit_profile(samples, model_fingerprint: str, device: str) -> dict:
+    """Least-squares fit of ``bytes = per_graph + per_token * num_tokens`` to single-graph samples.
+
+    Needs at least 2 samples at 2 distinct token counts. A negative coefficient (noise) is clamped
+    to 0 and the other refitted alone, so the profile never predicts negative bytes.
+    """
+    pts = _samples(samples, "fit_profile")
+    if len({n for n, _ in pts}) < 2:
+        raise ProfileError(
+            "fit_profile: need samples at >= 2 distinct num_tokens to separate the "
+            f"per-graph from the per-token cost (got {len(pts)} sample(s))"
+        )
+    n, b = np.array(pts, dtype=np.float64).T
+    (per_graph, per_token), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), b, rcond=None)
+    if per_token < 0:
+        per_graph, per_token = float(b.mean()), 0.0
+    elif per_graph < 0:
+        per_graph, per_token = 0.0, float((n * b).sum() / (n * n).sum())
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_fingerprint": str(model_fingerprint),
+        "device": str(device),
+        "per_graph_bytes": float(per_graph),
+        "per_token_bytes": float(per_token),
+        "base_bytes": 0.0,
+        "samples": pts,
+    }
+
+
+def activation_bytes(profile: dict, largest: dict) -> float:
+    """The pool's activation blocks: the largest need of any mode (``largest``: mode name ->
+    its largest graph's tokens). A PIECEWISE graph holds one piece's activations at a time, so
+    its per-token cost is its own (``piecewise_per_token_bytes``; the FULL cost when absent)."""
+    per_token = {
+        "FULL": profile["per_token_bytes"],
+        "PIECEWISE": profile.get("piecewise_per_token_bytes", profile["per_token_bytes"]),
+    }
+    return max((per_token[m] * t for m, t in largest.items()), default=0.0)
+
+
+def pool_bytes(profile: dict, num_graphs: int, largest: dict) -> float:
+    """The model itself: one-time cost + per-graph overhead for every graph + the activations
+    of the largest graph (per mode, see activation_bytes)."""
+    if num_graphs <= 0:
+        return 0.0
+    return (
+        profile.get("base_bytes", 0.0)
+        + profile["per_graph_bytes"] * num_graphs
+        + activation_bytes(profile, largest)
+    )
+
+
+def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
+    """Estimated pool bytes for a compiled table: total, per mode, and the arithmetic in words.
+
+    ``per_mode[m]["bytes"]`` is what that mode's graphs would need alone in their own pool; the
+    modes share one pool, so ``total_bytes`` is not their sum.
+    """
+    default = profile is None
+    prof = (
+        DEFAULT_PROFILE if default else check_profile(profile, profile.get("source", "<profile>"))
+    )
+    per_mode: dict[str, dict] = {}
+    for g in table.graphs:
+        m = per_mode.setdefault(g.mode.name, {"graphs": 0, "largest_tokens": 0})
+        m["graphs"] += 1
+        m["largest_tokens"] = max(m["largest_tokens"], g.key.num_tokens)
+    for name, m in per_mode.items():
+        m["bytes"] = int(round(pool_bytes(prof, m["graphs"], {name: m["largest_tokens"]})))
+    n = len(table.graphs)
+    largest_of = {name: m["largest_tokens"] for name, m in per_mode.items()}
+    top_mode = max(
+        largest_of, key=lambda k: activation_bytes(prof, {k: largest_of[k]}), default="FULL"
+    )
+    largest = largest_of.get(top_mode, 0)
+    per_token = (
+        prof["per_token_bytes"]
+        if top_mode == "FULL"
+        else prof.get("piecewise_per_token_bytes", prof["per_token_bytes"])
+    )
+    overhead = prof["per_graph_bytes"] * n
+    activations = activation_bytes(prof, largest_of) if n else 0.0
+    total = int(round(pool_bytes(prof, n, largest_of)))
+    source = (profile or {}).get("source", "the given profile")
+    where = (
+        "the built-in default profile (an 8B-class bf16 guess; calibrate with the runtime "
+        "and pass --profile for real numbers)"
+        if default
+        else f"{source} (model {prof['model_fingerprint']}, device {prof['device']})"
+    )
+    base = prof.get("base_bytes", 0.0) if n else 0.0
+    explanation = (
+        (f"{base / MIB:.1f} MiB once per pool, + " if base else "")
+        + f"{n} graphs x {prof['per_graph_bytes'] / MIB:.2f} MiB per graph = "
+        f"{overhead / MIB:.1f} MiB, "
+        f"+ activations of the largest graph only ({largest} tokens {top_mode} x "
+        f"{per_token / 1024:.1f} KiB per token = {activations / MIB:.1f} MiB), "
+        f"because every graph shares one pool captured largest first and smaller graphs reuse "
+        f"its blocks; total {total / MIB:.1f} MiB, from {where}."
+    )
+    return {
+        "total_bytes": total,
+        "total_mib": total / MIB,
+        "num_graphs": n,
+        "largest_graph_tokens": largest,
+        "overhead_bytes": int(round(overhead)),
+        "activation_bytes": int(round(activations)),
+        "per_mode": per_mode,
+        "profile": {
+            "default": default,
+            "source": "built-in default" if default else source,
+            "model_fingerprint": prof["model_fingerprint"],
+            "device": prof["device"],
+            "per_graph_bytes": prof["per_graph_bytes"],
+            "per_token_bytes": prof["per_token_bytes"],
+            "base_bytes": prof.get("base_bytes", 0.0),
+        },
+        "explanation": explanation,
+    }
+
+
+def estimate_lines(est: dict) -> list[str]:
+    out = [f"graph memory (estimate): {est['total_mib']:.1f} MiB for {est['num_graphs']} graphs"]
+    for mode, m in sorted(est["per_mode"].items()):
+        out.append(
+            f"  {mode:<10} {m['graphs']:>5} graphs, largest {m['largest_tokens']} tokens, "
+            f"{m['bytes'] / MIB:.1f} MiB alone"
+        )
+    out.append(f"  {est['explanation']}")
+    return out

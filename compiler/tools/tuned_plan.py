@@ -1,0 +1,72 @@
+"""Read a plan as written (for rewriting) and write the plan ``plan optimize`` tunes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from ..errors import GraphplanError
+
+HEADER_MARK = "# Tuned by `plan optimize`"
+
+
+def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
+    """The plan as its author wrote it (rendered, overrides applied, no defaults filled) and its
+    leading comment lines. A compiled ``table.json`` gives its plan with defaults filled."""
+    if path.endswith(".json"):
+        from ..table import DispatchTable
+
+        return copy.deepcopy(DispatchTable.load(path).plan), []
+    from ..load import read_plan
+
+    text, data, _ = read_plan(Path(path), overrides)
+    comments = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        comments.append(line)
+    return data, comments
+
+
+def lists_sizes(plan: dict) -> bool:
+    """Whether a plan (defaults filled) lists its capture sizes explicitly (no preset, no ranges)."""
+    return isinstance(plan["cudagraph"]["capture_sizes"], list)
+
+
+def tuned_plan_text(
+    data: dict, sizes, header: list[str], comments: list[str], start_sizes=None
+) -> str:
+    """``data`` with ``cudagraph.capture_sizes`` set to ``sizes``, every other field as written;
+    with ``start_sizes``, on-demand capture turned on with those sizes captured at start."""
+    out = copy.deepcopy(data)
+    cg = out.get("cudagraph")
+    out["cudagraph"] = dict(cg) if isinstance(cg, dict) else {}
+    out["cudagraph"]["capture_sizes"] = [int(s) for s in sizes]
+    if start_sizes is not None:
+        out["cudagraph"]["on_demand"] = {
+            "enabled": True,
+            "start_sizes": [int(s) for s in start_sizes],
+        }
+    body = yaml.safe_dump(
+        out, sort_keys=False, default_flow_style=None, width=100, allow_unicode=True
+    )
+    kept, in_old_header = [], False  # drop the header of an earlier run, keep the author's lines
+    for c in comments:
+        in_old_header = c.startswith(HEADER_MARK) or in_old_header and c.startswith("#   ")
+        if not in_old_header:
+            kept.append(c)
+    return "\n".join(header + kept) + "\n" + body
+
+
+def check_tuned(text: str, sizes) -> None:
+    """The written plan must compile to exactly the chosen sizes, or nothing is written."""
+    from .. import compile_plan
+
+    table = compile_plan(yaml.safe_load(text))
+    if list(table.capture_sizes) != [int(s) for s in sizes]:
+        raise GraphplanError(
+            f"internal: the tuned plan resolves to {list(table.capture_sizes)}, "
+            f"not the chosen sizes {list(sizes)}; please report this"
+        )

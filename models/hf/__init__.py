@@ -1,0 +1,35 @@
+"""Run stock transformers causal LMs (Llama, Qwen2, Qwen3) under GraphRunner, attention through a
+paged KV cache. Needs the ``graphplan[hf]`` extra (transformers, safetensors); ``graphplan.runtime``
+itself never imports this package. (transformers itself imports pyyaml and jinja2; graphplan's
+code here imports neither.)
+
+    from . import PagedCausalLM
+    model = PagedCausalLM.load("path/to/model", max_num_seqs=64, max_model_len=2048,
+                               dtype=torch.bfloat16, device="cuda", kv_memory_fraction=0.5)
+    runner = GraphRunner(model, table, model.static_inputs())
+    logits = runner.step(model.make_batch([(seat, start, token_ids), ...]), num_reqs, max_query_len)
+"""
+
+try:
+    import transformers  # noqa: F401 - fail here, with the extra to install
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "graphplan.models.hf needs transformers and safetensors: pip install 'graphplan[hf]'"
+    ) from e
+
+from .adapter import PagedCausalLM, PagedConfig
+from .attention import ATTN_IMPLEMENTATION
+from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
+from .paged_kv import KVCacheSizeError
+
+__all__ = [
+    "PagedCausalLM",
+    "PagedConfig",
+    "ATTN_IMPLEMENTATION",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "KVCacheSizeError",
+    "check_supported",
+    "load_config",
+    "load_model",
+]

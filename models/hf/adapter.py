@@ -1,0 +1,187 @@
+"""PagedCausalLM: a stock transformers causal LM behind the runner's calling convention.
+
+The model's own modules run as shipped; only attention is swapped, through transformers' attention
+registry, for graphplan's paged cache (``attention.py``). One flattened batch of T tokens from R
+requests (prefill chunks and decodes mixed) is the forward's input, all fixed-shape per (T, R):
+
+    input_ids [T] int64, positions [T] int64, slot_mapping [T] int64 (padding: the padding slot),
+    block_tables [R, max_blocks_per_seq] int32 (padding: the padding block),
+    seq_lens [R] int32, query_start_loc [R + 1] int32   ->   logits [T, vocab] float32
+
+A token attends to the slots of its request's block table at positions <= its own; eager batches
+with prefill chunks read ``seq_lens`` and ``query_start_loc`` on the host to attend each prompt
+chunk over its real length (graphs never read them back: see ``attention.make_paged_batch``).
+Piecewise graphs (PIECEWISE, FULL_AND_PIECEWISE) split at the attention function, which runs
+eagerly between the segments and reads the step's inputs from the runner's static buffers and the
+real counts from ``breakable.current_step()`` (``attention.StepInputs``).
+``make_batch`` turns a batcher's ``(seat, start_pos, token_ids)`` requests into those inputs,
+allocating blocks as sequences grow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphplan.runtime.buffers import StaticInput
+from graphplan.runtime.piecewise.breakable import current_step
+
+from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
+from .load import load_model
+from .paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PagedConfig:
+    """What the server and batcher need to know (the names match models/tiny_llama's config)."""
+
+    vocab_size: int
+    max_model_len: int
+    """Prompt plus generated tokens of one request."""
+    num_cache_rows: int
+    """Sequence seats (max_num_seqs); each can grow to max_model_len."""
+    block_size: int
+    num_blocks: int
+
+
+class PagedCausalLM(torch.nn.Module):
+    """Owns the transformers model (``hf``), the paged KV cache and the block tables."""
+
+    def __init__(
+        self,
+        hf_model,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        kv_memory_fraction: float | None = None,
+    ):
+        super().__init__()
+        register()
+        hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # transformers' public switch
+        self.hf = hf_model
+        c = hf_model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        param = next(hf_model.parameters())
+        shape = KVCacheShape(
+            layers=c.num_hidden_layers,
+            kv_heads=c.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=param.dtype,
+            block_size=block_size,
+        )
+        limit = getattr(c, "max_position_embeddings", None)
+        if limit and max_model_len > limit:
+            from .paged_kv import KVCacheSizeError
+
+            raise KVCacheSizeError(
+                f"max_model_len={max_model_len} is above the model's "
+                f"max_position_embeddings={limit}"
+            )
+        blocks = size_blocks(
+            shape,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            tokens=kv_cache_tokens,
+            memory_fraction=kv_memory_fraction,
+            device=param.device,
+        )
+        self.cache = PagedKVCache(shape, blocks, param.device)
+        self.tables = BlockTables(
+            num_blocks=blocks,
+            block_size=block_size,
+            num_seats=max_num_seqs,
+            max_blocks_per_seq=shape.blocks_per_seq(max_model_len),
+        )
+        self.cfg = PagedConfig(
+            vocab_size=c.vocab_size,
+            max_model_len=max_model_len,
+            num_cache_rows=max_num_seqs,
+            block_size=block_size,
+            num_blocks=blocks,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        source,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        dtype=torch.float32,
+        device="cpu",
+        seed: int = 0,
+        **cache,
+    ) -> "PagedCausalLM":
+        """From a local model directory (or its config.json alone: random weights from ``seed``)."""
+        register()
+        hf = load_model(
+            source, dtype=dtype, device=device, seed=seed, attn_implementation=ATTN_IMPLEMENTATION
+        )
+        return cls(hf, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **cache)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.kv.device
+
+    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
+        if current_step() is not None:  # a piecewise capture or replay: attention runs eagerly
+            meta = StepInputs(
+                self.cache.kv, positions, slot_mapping, block_tables, seq_lens, query_start_loc
+            )
+        else:
+            meta = make_paged_batch(
+                self.cache.kv, positions, slot_mapping, block_tables, seq_lens, query_start_loc
+            )
+        out = self.hf(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, graphplan=meta
+        )
+        return out.logits[0].float()
+
+    # -- batches ----------------------------------------------------------------------------
+    def make_batch(self, reqs) -> dict[str, torch.Tensor]:
+        """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments."""
+        ids, pos, slots, rows, seq_lens, qsl = [], [], [], [], [], [0]
+        for seat, start, tokens in reqs:
+            n = len(tokens)
+            self.tables.reserve(seat, start, n)
+            ids += tokens
+            pos += range(start, start + n)
+            slots += self.tables.slots(seat, start, n)
+            rows.append(self.tables.row(seat))
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+        i64, i32, dev = torch.int64, torch.int32, self.device
+        return dict(
+            input_ids=torch.tensor(ids, dtype=i64, device=dev),
+            positions=torch.tensor(pos, dtype=i64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=i64, device=dev),
+            block_tables=torch.tensor(rows, dtype=i32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
+        )
+
+    def release(self, seat: int) -> None:
+        """Give a finished sequence's blocks back now (a new sequence on the seat also does)."""
+        self.tables.release(seat)
+
+    def static_inputs(self) -> list[StaticInput]:
+        """The runner's buffers: dtypes and padding that only ever touches the padding block."""
+        return [
+            StaticInput(name="input_ids", per="token", dtype=torch.int64, pad=0),
+            StaticInput(name="positions", per="token", dtype=torch.int64, pad=0),
+            StaticInput(
+                name="slot_mapping", per="token", dtype=torch.int64, pad=self.cache.pad_slot
+            ),
+            StaticInput(
+                name="block_tables",
+                per="req",
+                dtype=torch.int32,
+                pad=self.cache.pad_block,
+                trailing=(self.tables.max_blocks,),
+            ),
+            StaticInput(name="seq_lens", per="req", dtype=torch.int32, pad=0),
+            StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last"),
+        ]

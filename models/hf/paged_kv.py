@@ -1,0 +1,163 @@
+"""A paged KV cache: fixed-size blocks of token slots, a block table per sequence seat, and one
+padding block that padded rows write to and nothing real ever reads.
+
+Model-agnostic and free of transformers: ``KVCacheShape`` says what one token costs, ``size_blocks``
+turns a token budget or a memory fraction into a block count (and refuses one that cannot hold
+``max_num_seqs`` sequences of ``max_model_len`` tokens), ``PagedKVCache`` owns the tensor and
+``BlockTables`` hands blocks to seats as their sequences grow.
+
+Layout: ``kv [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``; block ``num_blocks``
+is the padding block, so the padding slot is ``num_blocks * block_size``. A token's slot is
+``block * block_size + position % block_size`` with ``block = table[seat][position // block_size]``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from graphplan.compiler.errors import GraphplanError
+
+GiB = 1 << 30
+
+
+class KVCacheSizeError(GraphplanError):
+    """The KV cache cannot hold max_num_seqs sequences of max_model_len tokens."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVCacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over every layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.head_dim * elem
+
+    def blocks_per_seq(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA), or available host memory (CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def size_blocks(
+    shape: KVCacheShape,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    tokens: int | None = None,
+    memory_fraction: float | None = None,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Blocks for a token budget, or for ``memory_fraction`` of the free memory; neither: exactly
+    enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens. Raises KVCacheSizeError when
+    the result holds fewer."""
+    if tokens is not None and memory_fraction is not None:
+        raise KVCacheSizeError("give a KV-cache token budget or a memory fraction, not both")
+    need = max_num_seqs * shape.blocks_per_seq(max_model_len)
+    if tokens is not None:
+        blocks, source = tokens // shape.block_size, f"a budget of {tokens} tokens"
+    elif memory_fraction is not None:
+        if not 0 < memory_fraction <= 1:
+            raise KVCacheSizeError(
+                f"KV-cache memory fraction must be in (0, 1], not {memory_fraction}"
+            )
+        free = free_memory_bytes(torch.device(device))
+        per_block = shape.bytes_per_token * shape.block_size
+        blocks = int(free * memory_fraction) // per_block - 1  # one block is the padding block
+        source = f"memory fraction {memory_fraction:g} of {free / GiB:.2f} GiB free"
+    else:
+        return need
+    if blocks < need:
+        want = need * shape.block_size
+        raise KVCacheSizeError(
+            f"KV cache from {source} has {max(blocks, 0)} blocks of {shape.block_size} tokens; "
+            f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} need {need} "
+            f"blocks ({want} tokens, {want * shape.bytes_per_token / GiB:.3f} GiB): raise the "
+            "budget, or lower scheduler.max_num_seqs or max_model_len"
+        )
+    return blocks
+
+
+class PagedKVCache:
+    """The cache tensor, zero-filled (padding and stale slots hold finite values, so masked
+    attention weights of 0 never meet a NaN)."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device | str):
+        self.shape, self.num_blocks = shape, num_blocks
+        self.kv = torch.zeros(
+            (shape.layers, 2, num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim),
+            dtype=shape.dtype,
+            device=device,
+        )
+
+    @property
+    def pad_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def pad_slot(self) -> int:
+        return self.num_blocks * self.shape.block_size
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class BlockTables:
+    """Blocks per seat (a batcher's cache row), allocated as its sequence grows. A chunk that starts
+    at position 0 is a new sequence: the seat's old blocks go back first."""
+
+    def __init__(
+        self, *, num_blocks: int, block_size: int, num_seats: int, max_blocks_per_seq: int
+    ):
+        self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        self.pad_block = num_blocks
+        self._free = deque(range(num_blocks))
+        self._seats: list[list[int]] = [[] for _ in range(num_seats)]
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def release(self, seat: int) -> None:
+        self._free.extend(self._seats[seat])
+        self._seats[seat] = []
+
+    def reserve(self, seat: int, start: int, num_tokens: int) -> None:
+        """Blocks for positions [0, start + num_tokens) of the seat's sequence."""
+        if start == 0:
+            self.release(seat)
+        blocks = self._seats[seat]
+        want = -(-(start + num_tokens) // self.block_size)
+        if want > self.max_blocks:
+            raise KVCacheSizeError(
+                f"seat {seat}: {start + num_tokens} tokens exceed the "
+                f"{self.max_blocks * self.block_size} a block table holds"
+            )
+        while len(blocks) < want:
+            if not self._free:
+                raise KVCacheSizeError(f"seat {seat}: no free KV-cache block left")
+            blocks.append(self._free.popleft())
+
+    def slots(self, seat: int, start: int, num_tokens: int) -> list[int]:
+        blocks, bs = self._seats[seat], self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+
+    def row(self, seat: int) -> list[int]:
+        """The seat's block table, padded with the padding block to ``max_blocks_per_seq``."""
+        blocks = self._seats[seat]
+        return blocks + [self.pad_block] * (self.max_blocks - len(blocks))

@@ -1,0 +1,19 @@
+"""graphplan's inference server: HTTP (the OpenAI API and ``/generate``), one engine thread doing
+continuous batching through the runtime, plan swaps between steps. ``graphplan-serve --help``."""
+
+from .app import Server
+from .batching import ContinuousBatcher, TokenEvent
+from .engine import Engine
+from .model import ModelSpec, build_model, load_table
+from .protocol import RequestError
+
+__all__ = [
+    "Server",
+    "Engine",
+    "RequestError",
+    "ModelSpec",
+    "ContinuousBatcher",
+    "TokenEvent",
+    "build_model",
+    "load_table",
+]
