@@ -17,7 +17,7 @@ from graphplan.models.hf import (
     PagedCausalLM,
     UnsupportedModelError,
 )
-from graphplan.models.hf.paged_kv import BlockTables
+from graphplan.models.paged_kv import BlockTables
 from graphplan.runtime import GraphRunner
 
 from hf_models import (
@@ -242,7 +242,7 @@ def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extr
         "sys.meta_path.insert(0, Block())\n"
     )
     code = block + (
-        "import graphplan.runtime, graphplan.models.hf.paged_kv\n"
+        "import graphplan.runtime, graphplan.models.paged_kv\n"
         "try:\n    import graphplan.models.hf\n"
         "except ImportError as e:\n    print('ERR', e)\n"
     )

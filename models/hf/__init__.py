@@ -20,7 +20,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
 from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
-from .paged_kv import KVCacheSizeError
+from ..paged_kv import KVCacheSizeError
 
 __all__ = [
     "PagedCausalLM",

@@ -29,7 +29,7 @@ from graphplan.runtime.piecewise.breakable import current_step
 
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .load import load_model
-from .paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
+from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +74,7 @@ class PagedCausalLM(torch.nn.Module):
         )
         limit = getattr(c, "max_position_embeddings", None)
         if limit and max_model_len > limit:
-            from .paged_kv import KVCacheSizeError
+            from ..paged_kv import KVCacheSizeError
 
             raise KVCacheSizeError(
                 f"max_model_len={max_model_len} is above the model's "

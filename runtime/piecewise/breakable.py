@@ -258,7 +258,8 @@ _CAPTURE_REFUSED = (
     "capture invalidated",
     "capture_invalidated",
 )  # CUDA's and torch's words
-_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+# frames inside torch and graphplan's runtime are skipped: the error names the model's own line
+_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 def segment_error(
