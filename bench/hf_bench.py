@@ -128,6 +128,7 @@ def run_graphplan(model, runner, table, prompts, new_tokens, device) -> dict:
         token_budget=table.max_tokens,
         max_model_len=model.cfg.max_model_len,
         num_cache_rows=model.cfg.num_cache_rows,
+        kv_pool=model.kv_pool,
     )
     for i, p in enumerate(prompts):
         batcher.add(i, p, max_new_tokens=new_tokens)

@@ -218,6 +218,9 @@ class TinyLlama(nn.Module):
         """Where padding tokens write: position 0 of the extra row num_cache_rows."""
         return self.slot(self.cfg.num_cache_rows, 0)
 
+    kv_pool = None
+    """One cache row per seat at max_model_len: no blocks to hand out (``server.batching``)."""
+
     def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
         """input_ids/positions/slot_mapping [T] int64 -> logits [T, vocab] float32.
         seq_lens [R] and query_start_loc [R + 1] are unused (see module docstring)."""

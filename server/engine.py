@@ -227,6 +227,7 @@ class Engine:
             token_budget=t.max_tokens,
             max_model_len=cfg.max_model_len,
             num_cache_rows=cfg.num_cache_rows,
+            kv_pool=self.model.kv_pool,
         )
         with self._cond:
             if self.state == "starting":

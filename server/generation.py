@@ -63,6 +63,7 @@ def continuous_greedy(
         token_budget=chunk,
         max_model_len=model.cfg.max_model_len,
         num_cache_rows=model.cfg.num_cache_rows,
+        kv_pool=model.kv_pool,
     )
     arrived, t = 0, 0
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]

@@ -175,15 +175,32 @@ def test_an_unsupported_architecture_is_refused_at_load():
 # ---- KV cache -----------------------------------------------------------------------------
 
 
-def test_kv_cache_too_small_for_max_num_seqs_is_an_error():
-    with pytest.raises(KVCacheSizeError, match=r"max_num_seqs=4 .*max_model_len=32 need 32 blocks"):
+def test_a_kv_pool_smaller_than_one_sequence_is_an_error_and_one_sequence_is_enough():
+    with pytest.raises(KVCacheSizeError, match=r"one sequence of max_model_len=32 needs 8 blocks"):
         PagedCausalLM.load(
             small_config("llama"),
             max_num_seqs=4,
             max_model_len=32,
             block_size=4,
-            kv_cache_tokens=100,
+            kv_cache_tokens=28,
         )
+    # blocks are handed out on demand: 4 seats share a pool of one sequence's blocks
+    m = PagedCausalLM.load(
+        small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=32
+    )
+    assert m.cfg.num_blocks == 8 and m.kv_pool.num_free() == 8
+
+
+def test_the_default_pool_holds_every_seat_at_its_longest_when_memory_allows(monkeypatch):
+    from graphplan.models import paged_kv
+
+    m = PagedCausalLM.load(small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4)
+    assert m.cfg.num_blocks == 4 * 8
+    # with little free memory, the default is what fits (less the headroom), not a refusal
+    per_block = m.cache.shape.bytes_per_token * 4
+    monkeypatch.setattr(paged_kv, "free_memory_bytes", lambda device: 21 * per_block)
+    m = PagedCausalLM.load(small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4)
+    assert m.cfg.num_blocks == int(21 * per_block * 0.9) // per_block - 1 == 17
 
 
 def test_kv_cache_sized_from_a_token_budget_or_a_memory_fraction():

@@ -163,6 +163,11 @@ class PagedCausalLM(torch.nn.Module):
             query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
         )
 
+    @property
+    def kv_pool(self) -> BlockTables:
+        """The blocks a batcher admits and preempts by (``server.batching.BlockPool``)."""
+        return self.tables
+
     def release(self, seat: int) -> None:
         """Give a finished sequence's blocks back now (a new sequence on the seat also does)."""
         self.tables.release(seat)
