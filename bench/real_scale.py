@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from graphplan.compiler import GraphplanError, compile_plan
-from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
+from graphplan.models.hf import ATTN_IMPLEMENTATION, KVCacheSizeError, PagedCausalLM, load_model
 from graphplan.runtime import GraphRunner
 
 from timing import graph_time_per_call, publish, sync, time_per_call
@@ -95,6 +95,12 @@ def parse_args(argv=None):
     p.add_argument("--max-model-lens", default="4096,32768")
     p.add_argument("--hf-batches", default="1,8", help="'' skips transformers' baseline")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=0.85,
+        help="CUDA: the KV pool's share of the memory free after the weights",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="few iterations; tiny sizes on the CPU")
@@ -143,14 +149,13 @@ def decode_plan(batches: list[int], max_len: int) -> dict:
 def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
     """Every (context, batch) of one max_model_len through one runner (one capture)."""
     top = max(a.batches)
-    tokens = top * (max(c for c in a.contexts if c < max_len) + a.block_size)
+    if device.type == "cuda":  # the pool a server would have: most of what the weights leave
+        pool = {"kv_memory_fraction": a.kv_fraction}
+    else:
+        pool = {"kv_cache_tokens": max(top * (max(a.contexts) + a.block_size), max_len)}
     try:
         model = PagedCausalLM(
-            hf,
-            max_num_seqs=top,
-            max_model_len=max_len,
-            block_size=a.block_size,
-            kv_cache_tokens=tokens,
+            hf, max_num_seqs=top, max_model_len=max_len, block_size=a.block_size, **pool
         )
     except GraphplanError as e:
         rows.append({"max_len": max_len, "note": f"KV pool refused: {e}"})
@@ -167,7 +172,13 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
         if ctx >= max_len:
             continue
         for b in a.batches:
-            batch = model.make_batch([(seat, ctx, [1 + seat]) for seat in range(b)])
+            try:
+                batch = model.make_batch([(seat, ctx, [1 + seat]) for seat in range(b)])
+            except KVCacheSizeError:
+                need = b * (ctx + 1) * model.cache.shape.bytes_per_token / GiB
+                note = f"context {ctx} x batch {b} ({need:.1f} GiB of KV) does not fit the pool"
+                rows.append({"max_len": max_len, "note": note})
+                continue
             with torch.no_grad():
                 t = time_per_call(lambda: runner.step(batch, b, 1), device, a.iters, a.repeats)
             rows.append(

@@ -166,3 +166,32 @@ def test_a_request_longer_than_max_model_len_is_refused_at_add():
     )
     with pytest.raises(ValueError, match="exceed max_model_len 16"):
         b.add("x", [1] * 10, 7)
+
+
+def test_the_real_scale_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path):
+    """bench/real_scale.py --shape tiny: every (max_model_len, context, batch) row has a step, a
+    floor and a ratio (the bars are enforced on CUDA only)."""
+    import real_scale
+
+    out = tmp_path / "rs.md"
+    argv = [
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--quick",
+        "--batches",
+        "1,2",
+        "--contexts",
+        "16,40",
+        "--max-model-lens",
+        "64,128",
+        "--hf-batches",
+        "",
+        "--out",
+        str(out),
+    ]
+    assert real_scale.main(argv) == 0
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and "x |" in ln]
+    assert len(rows) == 2 * 2 * 2, out.read_text()
+    assert "step grows" in out.read_text()
