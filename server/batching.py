@@ -4,8 +4,8 @@ in one batch (vLLM-style chunked prefill).
 
 Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out a
 ``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (``tiny_llama.make_batch`` turns
-it into the model's inputs), and ``commit()`` takes the step's logits (or ``commit_tokens()`` the
-tokens a sampler picked) and reports each new token as a ``TokenEvent``.
+it into the model's inputs), and ``commit()`` takes the step's logits or the tokens a sampler
+picked (``server/sampling.py``) and reports each new token as a ``TokenEvent``.
 
     batcher = ContinuousBatcher(max_num_seqs=8, token_budget=32, max_model_len=128, num_cache_rows=8)
     batcher.add("a", [1, 2, 3], max_new_tokens=8)
@@ -63,6 +63,17 @@ class StepBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.reqs)
+
+    @property
+    def sampling_rows(self) -> tuple[int, ...]:
+        """The logits rows to sample from, one per request that samples this step (batch order):
+        the rows a sampler's step takes, and the order ``commit(sampled=...)`` reads."""
+        return tuple(i for i in self.sample_rows if i >= 0)
+
+    @property
+    def sampling_cache_rows(self) -> tuple[int, ...]:
+        """The cache row of each request in ``sampling_rows`` (a sampler's slot for it)."""
+        return tuple(req[0] for req, i in zip(self.reqs, self.sample_rows) if i >= 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,13 +265,21 @@ class ContinuousBatcher:
         self._waiting.appendleft(r)
         self.num_preemptions += 1
 
-    def commit(self, batch: StepBatch, logits) -> list[TokenEvent]:
-        """Greedy: the argmax of each sampling row of ``logits`` [num_tokens, vocab] (a tensor)."""
-        rows = [i for i in batch.sample_rows if i >= 0]
-        picked = iter(logits[rows].argmax(dim=-1).tolist() if rows else [])
-        return self.commit_tokens(
-            batch, [next(picked) if i >= 0 else None for i in batch.sample_rows]
-        )
+    def commit(self, batch: StepBatch, logits=None, *, sampled=None) -> list[TokenEvent]:
+        """Record a step from its ``logits`` [num_tokens, vocab] (a tensor; greedy: the argmax of
+        each sampling row), or from ``sampled``: the token a sampler picked for each request in
+        ``batch.sampling_rows`` order (a tensor or a sequence, e.g. ``Sampler.sample``'s
+        ``token_ids``; entries past those, a captured graph's padding, are ignored)."""
+        if (logits is None) == (sampled is None):
+            raise ValueError("commit takes either the step's logits or the sampled token ids")
+        rows = batch.sampling_rows
+        if sampled is None:
+            sampled = logits[list(rows)].argmax(dim=-1) if rows else []
+        picked = list(sampled) if isinstance(sampled, (list, tuple)) else sampled.tolist()
+        if len(picked) < len(rows):
+            raise ValueError(f"{len(picked)} sampled tokens for {len(rows)} sampling requests")
+        it = iter(picked)
+        return self.commit_tokens(batch, [next(it) if i >= 0 else None for i in batch.sample_rows])
 
     def commit_tokens(self, batch: StepBatch, tokens: Sequence[int | None]) -> list[TokenEvent]:
         """Record a step: ``tokens[i]`` is request i's new token (None where it samples nothing)."""

@@ -17,10 +17,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "graphplan.models.hf needs transformers and safetensors: pip install 'graphplan[hf]'"
     ) from e
 
+from ..paged_kv import KVCacheSizeError
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
 from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
-from ..paged_kv import KVCacheSizeError
 
 __all__ = [
     "PagedCausalLM",

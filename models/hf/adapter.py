@@ -27,9 +27,9 @@ import torch
 from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.piecewise.breakable import current_step
 
+from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .load import load_model
-from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
