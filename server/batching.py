@@ -2,16 +2,17 @@
 takes one token, and prompts are prefilled in chunks with the rest of a per-step token budget, all
 in one batch (vLLM-style chunked prefill).
 
-Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out a
-``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (``tiny_llama.make_batch`` turns
-it into the model's inputs), and ``commit()`` takes the step's logits (or ``commit_tokens()`` the
-tokens a sampler picked) and reports each new token as a ``TokenEvent``.
+Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out
+a ``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (a model's ``make_batch`` turns
+it into the step's inputs: ``graphplan.models.Model``), and ``commit()`` takes the step's logits
+(or ``commit_tokens()`` the tokens a sampler picked) and reports each new token as a
+``TokenEvent``.
 
     batcher = ContinuousBatcher(max_num_seqs=8, token_budget=32, max_model_len=128, num_cache_rows=8)
     batcher.add("a", [1, 2, 3], max_new_tokens=8)
     while batcher.has_work():
         batch = batcher.schedule()
-        logits = runner.step(make_batch(model, batch.reqs), batch.num_reqs, batch.max_query_len)
+        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
         for event in batcher.commit(batch, logits): ...
 
 Policy, each step: decodes first (one token each, oldest request first), then the next chunk of
@@ -31,7 +32,7 @@ class StepBatch:
     """One step's batch, requests in batch order."""
 
     reqs: tuple[tuple[int, int, tuple[int, ...]], ...]
-    """(cache_row, start_pos, token_ids) per request: what ``tiny_llama.make_batch`` takes."""
+    """(cache_row, start_pos, token_ids) per request: what a model's ``make_batch`` takes."""
     request_ids: tuple[Hashable, ...]
     sample_rows: tuple[int, ...]
     """Row of each request's last token in the batch, or -1 when the request samples nothing this
