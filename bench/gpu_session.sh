@@ -6,10 +6,11 @@
 #   pip download jsonschema hypothesis --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
 set -u
-# graphplan is not pip-installed there: a namespace folder maps graphplan.{compiler,runtime,schemas}
-# onto the checkout's folders, as `pip install -e .` does here.
-mkdir -p /tmp/gp/graphplan && for d in compiler runtime schemas; do ln -sfn "$PWD/$d" "/tmp/gp/graphplan/$d"; done
-export PYTHONPATH="/tmp/gp:$PWD/examples" PYTHONUNBUFFERED=1
+# graphplan is not pip-installed there: a namespace folder maps
+# graphplan.{compiler,runtime,models,server,schemas} onto the checkout's folders, as `pip install -e .`
+# does here.
+mkdir -p /tmp/gp/graphplan && for d in compiler runtime models server schemas; do ln -sfn "$PWD/$d" "/tmp/gp/graphplan/$d"; done
+export PYTHONPATH="/tmp/gp" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -36,7 +36,7 @@ from .paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PagedConfig:
-    """What the server and batcher need to know (the names match models/tiny_llama's config)."""
+    """What the server and batcher need to know (a ``graphplan.models.ModelLimits``; the names match ``TinyLlamaConfig``)."""
 
     vocab_size: int
     max_model_len: int
