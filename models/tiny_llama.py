@@ -175,6 +175,7 @@ class TinyLlama(nn.Module):
     A ``graphplan.models.Model``: ids only (no tokenizer), no end-of-sequence token."""
 
     tokenizer = None
+    kv_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,

@@ -4,6 +4,7 @@ continuous batching through the runtime, plan swaps between steps. ``graphplan-s
 from .app import Server
 from .batching import ContinuousBatcher, TokenEvent
 from .engine import Engine
+from .hf_model import HFSpec
 from .model import ModelSpec, ServingSpec, build_model, load_table
 from .protocol import RequestError
 
@@ -13,6 +14,7 @@ __all__ = [
     "RequestError",
     "ModelSpec",
     "ServingSpec",
+    "HFSpec",
     "ContinuousBatcher",
     "TokenEvent",
     "build_model",

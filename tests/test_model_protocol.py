@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -17,6 +18,15 @@ from graphplan.server import ModelSpec, ServingSpec
 from graphplan.server.hf_model import HFSpec
 
 from hf_models import small_config, write_model_dir
+
+if TYPE_CHECKING:  # a type checker holds both models and both specs to the protocols, statically
+    from graphplan.models.hf import PagedCausalLM
+
+    def _typed(
+        t: TinyLlama, p: PagedCausalLM, m: ModelSpec, h: HFSpec
+    ) -> tuple[Model, Model, ServingSpec, ServingSpec]:
+        return t, p, m, h
+
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = compile_plan(
