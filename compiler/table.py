@@ -1,7 +1,7 @@
 """The dispatch table: batch descriptors -> graphs, with every fallback explained.
 
 Routing only: O(1) lookups over plain lists, built once. The records are ``records``, the file format
-and its verification ``table_format``, the reason sentences ``explain_route``. Imports only the
+and its verification ``table_format``, the reason sentences ``explain``. Imports only the
 standard library and numpy, so the runtime (torch, no YAML stack) and the compiler share it.
 """
 

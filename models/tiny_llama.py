@@ -171,7 +171,11 @@ class DecoderLayer(nn.Module):
 
 class TinyLlama(nn.Module):
     """Inference-only (no grads). Owns its KV cache `kv_cache`
-    [layers, 2, num_cache_rows + 1, max_model_len, kv_heads, head_dim] in the model dtype."""
+    [layers, 2, num_cache_rows + 1, max_model_len, kv_heads, head_dim] in the model dtype.
+    A ``graphplan.models.Model``: ids only (no tokenizer), no end-of-sequence token."""
+
+    tokenizer = None
+    kv_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,
@@ -230,6 +234,20 @@ class TinyLlama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.kv_cache[i], slot_mapping, positions)
         return self.lm_head(self.norm(x)).float()
+
+    # -- the Model protocol (the module functions below stay for existing callers) ----------
+    def make_batch(self, reqs) -> dict[str, torch.Tensor]:
+        """``(cache_row, start_pos, token_ids)`` per request -> forward's keyword arguments."""
+        return make_batch(self, reqs)
+
+    def static_inputs(self) -> list:
+        return static_inputs(self)
+
+    def release(self, seat: int) -> None:
+        """Nothing to do: each seat owns a whole cache row, overwritten by its next sequence."""
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
 
 
 QK_GAIN = 2.0

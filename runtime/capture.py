@@ -37,7 +37,7 @@ class Captured:
     single_output: bool
     """The model returns one tensor (not a tuple)."""
     piecewise: object | None
-    """runtime.breakable_graphs.BreakableGraphs when PIECEWISE graphs were captured."""
+    """runtime.piecewise.graphs.BreakableGraphs when PIECEWISE graphs were captured."""
     summary: dict
     """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
 

@@ -125,7 +125,7 @@ class GraphRunner:
         # set by runtime.dp.runner.DPRunner. Without it ubatched graphs are not captured.
         self.ubatch_body = None
         self._piecewise = (
-            None  # runtime.breakable_graphs.BreakableGraphs once PIECEWISE is captured
+            None  # runtime.piecewise.graphs.BreakableGraphs once PIECEWISE is captured
         )
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)

@@ -2,16 +2,17 @@
 takes one token, and prompts are prefilled in chunks with the rest of a per-step token budget, all
 in one batch (vLLM-style chunked prefill).
 
-Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out a
-``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (``tiny_llama.make_batch`` turns
-it into the model's inputs), and ``commit()`` takes the step's logits or the tokens a sampler
-picked (``server/sampling.py``) and reports each new token as a ``TokenEvent``.
+Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out
+a ``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (a model's ``make_batch`` turns
+it into the step's inputs: ``graphplan.models.Model``), and ``commit()`` takes the step's logits or
+the tokens a sampler picked (``server/sampling.py``) and reports each new token as a
+``TokenEvent``.
 
     batcher = ContinuousBatcher(max_num_seqs=8, token_budget=32, max_model_len=128, num_cache_rows=8)
     batcher.add("a", [1, 2, 3], max_new_tokens=8)
     while batcher.has_work():
         batch = batcher.schedule()
-        logits = runner.step(make_batch(model, batch.reqs), batch.num_reqs, batch.max_query_len)
+        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
         for event in batcher.commit(batch, logits): ...
 
 Policy, each step: decodes first (one token each, oldest request first), then the next chunk of
@@ -32,19 +33,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
+from typing import Hashable, Sequence
 
-
-class BlockPool(Protocol):
-    """What the batcher needs of a paged KV cache (``models.paged_kv.BlockTables`` is one): it
-    allocates ``ceil((start + n) / block_size)`` blocks for a row when a step reserves positions
-    ``[start, start + n)``, and ``release(row)`` gives back all of a row's blocks."""
-
-    block_size: int
-
-    def num_free(self) -> int: ...
-
-    def release(self, row: int) -> None: ...
+from graphplan.models.protocol import BlockPool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +43,7 @@ class StepBatch:
     """One step's batch, requests in batch order."""
 
     reqs: tuple[tuple[int, int, tuple[int, ...]], ...]
-    """(cache_row, start_pos, token_ids) per request: what ``tiny_llama.make_batch`` takes."""
+    """(cache_row, start_pos, token_ids) per request: what a model's ``make_batch`` takes."""
     request_ids: tuple[Hashable, ...]
     sample_rows: tuple[int, ...]
     """Row of each request's last token in the batch, or -1 when the request samples nothing this

@@ -2,11 +2,12 @@
    graphplan-serve --model DIR --plan plans/hf-mixed.yaml    (a Hugging Face decoder;
                             plans/hf-decode.yaml: FULL graphs for decodes only, mixed steps eager)
 
-Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
-to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
-swaps it in between steps; SIGTERM / SIGINT drain and stop. ``/admin/reload`` is off unless an admin
-token is given (``GRAPHPLAN_ADMIN_TOKEN``, or ``--admin-token``, which other users can see in the
-process list), and reloads only files inside ``--reload-dir`` (default: the plan's folder).
+Compiles the plan (or loads a compiled table.json), starts listening, builds the model (the tiny
+Llama, or --model's checkpoint) sized to the table, captures its graphs (progress in the log),
+then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / SIGINT drain and
+stop. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
+``--admin-token``, which other users can see in the process list), and reloads only files inside
+``--reload-dir`` (default: the plan's folder).
 Exit codes: 0 after a clean stop, 2 for an invalid plan, 1 for any other start-up failure.
 """
 
@@ -24,7 +25,7 @@ from graphplan.compiler.errors import GraphplanError
 
 from .app import Server
 from .hf_model import HFSpec
-from .model import DTYPES, ModelSpec, parse_sets
+from .model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .security import TOKEN_ENV, admin_token
 
 log = logging.getLogger("graphplan.server")
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    spec: ServingSpec
     if a.model:
         spec = HFSpec(
             model=a.model,
@@ -163,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             compile=a.compile,
         )
     try:
-        if a.model:
-            spec.check()  # an unsupported or missing checkpoint fails here, before capture
+        spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(
             a.plan,
             overrides=parse_sets(a.set) or None,

@@ -1,6 +1,8 @@
 """Serving a stock Hugging Face decoder: ``--model DIR`` builds a ``PagedCausalLM`` (models/hf)
 with one sequence seat per ``scheduler.max_num_seqs``, and loads the directory's tokenizer when it
-has one (text prompts on /v1/completions). Nothing is fetched from the network."""
+has one (text prompts on /v1/completions). Nothing is fetched from the network. ``HFSpec`` is a
+``model.ServingSpec``; the checkpoint's own rules (tokenizer files, EOS ids) live in
+``graphplan.models.hf.load``."""
 
 from __future__ import annotations
 
@@ -9,12 +11,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFSpec:
-    """A transformers checkpoint directory and how to serve it."""
+    """A transformers checkpoint directory and how to serve it (a ``model.ServingSpec``)."""
 
     model: str
     """Directory with config.json and *.safetensors (tokenizer files optional); with config.json
@@ -53,12 +53,9 @@ class HFSpec:
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The model's end-of-sequence ids (generation_config.json first, then config.json)."""
-        eos = _read_json(str(_directory(self.model) / "generation_config.json")).get("eos_token_id")
-        if eos is None:
-            eos = self._config().get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+        from graphplan.models.hf import eos_token_ids
+
+        return eos_token_ids(self.model)
 
     def check(self) -> None:
         """Raise ModelLoadError / UnsupportedModelError (GraphplanErrors) before anything loads."""
@@ -66,21 +63,25 @@ class HFSpec:
 
         check_supported(load_config(self.model))
 
+    def load_tokenizer(self):
+        """The directory's tokenizer, or None when it has none (ids-only serving)."""
+        from graphplan.models.hf import load_tokenizer
+
+        return load_tokenizer(self.model)
+
     def build(self, table, device):
         import torch
 
         from graphplan.models.hf import PagedCausalLM
 
-        from .model import DTYPES, UsageError
+        from .model import dtype_of
 
         dtype = self.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
-        if dtype not in DTYPES:
-            raise UsageError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         return PagedCausalLM.load(
             self.model,
             max_num_seqs=table.max_num_seqs,
             max_model_len=self.resolved_max_model_len(),
-            dtype=DTYPES[dtype],
+            dtype=dtype_of(dtype),
             device=torch.device(device),
             seed=self.seed,
             block_size=self.block_size,
@@ -101,13 +102,3 @@ def _read_json(path: str) -> dict:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
-
-
-def load_tokenizer(model_dir: str):
-    """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving)."""
-    path = _directory(model_dir)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -249,7 +249,7 @@ def test_padding_rows_write_only_the_padding_block():
 # ---- import boundary ----------------------------------------------------------------------
 
 
-def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extra():
+def test_the_runtime_and_models_import_without_transformers_and_hf_names_the_extra():
     block = (
         "import sys, importlib.abc\n"
         "class Block(importlib.abc.MetaPathFinder):\n"

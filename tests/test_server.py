@@ -1,4 +1,4 @@
-"""The example server on loopback (CPU stand-in for graphs, ephemeral ports): readiness, greedy
+"""graphplan's server on loopback (CPU stand-in for graphs, ephemeral ports): readiness, greedy
 correctness under continuous batching, bad requests, metrics, plan swaps, SIGHUP, shutdown."""
 
 import http.client

@@ -20,7 +20,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..paged_kv import KVCacheSizeError
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
-from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
+from .load import (
+    ModelLoadError,
+    UnsupportedModelError,
+    check_supported,
+    eos_token_ids,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
 
 __all__ = [
     "PagedCausalLM",
@@ -32,4 +40,6 @@ __all__ = [
     "check_supported",
     "load_config",
     "load_model",
+    "load_tokenizer",
+    "eos_token_ids",
 ]

@@ -20,7 +20,9 @@ allocating blocks as sequences grow.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,12 +31,12 @@ from graphplan.runtime.piecewise.breakable import current_step
 
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
-from .load import load_model
+from .load import eos_token_ids, load_model, load_tokenizer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PagedConfig:
-    """What the server and batcher need to know (the names match models/tiny_llama's config)."""
+    """What the server and batcher need to know (a ``graphplan.models.ModelLimits``; the names match ``TinyLlamaConfig``)."""
 
     vocab_size: int
     max_model_len: int
@@ -46,7 +48,9 @@ class PagedConfig:
 
 
 class PagedCausalLM(torch.nn.Module):
-    """Owns the transformers model (``hf``), the paged KV cache and the block tables."""
+    """Owns the transformers model (``hf``), the paged KV cache and the block tables; a
+    ``graphplan.models.Model``. ``source`` is the checkpoint directory it was loaded from (its
+    tokenizer and end-of-sequence ids), or None."""
 
     def __init__(
         self,
@@ -57,8 +61,10 @@ class PagedCausalLM(torch.nn.Module):
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
         kv_memory_fraction: float | None = None,
+        source: str | os.PathLike | None = None,
     ):
         super().__init__()
+        self.source = source
         register()
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # transformers' public switch
         self.hf = hf_model
@@ -120,11 +126,32 @@ class PagedCausalLM(torch.nn.Module):
         hf = load_model(
             source, dtype=dtype, device=device, seed=seed, attn_implementation=ATTN_IMPLEMENTATION
         )
-        return cls(hf, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **cache)
+        directory = source if isinstance(source, (str, os.PathLike)) else None
+        return cls(
+            hf,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            source=directory,
+            **cache,
+        )
 
     @property
     def device(self) -> torch.device:
         return self.cache.kv.device
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]`` (``paged_kv``)."""
+        return self.cache.kv
+
+    @cached_property
+    def tokenizer(self):
+        """The source directory's tokenizer (read on first use), or None without one."""
+        return None if self.source is None else load_tokenizer(self.source)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's end-of-sequence ids (``load.eos_token_ids``)."""
+        return eos_token_ids(self.source if self.source is not None else self.hf.config)
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
         if current_step() is not None:  # a piecewise capture or replay: attention runs eagerly

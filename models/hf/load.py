@@ -5,6 +5,7 @@ drawn from a seed. What the adapter cannot run is refused here, before any weigh
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -87,6 +88,51 @@ def check_supported(config) -> None:
         raise UnsupportedModelError(
             f"model {name} uses rope type {rope_type!r}; supported: {', '.join(STATIC_ROPE)}"
         )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_directory(source) -> Path:
+    """The checkpoint directory of a directory or a ``config.json`` path."""
+    path = Path(source)
+    return path.parent if path.is_file() else path
+
+
+def _read_json(path: Path) -> dict:
+    """A small JSON file of the checkpoint ({} when absent or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def eos_token_ids(source) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` first, then
+    ``config.json``'s (``source``: a directory or ``config.json`` path, or a ``PretrainedConfig``).
+    Read from the files alone, so the server knows them before the weights load."""
+    if isinstance(source, (str, os.PathLike)):
+        path = model_directory(source)
+        eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        if eos is None:
+            eos = _read_json(path / "config.json").get("eos_token_id")
+    else:
+        eos = getattr(source, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def load_tokenizer(source):
+    """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving).
+    Local files only: nothing is fetched."""
+    path = model_directory(source)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def _has_weights(path: Path) -> bool:

@@ -258,7 +258,8 @@ _CAPTURE_REFUSED = (
     "capture invalidated",
     "capture_invalidated",
 )  # CUDA's and torch's words
-# frames inside torch and graphplan's runtime are skipped: the error names the model's own line
+# torch's frames and the whole runtime's (graphs.py raises HostSyncInCapture): the frame named is
+# the model's own line
 _SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
