@@ -176,7 +176,7 @@ class ContinuousBatcher:
             if free is not None:
                 free = self._make_room(r, self._grow(r, 1), free, picked)
                 if free is None:  # r itself was preempted
-                    free = self.kv_pool.num_free()
+                    free = self._free_after(picked)
                     break
                 free -= self._grow(r, 1)
             picked.append((r, r.chunk(1)))
@@ -244,8 +244,13 @@ class ContinuousBatcher:
             self._preempt(victim)
             if victim is r:
                 return None
-            free = self.kv_pool.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
+            free = self._free_after(picked)
         return free
+
+    def _free_after(self, picked) -> int:
+        """Blocks free once this step's picks have taken theirs (the pool reserves them later,
+        in ``make_batch``)."""
+        return self.kv_pool.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
 
     def _preempt(self, r: _Request) -> None:
         """Give back its blocks and row; it waits first in line and recomputes what it had."""
