@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from graphplan.compiler import compile_plan
 from graphplan.compiler.cli import main
@@ -598,3 +600,38 @@ def test_the_tuning_report_renders_its_chart_in_headless_chromium(tmp_path, caps
     chart = chart[: chart.index("</svg>")]
     assert '<polyline class="curve" points="' in chart and chart.count("<circle") == 2
     assert '<table id="tuning-sizes">' in dom
+
+
+# -- fuzz: any scrape gives a workload or a GraphplanError, never another exception --------------
+SEEDS = [p.read_bytes() for p in (V0, V0_SIZES, *V1, SGLANG[0], DATA / "graphplan.prom")]
+
+
+@st.composite
+def mangled(draw):
+    data = bytearray(draw(st.sampled_from(SEEDS)))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(data)))
+        kind = draw(st.sampled_from(["cut", "insert", "replace", "repeat"]))
+        if kind == "cut":
+            del data[at : at + draw(st.integers(1, 200))]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(max_size=20) | st.sampled_from([b"{", b"}", b'"', b"\n"]))
+        elif kind == "replace" and at < len(data):
+            data[at] = draw(st.sampled_from(b'0123456789-+.e{}",= \n#NaIf'))
+        else:
+            line = bytes(data).split(b"\n")[draw(st.integers(0, data.count(b"\n")))]
+            data[at:at] = line + b"\n"
+    return bytes(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mangled(), st.sampled_from(["uniform", "upper"]), st.booleans())
+def test_a_mangled_scrape_gives_a_workload_or_an_error_never_a_crash(raw, spread, merge):
+    try:
+        scrape = prom_text.parse(raw, "s.prom")
+        w = workload_from_scrapes([scrape], Options(spread=spread, merge=merge))
+    except GraphplanError as e:
+        assert str(e).startswith("s.prom")
+        return
+    assert w.steps == sum(c for *_, c in w.rows) and all(c > 0 for *_, c in w.rows)
+    assert all(1 <= r <= n and m * r >= n for n, r, m, _ in w.rows)
