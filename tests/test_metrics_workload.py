@@ -635,3 +635,13 @@ def test_a_mangled_scrape_gives_a_workload_or_an_error_never_a_crash(raw, spread
         return
     assert w.steps == sum(c for *_, c in w.rows) and all(c > 0 for *_, c in w.rows)
     assert all(1 <= r <= n and m * r >= n for n, r, m, _ in w.rows)
+
+
+def test_optimize_warns_that_an_upper_spread_workload_is_not_one_to_tune_on(tmp_path, capsys):
+    work = tmp_path / "w.jsonl"
+    assert cli(capsys, "workload", "--from-metrics", V0, "--spread", "upper", "-o", work)[0] == 0
+    code, out, _ = cli(capsys, "optimize", H100, "--trace", work)
+    assert code == 0 and "note: the workload puts each histogram bucket's steps at its upper" in out
+    uniform = tmp_path / "u.jsonl"
+    assert cli(capsys, "workload", "--from-metrics", V0, "-o", uniform)[0] == 0
+    assert "upper edge" not in cli(capsys, "optimize", H100, "--trace", uniform)[1]

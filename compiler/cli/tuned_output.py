@@ -26,6 +26,18 @@ def prediction(a, res, work, graphs_before: int) -> dict:
     }
 
 
+def workload_notes(work) -> list[str]:
+    """Warnings about how the workload was made, from its header."""
+    h = work.header or {}
+    if h.get("spread") == "upper":
+        return [
+            "the workload puts each histogram bucket's steps at its upper edge (--spread upper): "
+            "a worst case to price a list with, but sizes tuned on it fit those edges only and "
+            "pad real steps far more (bench/results/metrics_bench.md); tune on --spread uniform"
+        ]
+    return []
+
+
 def header_lines(a, res, work, graphs_before: int, cap: tuple[float, float]) -> list[str]:
     from ..tools.tuned_plan import prediction_line
 

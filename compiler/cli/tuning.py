@@ -225,7 +225,7 @@ def cmd_optimize(a) -> int:
         f"mixed), {work.steps - above} at or below the largest size {res.top}"
     )
     print(f"graph budget: {res.budget_graphs} graphs ({tuned_output.limit_text(res, a, profile)})")
-    for note in res.notes:
+    for note in [*res.notes, *tuned_output.workload_notes(work)]:
         print(f"note: {note}")
     print(
         f"\n{'':<18} {'sizes':>6} {'graphs':>7} {'padded tokens':>14} {'per step':>9} "

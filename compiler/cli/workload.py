@@ -140,8 +140,8 @@ def add_workload_command(sub, common) -> None:
         "--spread",
         choices=("uniform", "upper"),
         default="uniform",
-        help="a bucket's steps: evenly over its token counts (default), or all at its upper "
-        "edge (the worst case)",
+        help="a bucket's steps: evenly over its token counts (default; tune on this), or all at "
+        "its upper edge (the worst case, to price a list with)",
     )
     sp.add_argument(
         "--decode-query-len",
