@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 FORMATS = ("args", "yaml", "json")
 
@@ -38,16 +39,54 @@ def _emit(text: str, output: str | None) -> None:
         sys.stdout.write(text)
 
 
+def _prediction(path: str) -> dict | None:
+    """What ``plan optimize`` predicted for a tuned plan (its header), if it is one."""
+    from ..limits import MAX_PLAN_BYTES, read_regular_file
+    from ..tools.tuned_plan import read_prediction
+    from .inputs import is_table
+
+    if is_table(path):
+        return None
+    raw = read_regular_file(Path(path), MAX_PLAN_BYTES)
+    return read_prediction(raw[:MAX_PLAN_BYTES].decode("utf-8", "replace"))
+
+
 def cmd_export(a) -> int:
     from ..engines import export_plan
-    from .inputs import print_diags
+    from ..engines.flags import ENGINE_NAMES
+    from ..tools.tuned_plan import prediction_text
+    from .inputs import UsageError, print_diags
 
+    pred = _prediction(a.plan)
+    engine = a.engine or (pred or {}).get("engine")
+    if engine not in ("vllm", "sglang", "trtllm"):
+        raise UsageError(
+            "plan export: give --engine vllm|sglang|trtllm"
+            + (
+                " (the tuned plan's workload came from graphplan's own server: serve the plan "
+                "itself, or export it for another engine)"
+                if engine == "graphplan"
+                else " (the plan records no engine: it was not tuned from an engine's metrics)"
+            )
+        )
     loaded, table, diags = _loaded(a.plan, a.set)
-    out = export_plan(loaded, table.capture_sizes, a.engine, a.format, a.engine_version)
+    out = export_plan(loaded, table.capture_sizes, engine, a.format, a.engine_version)
     print_diags(list(diags) + list(out.diagnostics))
     _emit(out.text, a.output)
     if a.output:
         print(f"wrote {a.output} ({out.version}, {len(out.lost)} lost feature(s))", file=sys.stderr)
+    if pred is not None:
+        same = list(table.capture_sizes) == pred["sizes"]
+        print(
+            f"{ENGINE_NAMES[engine]}: "
+            + (
+                prediction_text(pred)
+                if same
+                else "the plan's capture sizes are not the ones plan optimize chose (edited "
+                "since?): no prediction"
+            ),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -96,7 +135,12 @@ def cmd_engines(a) -> int:
 def add_engine_commands(sub, common) -> None:
     sp = sub.add_parser("export", help="write a plan as vLLM, SGLang or TensorRT-LLM settings")
     sp.add_argument("plan", help="a plan or a compiled table.json")
-    sp.add_argument("--engine", required=True, choices=("vllm", "sglang", "trtllm"))
+    sp.add_argument(
+        "--engine",
+        choices=("vllm", "sglang", "trtllm"),
+        help="the engine; default: the one a tuned plan's workload came from (plan optimize "
+        "records it when the workload came from an engine's metrics)",
+    )
     sp.add_argument(
         "--format",
         choices=FORMATS,

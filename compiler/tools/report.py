@@ -1,6 +1,8 @@
 """``plan report``: one self-contained HTML page about a compiled plan (no JavaScript, no external
 resources): the resolved plan, every diagnostic, the graphs in capture order, padding and graph
-charts as inline SVG, the memory estimate, and with a trace, the padding that workload pays.
+charts as inline SVG, the memory estimate, with a trace the padding that workload pays, and from
+``plan optimize --report`` the tuning: the plan's list against the tuned one (padding, graphs,
+capture time, memory) and the trade-off curve of padding against the graph budget.
 
 The page is rendered with Jinja2 from ``compiler/templates/report.html.j2`` (package data).
 """
@@ -14,7 +16,7 @@ from ..records import RuntimeMode
 from ..table import DispatchTable
 from ..table_format import graph_json
 from . import report_charts as charts
-from .memory import MIB, estimate
+from .memory import MIB, capture_model, estimate
 from .summary import compact_sizes, coverage, padding_profile
 from .trace import Padding, Workload, padding
 
@@ -126,6 +128,52 @@ def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=(
     }
 
 
+def tuning_section(
+    before: DispatchTable, res, work: Workload, profile=None, source: str = ""
+) -> dict:
+    """The plan's sizes against ``plan optimize``'s (``res``: an optimize.Result with a curve)."""
+    rows = []
+    for label, t, p in (
+        ("plan (the current list)", before, res.before),
+        ("tuned", res.table, res.after),
+    ):
+        mem = estimate(t, profile)
+        rows.append(
+            {
+                "label": label,
+                "sizes": len(t.capture_sizes),
+                "compact": compact_sizes(t.capture_sizes),
+                "graphs": len(t.graphs),
+                "padded_tokens": p.padded_tokens,
+                "per_step": p.per_step,
+                "eager_steps": p.eager_steps,
+                "capture_seconds": mem["capture_seconds"],
+                "memory_mib": mem["total_mib"],
+            }
+        )
+    steps = max(work.steps, 1)
+    curve = [(g, c / steps) for g, c in res.curve]
+    marks = [
+        (len(before.graphs), res.before.per_step, "plan", "plan"),
+        (res.graphs, res.after.per_step, "tuned", "tuned"),
+    ]
+    cut = res.before.padded_tokens - res.after.padded_tokens
+    return {
+        "source": source,
+        "engine": (work.header or {}).get("engine"),
+        "rows": rows,
+        "limits": sorted(res.limits.items()),
+        "budget": res.budget_graphs,
+        "reduction_pct": 100.0 * cut / res.before.padded_tokens if res.before.padded_tokens else 0,
+        "curve": curve,
+        "chart": charts.tradeoff_chart(curve, marks),
+        "capture_model": capture_model(profile)[2],
+        "memory_model": "the built-in default profile"
+        if profile is None
+        else profile.get("source", "the given profile"),
+    }
+
+
 def build(
     table: DispatchTable,
     *,
@@ -135,6 +183,7 @@ def build(
     trace_source: str = "",
     profile: dict | None = None,
     trace_warnings=(),
+    tuning: dict | None = None,
 ) -> dict:
     """Everything the template shows, computed here so that tests can check the same numbers."""
     routines = []
@@ -190,6 +239,7 @@ def build(
         "trace": _trace_section(table, work, trace_source, trace_warnings)
         if work is not None
         else None,
+        "tuning": tuning,
     }
 
 
