@@ -1,15 +1,13 @@
 """Serving a stock Hugging Face decoder: ``--model DIR`` builds a ``PagedCausalLM`` (models/hf)
 with one sequence seat per ``scheduler.max_num_seqs``, and loads the directory's tokenizer when it
-has one (text prompts on /v1/completions). Nothing is fetched from the network."""
+has one (text prompts on /v1/completions). Nothing is fetched from the network, no code from the
+directory runs, and only its regular files are read (models/hf/files.py, tokenizer_files.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -17,13 +15,16 @@ class HFSpec:
     """A transformers checkpoint directory and how to serve it."""
 
     model: str
-    """Directory with config.json and *.safetensors (tokenizer files optional); with config.json
-    alone the weights are random from ``seed``."""
+    """Directory with config.json and model.safetensors (or its shards, or pytorch_model.bin);
+    tokenizer files optional."""
     max_model_len: int | None = None
     """Prompt plus generated tokens of one request; default min(max_position_embeddings, 2048)."""
     dtype: str | None = None
     """float32, bfloat16 or float16; default bfloat16 on CUDA, float32 on the CPU."""
     seed: int = 0
+    random_weights: bool = False
+    """Weights drawn from ``seed`` instead of read from the directory (``--random-weights``:
+    benchmarks, tests); without it a directory with no weights is refused."""
     block_size: int = 16
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float | None = None
@@ -38,7 +39,7 @@ class HFSpec:
         return self.served_model_name or Path(self.model).resolve().name
 
     def _config(self) -> dict:
-        return _read_json(str(_directory(self.model) / "config.json"))
+        return _checked_config(self.model)
 
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
@@ -53,18 +54,34 @@ class HFSpec:
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The model's end-of-sequence ids (generation_config.json first, then config.json)."""
-        eos = _read_json(str(_directory(self.model) / "generation_config.json")).get("eos_token_id")
+        from graphplan.models.hf.config_check import token_ids
+
+        where = _directory(self.model) / "generation_config.json"
+        eos = _generation_config(self.model).get("eos_token_id")
         if eos is None:
-            eos = self._config().get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+            where, eos = _directory(self.model) / "config.json", self._config().get("eos_token_id")
+        return token_ids(eos, "eos_token_id", where, self._config()["vocab_size"])
 
     def check(self) -> None:
-        """Raise ModelLoadError / UnsupportedModelError (GraphplanErrors) before anything loads."""
-        from graphplan.models.hf import check_supported, load_config
+        """Raise ModelLoadError and its kinds (GraphplanErrors) before anything loads: the config,
+        the architecture, the weight files' tensors (headers only), generation_config.json and
+        the tokenizer files."""
+        import torch
 
-        check_supported(load_config(self.model))
+        from graphplan.models.hf import check_checkpoint
+
+        from .model import DTYPES
+        from .tokenizer_files import check as check_tokenizer
+        from .tokenizer_files import has_tokenizer
+
+        check_checkpoint(
+            self.model,
+            dtype=DTYPES.get(self.dtype or "float32", torch.float32),
+            random_weights=self.random_weights,
+        )
+        self.stop_token_ids()
+        if has_tokenizer(_directory(self.model)):
+            check_tokenizer(_directory(self.model))
 
     def build(self, table, device):
         import torch
@@ -83,6 +100,7 @@ class HFSpec:
             dtype=DTYPES[dtype],
             device=torch.device(device),
             seed=self.seed,
+            random_weights=self.random_weights,
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             kv_memory_fraction=self.kv_memory_fraction,
@@ -90,24 +108,30 @@ class HFSpec:
 
 
 def _directory(model: str) -> Path:
-    path = Path(model)
-    return path.parent if path.is_file() else path
+    from graphplan.models.hf.files import model_dir
+
+    return model_dir(model)
 
 
 @lru_cache(maxsize=16)
-def _read_json(path: str) -> dict:
-    """A small JSON file of the checkpoint, read once ({} when absent or unreadable)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
+def _checked_config(model: str) -> dict:
+    """config.json's values, checked (models/hf/load.read_config), read once."""
+    from graphplan.models.hf.load import read_config
+
+    return read_config(_directory(model))
+
+
+@lru_cache(maxsize=16)
+def _generation_config(model: str) -> dict:
+    """generation_config.json's values ({} when absent), read once, regular files only."""
+    from graphplan.models.hf.files import read_json_object
+
+    return read_json_object(_directory(model), "generation_config.json") or {}
 
 
 def load_tokenizer(model_dir: str):
-    """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving)."""
-    path = _directory(model_dir)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
+    """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving);
+    its files are checked first and every failure is a ModelLoadError naming them."""
+    from .tokenizer_files import load
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return load(_directory(model_dir))

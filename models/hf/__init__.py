@@ -19,7 +19,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
-from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
+from .errors import (
+    CheckpointMismatchError,
+    ModelConfigError,
+    ModelLoadError,
+    ModelMemoryError,
+    RemoteCodeError,
+    UnsupportedModelError,
+)
+from .load import check_checkpoint, check_supported, load_config, load_model
 from .paged_kv import KVCacheSizeError
 
 __all__ = [
@@ -28,7 +36,12 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "ModelLoadError",
     "UnsupportedModelError",
+    "RemoteCodeError",
+    "ModelConfigError",
+    "CheckpointMismatchError",
+    "ModelMemoryError",
     "KVCacheSizeError",
+    "check_checkpoint",
     "check_supported",
     "load_config",
     "load_model",
