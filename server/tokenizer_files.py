@@ -10,7 +10,8 @@ from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 MAX_TOKENIZER_BYTES = 256 << 20
-"""tokenizer.json (the largest released ones are a few tens of MiB)."""
+"""tokenizer.json and every other text file a tokenizer reads whole (the largest released
+tokenizer.json files are a few tens of MiB)."""
 MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
 SPECIAL = (
     "bos_token",
@@ -46,7 +47,7 @@ def check(directory: Path) -> None:
     from graphplan.models.hf.errors import ModelLoadError
     from graphplan.models.hf.files import check_entries, read_json_object, refuse_remote_code
 
-    check_entries(directory, subdirs=("additional_chat_templates",))
+    check_entries(directory, ("additional_chat_templates",), text_limit=MAX_TOKENIZER_BYTES)
     config = read_json_object(directory, "config.json")  # AutoTokenizer may read its auto_map
     if config is not None:
         refuse_remote_code(directory / "config.json", config)

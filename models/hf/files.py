@@ -22,6 +22,8 @@ MAX_CONFIG_BYTES = 4 << 20
 """config.json, generation_config.json (real ones are a few KiB)."""
 MAX_ENTRIES = 10_000
 """Files in a model directory (a 1T-parameter checkpoint has a few hundred shards)."""
+TEXT_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+"""Files a tokenizer reads whole."""
 REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")
 
 _KINDS = (
@@ -103,16 +105,21 @@ def checked_path(
     return real
 
 
-def check_entries(directory: Path, subdirs: tuple[str, ...] = ()) -> None:
+def check_entries(
+    directory: Path, subdirs: tuple[str, ...] = (), *, text_limit: int | None = None
+) -> None:
     """Every entry of the directory (and of its ``subdirs``) is a regular file or a directory inside
-    it: run before a library that opens files of its own choosing reads the directory."""
-    for name in _names(directory):
-        checked_path(directory, name, allow_dir=True)
-    for sub in subdirs:
-        real = checked_path(directory, sub, allow_dir=True)
-        if real is not None and real.is_dir():
-            for name in _names(real):
-                checked_path(real, name, allow_dir=True)
+    it, and its text files (.json, .txt, .model, .jinja, .tiktoken) hold at most ``text_limit``
+    bytes: run before a library that opens files of its own choosing reads the directory."""
+    for where in (directory, *(directory / s for s in subdirs)):
+        if where is not directory:
+            real = checked_path(directory, where.name, allow_dir=True)
+            if real is None or not real.is_dir():
+                continue
+            where = real
+        for name in _names(where):
+            limit = text_limit if Path(name).suffix in TEXT_SUFFIXES else None
+            checked_path(where, name, limit=limit, allow_dir=True)
 
 
 def _names(directory: Path) -> list[str]:
