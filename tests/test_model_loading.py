@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from graphplan.models.hf import (
@@ -27,6 +29,7 @@ from graphplan.models.hf import (
     load_model,
 )
 from graphplan.models.hf import load as load_module
+from graphplan.models.hf.config_check import SHAPE, check_values
 from graphplan.server.hf_model import HFSpec, load_tokenizer
 
 from hf_models import FAMILIES, small_config, write_model_dir, write_tokenizer
@@ -416,6 +419,55 @@ def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path, mon
     with pytest.raises(ModelMemoryError, match=r"KV cache \d+\.\d\d GiB\) but cpu has"):
         load(tmp_path, kv_cache_tokens=10**12)
     assert time.perf_counter() - start < 30
+
+
+HOSTILE = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 3, 65537, 1 << 22, (1 << 22) + 1]),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.text(max_size=3),
+    st.none(),
+    st.lists(st.integers(0, 8), max_size=2),
+)
+
+
+@st.composite
+def configs(draw):
+    """A plausible shape with up to three of its values replaced by hostile ones."""
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    values = {
+        "vocab_size": draw(st.integers(1, 1 << 22)),
+        "hidden_size": heads * draw(st.sampled_from([2, 4, 16, 64])),
+        "intermediate_size": draw(st.integers(1, 1 << 20)),
+        "num_hidden_layers": draw(st.integers(1, 1024)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": draw(st.sampled_from([None, 1, 2, 4, 8])),
+        "head_dim": draw(st.sampled_from([None, 2, 64, 1024])),
+        "max_position_embeddings": draw(st.sampled_from([None, 1, 1 << 24])),
+    }
+    for key in draw(st.sets(st.sampled_from(sorted(SHAPE)), max_size=3)):
+        values[key] = draw(HOSTILE)
+    return values
+
+
+@settings(max_examples=300, deadline=None)
+@given(configs())
+def test_check_values_passes_only_bounded_consistent_shapes(values):
+    """Whatever the values, check_values raises ModelConfigError or they make a buildable shape."""
+    try:
+        check_values(values, "config.json")
+    except ModelConfigError as e:
+        assert str(e).startswith("config.json: ")
+        return
+    for key, (lo, hi, required) in SHAPE.items():
+        v = values[key]
+        assert (v is None and not required) or (type(v) is int and lo <= v <= hi), key
+    heads = values["num_attention_heads"]
+    assert heads % (values["num_key_value_heads"] or heads) == 0
+    head_dim = values["head_dim"] or values["hidden_size"] // heads
+    assert values["head_dim"] or values["hidden_size"] == heads * head_dim
+    assert head_dim % 2 == 0
 
 
 # ---- files: regular files inside the directory only -------------------------------------------

@@ -26,8 +26,6 @@ from .errors import ModelConfigError, ModelLoadError, UnsupportedModelError
 from .files import model_dir, read_json_object, refuse_remote_code
 from .weights import CheckpointReader, find_weights, match, no_weights_message
 
-__all__ = ["ModelLoadError", "UnsupportedModelError"]  # re-exported for older imports
-
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 # rope types whose frequencies are fixed at load (dynamic/longrope change with the sequence length)
