@@ -292,6 +292,7 @@ def setup(a) -> tuple:
         dtype=getattr(torch, a.dtype),
         device=device,
         seed=a.seed,
+        random_weights=True,
         attn_implementation=ATTN_IMPLEMENTATION,
     )
     return device, cfg, hf

@@ -65,7 +65,7 @@ SMOKE_SETS = [
 
 
 def write_model(path: Path, size: dict) -> Path:
-    """config.json alone: the server loads random weights from --seed."""
+    """config.json alone: the server draws random weights from --seed (--random-weights)."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -118,6 +118,7 @@ def launch(a, model_dir: Path, plan: Path, log_path: Path):
         str(a.max_model_len),
         "--seed",
         "0",
+        "--random-weights",
     ]
     for s in a.set + (SMOKE_SETS if a.smoke else []):
         cmd += ["--set", s]

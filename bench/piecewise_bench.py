@@ -291,7 +291,13 @@ def hf_main(a) -> int:
         else {"scheduler.max_num_seqs": seqs, "scheduler.max_num_batched_tokens": 32}
     )
     model = PagedCausalLM.load(
-        cfg, max_num_seqs=seqs, max_model_len=max_len, dtype=dtype, device=device, seed=0
+        cfg,
+        max_num_seqs=seqs,
+        max_model_len=max_len,
+        dtype=dtype,
+        device=device,
+        seed=0,
+        random_weights=True,
     )
     lines = header(
         device,

@@ -48,11 +48,19 @@ class KVCacheShape:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory (CUDA), or available host memory (CPU)."""
+    """Free device memory on CUDA; on the CPU, what the kernel can hand out without swapping
+    (/proc/meminfo's MemAvailable, which counts reclaimable page cache), else the free pages."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

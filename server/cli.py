@@ -54,9 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         metavar="DIR",
-        help="a local Hugging Face checkpoint (config.json + *.safetensors, tokenizer "
-        "optional; config.json alone: random weights from --seed) instead of the tiny "
-        "Llama; Llama, Qwen2 and Qwen3 causal LMs",
+        help="a local Hugging Face checkpoint (config.json + model.safetensors or its shards, "
+        "or pytorch_model.bin; tokenizer optional) instead of the tiny Llama; Llama, Qwen2 and "
+        "Qwen3 causal LMs. Only its regular files are read and none of its code runs",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model: weights drawn from --seed instead of read from DIR (benchmarks, tests); "
+        "without it a directory with no weights is refused",
     )
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
     p.add_argument(
@@ -135,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.random_weights and not a.model:
+        parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     d = ModelSpec()
     logging.basicConfig(
         level=a.log_level.upper(),
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=a.max_model_len,
             dtype=a.dtype,
             seed=a.seed,
+            random_weights=a.random_weights,
             kv_cache_tokens=a.kv_cache_tokens,
             kv_memory_fraction=a.kv_memory_fraction,
             served_model_name=a.served_model_name,

@@ -20,9 +20,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..paged_kv import KVCacheSizeError
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
-from .load import (
+from .errors import (
+    CheckpointMismatchError,
+    ModelConfigError,
     ModelLoadError,
+    ModelMemoryError,
+    RemoteCodeError,
     UnsupportedModelError,
+)
+from .load import (
+    check_checkpoint,
     check_supported,
     eos_token_ids,
     load_config,
@@ -36,7 +43,12 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "ModelLoadError",
     "UnsupportedModelError",
+    "RemoteCodeError",
+    "ModelConfigError",
+    "CheckpointMismatchError",
+    "ModelMemoryError",
     "KVCacheSizeError",
+    "check_checkpoint",
     "check_supported",
     "load_config",
     "load_model",

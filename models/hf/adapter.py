@@ -31,7 +31,19 @@ from graphplan.runtime.piecewise.breakable import current_step
 
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
-from .load import eos_token_ids, load_model, load_tokenizer
+from .load import eos_token_ids, load_config, load_model, load_tokenizer
+
+
+def kv_shape(config, dtype: torch.dtype, block_size: int) -> KVCacheShape:
+    """What one token of ``config``'s model costs in the cache."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVCacheShape(
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_size=block_size,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,15 +81,8 @@ class PagedCausalLM(torch.nn.Module):
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # transformers' public switch
         self.hf = hf_model
         c = hf_model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         param = next(hf_model.parameters())
-        shape = KVCacheShape(
-            layers=c.num_hidden_layers,
-            kv_heads=c.num_key_value_heads,
-            head_dim=head_dim,
-            dtype=param.dtype,
-            block_size=block_size,
-        )
+        shape = kv_shape(c, param.dtype, block_size)
         limit = getattr(c, "max_position_embeddings", None)
         if limit and max_model_len > limit:
             from ..paged_kv import KVCacheSizeError
@@ -119,20 +124,37 @@ class PagedCausalLM(torch.nn.Module):
         dtype=torch.float32,
         device="cpu",
         seed: int = 0,
-        **cache,
+        random_weights: bool = False,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        kv_memory_fraction: float | None = None,
     ) -> "PagedCausalLM":
-        """From a local model directory (or its config.json alone: random weights from ``seed``)."""
+        """From a local model directory's checkpoint (``load.load_model``: checked before
+        anything is allocated, the weights and this KV cache against the free memory); with
+        ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``."""
         register()
+        config = load_config(source)
+        shape = kv_shape(config, dtype, block_size)
+        tokens = kv_cache_tokens
+        if tokens is None:  # the pool's least: one max_model_len sequence (blocks on demand)
+            tokens = shape.blocks_per_seq(max_model_len) * block_size
         hf = load_model(
-            source, dtype=dtype, device=device, seed=seed, attn_implementation=ATTN_IMPLEMENTATION
+            source,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            random_weights=random_weights,
+            reserve_bytes=(tokens // block_size + 1) * block_size * shape.bytes_per_token,
         )
-        directory = source if isinstance(source, (str, os.PathLike)) else None
         return cls(
             hf,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            source=directory,
-            **cache,
+            source=source if isinstance(source, (str, os.PathLike)) else None,
+            block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_memory_fraction=kv_memory_fraction,
         )
 
     @property
