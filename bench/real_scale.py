@@ -127,7 +127,12 @@ def build_model(a, device):
     cfg = LlamaConfig(**SHAPES[a.shape])
     t0 = time.perf_counter()
     hf = load_model(
-        cfg, dtype=dtype, device=device, seed=0, attn_implementation=ATTN_IMPLEMENTATION
+        cfg,
+        dtype=dtype,
+        device=device,
+        seed=0,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        random_weights=True,
     )
     return hf, time.perf_counter() - t0
 

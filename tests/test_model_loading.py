@@ -27,10 +27,11 @@ from graphplan.models.hf import (
     RemoteCodeError,
     UnsupportedModelError,
     load_model,
+    load_tokenizer,
 )
 from graphplan.models.hf import load as load_module
 from graphplan.models.hf.config_check import SHAPE, check_values
-from graphplan.server.hf_model import HFSpec, load_tokenizer
+from graphplan.server.hf_model import HFSpec
 
 from hf_models import FAMILIES, small_config, write_model_dir, write_tokenizer
 
@@ -521,7 +522,8 @@ FIFO_SCRIPT = """
 import os, sys
 from pathlib import Path
 from graphplan.models.hf import ModelLoadError, PagedCausalLM
-from graphplan.server.hf_model import HFSpec, load_tokenizer
+from graphplan.models.hf import load_tokenizer
+from graphplan.server.hf_model import HFSpec
 d = Path(sys.argv[1])
 for name in sys.argv[2:]:
     os.replace(d / name, d / (name + ".bak"))

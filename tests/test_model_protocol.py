@@ -131,7 +131,7 @@ def test_a_model_built_from_a_config_has_no_tokenizer_and_the_configs_eos():
 
     cfg = small_config("llama")
     cfg.eos_token_id = 7
-    m = PagedCausalLM.load(cfg, max_num_seqs=2, max_model_len=16, block_size=4)
+    m = PagedCausalLM.load(cfg, max_num_seqs=2, max_model_len=16, block_size=4, random_weights=True)
     assert m.tokenizer is None and m.stop_token_ids() == (7,)
 
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 
+from ..paged_kv import GiB, free_memory_bytes
 from .errors import ModelConfigError, ModelMemoryError
-from .paged_kv import GiB, free_memory_bytes
 
 # key: (lowest, highest, required)
 SHAPE = {
