@@ -98,6 +98,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
         )
     if mode == "NONE" or not sizes:
         out["enforce_eager"] = True
+        if lora.enabled:  # eager keeps the LoRA setting: a re-import must read the same plan
+            out["compilation_config"] = {"cudagraph_specialize_lora": lora.separate_base}
         if mode != "NONE":
             diags.append(
                 F.note(
