@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from .. import report_charts as charts
+from . import report_charts as charts
 from ..fileio import write_atomic
 from ..records import RuntimeMode
 from ..table import DispatchTable
