@@ -170,7 +170,7 @@ def cmd_optimize(a) -> int:
             f"{a.start_graphs} most used by the trace and the largest)"
         )
     if a.output:
-        data, comments = raw_plan(a.plan, parse_overrides(a.set))
+        data, comments = raw_plan(a.plan, parse_overrides(a.set, a.plan))
         text = tuned_plan_text(data, res.sizes, header, comments, start)
         check_tuned(text, res.sizes)
         write_atomic(a.output, text.encode("utf-8"))

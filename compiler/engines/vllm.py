@@ -247,6 +247,8 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
                 dotted[key] = F.Setting(json.loads(value), w)
             except json.JSONDecodeError:
                 dotted[key] = F.Setting(value, w)
+            except (RecursionError, ValueError):  # 100k-deep or out-of-range: located error
+                dotted[key] = F.Setting(F.json_value(value, head, file), w)
         elif len(w) == 3 and w.startswith("-O") and w[2].isdigit():
             level = F.Setting(int(w[2]), w)
         else:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from importlib import resources
 
-from . import report_charts as charts
 from ..fileio import write_atomic
 from ..records import RuntimeMode
 from ..table import DispatchTable
 from ..table_format import graph_json
+from . import report_charts as charts
 from .memory import MIB, estimate
 from .summary import compact_sizes, coverage, padding_profile
 from .trace import Padding, Workload, padding

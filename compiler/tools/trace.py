@@ -99,6 +99,9 @@ def _slow_parse(text: str, source: str):
                 f"{source}:{i}: not JSON ({e.msg} at column {e.colno}); each line is "
                 '{"num_tokens": N, "num_reqs": R, "max_query_len": L}'
             ) from None
+        except (RecursionError, ValueError) as e:  # 100k-deep, or a 5000-digit integer
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+            raise TraceError(f"{source}:{i}: not a trace step ({why})") from None
         if not isinstance(step, dict):
             raise TraceError(f"{source}:{i}: expected a JSON object, got {type(step).__name__}")
         row = []
