@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(
             argv,
             f"plan: this command needs {e.name!r}, part of the plan extra: "
-            "pip install 'graphplan[plan]'",
+            "pip install -e '.[plan]' in the graphplan checkout",
             1,
             "MissingExtra",
         )

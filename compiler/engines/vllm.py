@@ -229,7 +229,9 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     lines = F.shell_lines(
         [("--" + k, json.loads(v) if k.endswith("config") else v) for k, v in pairs]
     )
-    use = "# use: vllm serve MODEL $(grep -v '^#' this.args)"
+    # the whole command on one line, each word shell-quoted: pasted into a shell, the JSON of
+    # --compilation-config stays one argument (``$(cat this.args)`` would split it into words)
+    use = "# use: " + " ".join(["vllm serve MODEL"] + lines)
     return f"# {head}\n{use}\n" + "\n".join(lines) + "\n"
 
 
