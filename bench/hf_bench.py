@@ -11,6 +11,9 @@ bf16, random weights from a seed; 64 requests of ~128-token prompts (112..144), 
 tokens each, no EOS. Prints generated tokens/s, time to first token and capture/warm-up time per
 system, and graphplan's ratio to generate_batch (bar: >= 5x). Greedy agreement between the systems
 is reported (bf16: near-tied argmaxes can differ between kernels, after which a request diverges).
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ per second, end-to-end latency p50/p99, the server's steps and the replays by gr
 /metrics). Every request must answer (exit 1 otherwise); the share of requests whose tokens are the
 same under both plans is printed (bf16 rounds differently in FULL, piecewise and eager kernels, so
 near-ties may flip; on the CPU in float32 it should be 100%). The server runs as a subprocess.
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

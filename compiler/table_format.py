@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import numpy as np
 
-from .errors import GraphplanError, TableError
+from .errors import MAX_LINE, GraphplanError, TableError
 from .fileio import canonical_json
 from .records import (
     ROUTINES,
@@ -234,6 +235,43 @@ def _enum(enum_cls, name: str, where: str, source: str):
         ) from None
 
 
+_DIAGNOSTIC = {"code": str, "severity": str, "path": str, "message": str, "hint": str}
+_CODE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+MAX_DIAGNOSTICS = 100_000
+"""More diagnostics than this is not a compiler's output (a warning per size at most, or so)."""
+
+
+def _check_diagnostics(diags: list, source: str) -> None:
+    """What ``plan report`` and ``plan validate`` print: objects of the five string fields of
+    table.schema.json, a kebab-case code, severity warning or error, each text plan-sized."""
+    if len(diags) > MAX_DIAGNOSTICS:
+        raise TableError(
+            f"{source}: diagnostics: {len(diags)} entries, more than a compile gives; {_RECOMPILE}"
+        )
+    for i, d in enumerate(diags):
+        where = f"diagnostics[{i}]"
+        if not isinstance(d, dict):
+            raise TableError(
+                f"{source}: {where}: expected an object, got {type(d).__name__}; {_RECOMPILE}"
+            )
+        _fields(d, _DIAGNOSTIC, where, source)
+        if not _CODE.fullmatch(d["code"]):
+            raise TableError(
+                f"{source}: {where}.code: {d['code']!r} is not a kebab-case code; {_RECOMPILE}"
+            )
+        if d["severity"] not in ("warning", "error"):
+            raise TableError(
+                f"{source}: {where}.severity: {d['severity']!r} is not warning or error; "
+                f"{_RECOMPILE}"
+            )
+        long = next((k for k in _DIAGNOSTIC if len(d[k]) > MAX_LINE), None)
+        if long:
+            raise TableError(
+                f"{source}: {where}.{long}: {len(d[long])} characters, more than a "
+                f"diagnostic has ({MAX_LINE}); {_RECOMPILE}"
+            )
+
+
 def settings_from_json(d: dict, source: str, where: str = "settings") -> TableSettings:
     _fields(d, _SETTINGS, where, source)
     _fields(d["ubatch"], _UBATCH, f"{where}.ubatch", source)
@@ -386,8 +424,7 @@ def decode(data, source: str = "<table>") -> dict:
         != data["content_fingerprint"]
     ):
         raise TableError(f"{source}: corrupted table: content_fingerprint mismatch; {_RECOMPILE}")
-    if not all(isinstance(d, dict) for d in data["diagnostics"]):
-        raise TableError(f"{source}: diagnostics: expected objects; {_RECOMPILE}")
+    _check_diagnostics(data["diagnostics"], source)
     parts = dict(
         plan=data["plan"],
         settings=settings,

@@ -7,18 +7,28 @@ other than ``dict.items/keys/values/get``, a short list of filters, and bounds o
 can grow: ``range`` (``MAX_RANGE`` items), loop iterations and wall time (``MAX_RENDER_SECONDS``),
 every string and the rendered text (``MAX_PLAN_BYTES``, the plan file limit) and the bytes built
 while rendering (``MAX_BUILD_BYTES``). A violation is a PlanError naming the file and line.
+
+Values are data, never YAML text: every string in a template variable (a ``--set`` value, at any
+depth of a list or mapping) is plain words (letters, digits, ``_ . - / +`` and single spaces);
+anything else (a newline, ``:``, ``,``, ``#``, brackets, quotes) could be read as YAML structure
+once rendered into the plan, so it is refused before rendering, naming the file and the variable.
+Lists and mappings render as JSON (a YAML flow value). Text the template itself writes is the
+template author's and is not restricted.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
 import math
+import re
 import time
 
 import jinja2
 from jinja2 import nodes
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from markupsafe import Markup
 
 from .errors import Diagnostic, PlanError
 from .limits import MAX_PLAN_BYTES
@@ -72,6 +82,9 @@ _REMOVED = ("cycler", "joiner", "namespace", "lipsum")
 
 class TemplateLimit(Exception):
     """A template went past a bound; the loader reports it as a PlanError at the line."""
+
+
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_./+-]+(?: [A-Za-z0-9_./+-]+)*")
 
 
 class _Budget:
@@ -136,6 +149,44 @@ def _sized(value):
     elif isinstance(value, (list, tuple, dict)):
         _budget.get().charge(_weight(value))
     return value
+
+
+def _as_data(value):
+    """``finalize`` for every ``{{ ... }}``: bounded, and a list or mapping as JSON (a YAML flow
+    value) rather than Python's repr."""
+    value = _sized(value)
+    if isinstance(value, (list, tuple, dict)) and not isinstance(value, Markup):
+        try:
+            return json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+def _check_variables(variables: dict, file: str) -> None:
+    """Every string in the variables (keys included) is plain words, or a ``template-value``
+    error naming the file and the ``--set`` variable."""
+    for name, value in variables.items():
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, str) and v and not _PLAIN_WORDS.fullmatch(v):
+                bad = next(
+                    (c for c in v if not (c.isascii() and (c.isalnum() or c in "_./+- "))), " "
+                )
+                raise _error(
+                    file,
+                    "template-value",
+                    f"--set {name}={value}: the text {v!r} has {bad!r}, which YAML would read "
+                    "as structure once rendered into the plan, not as one value",
+                    hint="a template value is data: numbers, true/false, plain words (letters, "
+                    "digits, _ . - / + and single spaces), or lists and mappings of them",
+                )
 
 
 def _binop(op: str, a, b):
@@ -208,7 +259,7 @@ class PlanTemplateEnvironment(ImmutableSandboxedEnvironment):
             keep_trailing_newline=True,
             autoescape=False,
             loader=None,
-            finalize=_sized,
+            finalize=_as_data,
         )
         self.globals = {"range": _range, "dict": dict}
         self.filters = {name: _checked_filter(self.filters[name]) for name in FILTERS}
@@ -296,6 +347,7 @@ def _error(file: str, code: str, message: str, line: int = 0, hint: str = "") ->
 
 def render(text: str, variables: dict, file: str) -> str:
     """Render a plan template; ``variables`` are the ``--set`` values (each one must be used)."""
+    _check_variables(variables, file)
     env = PlanTemplateEnvironment()
     token = _budget.set(_Budget())
     try:

@@ -24,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from graphplan.compiler import __version__
+
 from .engine import Engine
 from .metrics import render_metrics
 from .model import ModelSpec, ServingSpec, load_table
@@ -36,7 +38,7 @@ log = logging.getLogger("graphplan.server")
 
 class Handler(GuardedHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server_version = "graphplan-server/0.1"
+    server_version = f"graphplan-server/{__version__}"  # the package's one version
     server: "_HTTPServer"
 
     def send_response(self, code, message=None):  # every response, counted by code

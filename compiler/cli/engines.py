@@ -25,7 +25,7 @@ def _loaded(path: str, sets):
 
         loaded = load_plan(DispatchTable.load(path).plan)
     else:
-        loaded = load_plan(path, parse_overrides(sets))
+        loaded = load_plan(path, parse_overrides(sets, path))
     table, diags = compile_loaded(loaded)
     return loaded, table, diags
 
@@ -105,7 +105,7 @@ def cmd_import(a) -> int:
         config=a.config,
         log=a.log,
         version=a.engine_version,
-        sets=parse_overrides(a.set),
+        sets=parse_overrides(a.set, a.output or a.config or a.log or f"<{a.engine} flags>"),
         allow_unknown=a.ignore_unknown,
     )
     print_diags(out.diagnostics)

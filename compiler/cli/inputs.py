@@ -13,18 +13,19 @@ class UsageError(GraphplanError):
     exit_code = 1
 
 
-def parse_overrides(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}, under the plan file's bounds."""
+def parse_overrides(pairs: list[str], file: str = "<plan>") -> dict:
+    """``--set KEY=VALUE`` pairs -> {key: YAML-parsed value}, under the plan file's bounds; every
+    error names ``file``, the plan the values apply to."""
     from ..load import parse_set_value
 
     out = {}
     for pair in pairs or []:
         key, eq, value = pair.partition("=")
-        if not eq or not key:
+        if not eq or not key.strip():
             raise UsageError(
-                f"plan: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)"
+                f"plan: {file}: --set {pair!r}: expected KEY=VALUE (e.g. --set max_num_seqs=128)"
             )
-        out[key.strip()] = parse_set_value(value, key.strip())
+        out[key.strip()] = parse_set_value(value, key.strip(), file)
     return out
 
 
@@ -45,7 +46,7 @@ def load_any(path: str, sets=None):
         return DispatchTable.load(path), []
     from .. import compile_loaded, load_plan
 
-    return compile_loaded(load_plan(path, parse_overrides(sets)))
+    return compile_loaded(load_plan(path, parse_overrides(sets, path)))
 
 
 def print_diags(diags) -> None:

@@ -26,15 +26,18 @@ def _workload(path: str, table):
 
 
 def _report_workload(path: str, table):
-    """(workload, warnings): a report prices what fits the plan and warns about the rest."""
+    """(workload, warnings, left out): a report prices what fits the plan, warns about the rest
+    and counts every step in its headline."""
     import sys
 
-    from ..tools.trace import aggregate, fit_trace, load_trace
+    from ..tools.trace import aggregate, fit_trace, left_out, load_trace
 
-    trace, warnings = fit_trace(load_trace(path), table)
+    trace = load_trace(path)
+    out = left_out(trace, table)
+    trace, warnings = fit_trace(trace, table)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    return aggregate(trace, table.q), warnings
+    return aggregate(trace, table.q), warnings, out
 
 
 def cmd_report(a) -> int:
@@ -46,7 +49,7 @@ def cmd_report(a) -> int:
     check_output(a.output, [a.plan, a.trace, a.profile])
     table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
-    work, warnings = _report_workload(a.trace, table) if a.trace else (None, [])
+    work, warnings, out = _report_workload(a.trace, table) if a.trace else (None, [], None)
     ctx = build(
         table,
         source=a.plan,
@@ -55,6 +58,7 @@ def cmd_report(a) -> int:
         trace_source=a.trace or "",
         profile=profile,
         trace_warnings=warnings,
+        trace_left_out=out,
     )
     write_report(a.output, ctx)
     if a.format == "json":
@@ -76,8 +80,9 @@ def cmd_report(a) -> int:
             f"wrote {a.output}: {len(table.graphs)} graphs, {len(ctx['diagnostics'])} "
             f"diagnostic(s), {ctx['memory']['total_mib']:.1f} MiB estimated graph memory"
             + (
-                f"; trace: {100 * t['pad'].graphed_share:.1f} % of steps on graphs, "
-                f"{t['pad'].per_graph_step:.3f} padding tokens per graph step, "
+                f"; trace: {100 * t['graphed_share']:.1f} % of all {t['steps']} steps on graphs"
+                + (f"; {t['left_out']}" if t["left_out"].left_out else "")
+                + f"; {t['pad'].per_graph_step:.3f} padding tokens per graph step, "
                 f"{t['pad'].eager_steps} eager steps"
                 if t
                 else ""
@@ -89,12 +94,15 @@ def cmd_report(a) -> int:
 def _trace_json(t) -> dict | None:
     if not t:
         return None
-    p = t["pad"]
+    p, out = t["pad"], t["left_out"]
     return {
-        "steps": p.steps,
+        "steps": t["steps"],
+        "priced_steps": p.steps,
+        "left_out_steps": out.left_out,
+        "left_out": dict(out.reasons),
         "graphed_steps": p.graphed_steps,
         "eager_steps": p.eager_steps,
-        "graphed_share": p.graphed_share,
+        "graphed_share": t["graphed_share"],
         "padded_tokens": p.padded_tokens,
         "padding_per_graph_step": p.per_graph_step,
         "warnings": list(t["warnings"]),
@@ -180,7 +188,7 @@ def cmd_optimize(a) -> int:
             f"{a.start_graphs} most used by the trace and the largest)"
         )
     if a.output:
-        data, comments = raw_plan(a.plan, parse_overrides(a.set))
+        data, comments = raw_plan(a.plan, parse_overrides(a.set, a.plan))
         text = tuned_plan_text(data, res.sizes, header, comments, start)
         check_tuned(text, res.sizes)
         write_atomic(a.output, text.encode("utf-8"))

@@ -175,18 +175,37 @@ def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col:
         parts = [p for v in values for p in v.replace(",", " ").split()]
         return [to_int(p, where, spec.lo, spec.hi, file, col) for p in parts], len(values)
     if spec.kind == "json":
-        try:
-            return json.loads(values[0]), 1
-        except json.JSONDecodeError as e:
-            raise input_error(
-                file,
-                "bad-json",
-                f"{where}: not JSON ({e.msg} at character {e.pos + 1})",
-                "quote it: --flag '{\"key\": 1}'",
-                1,
-                col,
-            ) from None
+        return json_value(values[0], where, file, 1, col), 1
     return values[0], 1
+
+
+def json_value(text: str, where: str, file: str, line: int = 1, col: int = 0):
+    """A flag's JSON argument under the plan's bounds (depth, size, finite numbers: a 100k-deep
+    ``[[[...`` is a located error, never a RecursionError)."""
+    from ..limits import check_value
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise input_error(
+            file,
+            "bad-json",
+            f"{where}: not JSON ({e.msg} at character {e.pos + 1})",
+            "quote it: --flag '{\"key\": 1}'",
+            line,
+            col,
+        ) from None
+    except (RecursionError, ValueError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise input_error(
+            file, "bad-json", f"{where}: not JSON a plan can use ({why})", "", line, col
+        ) from None
+    try:
+        check_value(value, file, where)
+    except PlanError as e:
+        d = e.diagnostics[0]
+        raise input_error(file, d.code, f"{where}: {d.message}", d.hint, line, col) from None
+    return value
 
 
 def to_int(text, where: str, lo: int, hi: int, file: str, col: int = 0, line: int = 1) -> int:
@@ -326,12 +345,7 @@ def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int)
         items = value if isinstance(value, list) else str(value).replace(",", " ").split()
         return [to_int(v, where, spec.lo, spec.hi, path, col, line) for v in items]
     if spec.kind == "json" and isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise input_error(
-                path, "bad-json", f"{where}: not JSON ({e.msg})", "", line, col
-            ) from None
+        return json_value(value, where, path, line, col)
     return value
 
 

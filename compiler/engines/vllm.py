@@ -98,6 +98,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
         )
     if mode == "NONE" or not sizes:
         out["enforce_eager"] = True
+        if lora.enabled:  # eager keeps the LoRA setting: a re-import must read the same plan
+            out["compilation_config"] = {"cudagraph_specialize_lora": lora.separate_base}
         if mode != "NONE":
             diags.append(
                 F.note(
@@ -227,7 +229,9 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     lines = F.shell_lines(
         [("--" + k, json.loads(v) if k.endswith("config") else v) for k, v in pairs]
     )
-    use = "# use: vllm serve MODEL $(grep -v '^#' this.args)"
+    # the whole command on one line, each word shell-quoted: pasted into a shell, the JSON of
+    # --compilation-config stays one argument (``$(cat this.args)`` would split it into words)
+    use = "# use: " + " ".join(["vllm serve MODEL"] + lines)
     return f"# {head}\n{use}\n" + "\n".join(lines) + "\n"
 
 
@@ -245,6 +249,8 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
                 dotted[key] = F.Setting(json.loads(value), w)
             except json.JSONDecodeError:
                 dotted[key] = F.Setting(value, w)
+            except (RecursionError, ValueError):  # 100k-deep or out-of-range: located error
+                dotted[key] = F.Setting(F.json_value(value, head, file), w)
         elif len(w) == 3 and w.startswith("-O") and w[2].isdigit():
             level = F.Setting(int(w[2]), w)
         else:

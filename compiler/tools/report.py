@@ -18,7 +18,7 @@ from ..table_format import graph_json
 from . import report_charts as charts
 from .memory import MIB, capture_model, estimate
 from .summary import compact_sizes, coverage, padding_profile
-from .trace import Padding, Workload, padding
+from .trace import LeftOut, Padding, Workload, padding
 
 MAX_GRAPH_ROWS = 2000
 ROUTINE_LABEL = {
@@ -96,8 +96,12 @@ def _resolved_rows(table: DispatchTable) -> list[tuple[str, str]]:
     return rows
 
 
-def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=()) -> dict:
+def _trace_section(
+    table: DispatchTable, work: Workload, source: str, warnings=(), out: LeftOut | None = None
+) -> dict:
     pad: Padding = padding(table, work)
+    out = out or LeftOut(steps=pad.steps, left_out=0, reasons=())
+    steps = max(out.steps, pad.steps)
     top = table.capture_sizes[-1] if table.capture_sizes else 1
     x_max = charts.nice_max(top * 1.15)
     hist_max = charts.nice_max(max(top * 1.15, int(work.tokens.max())))  # every step shows
@@ -106,6 +110,10 @@ def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=(
     return {
         "source": source,
         "pad": pad,
+        "steps": steps,
+        "left_out": out,
+        # the headline: steps on graphs over every step of the trace, left-out ones included
+        "graphed_share": pad.graphed_steps / steps if steps else 0.0,
         "top": top,
         "warnings": list(warnings),
         "above_top": int(work.count[work.tokens > top].sum()),
@@ -184,6 +192,7 @@ def build(
     profile: dict | None = None,
     trace_warnings=(),
     tuning: dict | None = None,
+    trace_left_out: LeftOut | None = None,
 ) -> dict:
     """Everything the template shows, computed here so that tests can check the same numbers."""
     routines = []
@@ -236,7 +245,7 @@ def build(
         "graphs_left_out": len(table.graphs) - len(graphs),
         "memory": mem,
         "mib": MIB,
-        "trace": _trace_section(table, work, trace_source, trace_warnings)
+        "trace": _trace_section(table, work, trace_source, trace_warnings, trace_left_out)
         if work is not None
         else None,
         "tuning": tuning,

@@ -31,6 +31,8 @@ __all__ = [
     "padding",
     "Padding",
     "step_route",
+    "LeftOut",
+    "left_out",
 ]
 
 
@@ -72,6 +74,55 @@ QUERY_LEN_PROBE = 16
 decode_query_len a trace was recorded with (a longer uniform batch is a prefill)."""
 
 
+def _over_limits(trace: Trace, table: DispatchTable) -> list[tuple]:
+    """(mask, key, values, scheduler limit name, limit) per scheduler limit a trace can exceed."""
+    n, r = trace.num_tokens, trace.num_reqs
+    return [
+        (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
+        (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs),
+    ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeftOut:
+    """The steps of a trace a plan's scheduler never runs, which pricing leaves out."""
+
+    steps: int
+    """Every step of the trace."""
+    left_out: int
+    """Steps left out (one over both limits counts once)."""
+    reasons: tuple[tuple[str, int], ...]
+    """(why, steps) per scheduler limit, e.g. ("num_reqs above scheduler.max_num_seqs=128", 5)."""
+
+    def __str__(self) -> str:
+        if not self.left_out:
+            return f"all {self.steps} steps priced"
+        why = ", ".join(f"{k} with {why}" for why, k in self.reasons)
+        return (
+            f"{self.left_out} of {self.steps} steps left out ({why}): this plan's scheduler "
+            "never runs them"
+        )
+
+
+def left_out(trace: Trace, table: DispatchTable) -> LeftOut:
+    """Which steps ``fit_trace`` leaves out, and why, counted over the whole trace (a row that
+    stands for ``count`` steps counts ``count`` times)."""
+    limits = _over_limits(trace, table)
+    over = np.zeros(len(trace.num_tokens), dtype=bool)
+    for bad, *_ in limits:
+        over |= bad
+    c = trace.count
+    return LeftOut(
+        steps=trace.steps,
+        left_out=int(c[over].sum()),
+        reasons=tuple(
+            (f"{key} above scheduler.{limit}={value}", int(c[bad].sum()))
+            for bad, key, _, limit, value in limits
+            if bad.any()
+        ),
+    )
+
+
 def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
     """The steps of ``trace`` the plan's scheduler could produce, and warnings about the rest.
 
@@ -83,10 +134,7 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
     n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
     name, warnings_, total = table.plan.get("name", "plan"), [], trace.steps
     over = np.zeros(len(n), dtype=bool)
-    for bad, key, got, limit, value in (
-        (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
-        (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs),
-    ):
+    for bad, key, got, limit, value in _over_limits(trace, table):
         if bad.any():
             i, more = int(np.argmax(bad)), int(c[bad].sum()) - int(c[np.argmax(bad)])
             warnings_.append(
