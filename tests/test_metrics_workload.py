@@ -568,7 +568,8 @@ def test_the_cli_budgets_report_and_export_close_the_loop(tmp_path, capsys):
     assert f"{res['after']['padded_tokens']}</td>" in row
     # plan export takes the engine from the tuned plan and prints the saving beside the flags
     code, flags, err = cli(capsys, "export", tuned)
-    sizes = json.loads(flags.split("--compilation-config ")[1].strip().strip("'"))
+    flag = next(ln for ln in flags.splitlines() if ln.startswith("--compilation-config "))
+    sizes = json.loads(flag.removeprefix("--compilation-config ").strip("'"))
     assert code == 0 and sizes["cudagraph_capture_sizes"] == res["after"]["sizes"]
     before, after = res["before"]["per_step"], res["after"]["per_step"]
     assert f"vLLM: predicted by plan optimize on {work}: padding {before:.3f} -> {after:.3f}" in err

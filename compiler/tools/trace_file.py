@@ -117,12 +117,14 @@ def _slow_parse(text: str, source: str, first_line: int = 1):
             continue
         try:
             step = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
-            where = f" ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        except json.JSONDecodeError as e:
             raise TraceError(
-                f"{source}:{i}: not JSON{where}; each line is "
+                f"{source}:{i}: not JSON ({e.msg} at column {e.colno}); each line is "
                 '{"num_tokens": N, "num_reqs": R, "max_query_len": L} (and optionally "count": C)'
             ) from None
+        except (RecursionError, ValueError) as e:  # 100k-deep, or a 5000-digit integer
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+            raise TraceError(f"{source}:{i}: not a trace step ({why})") from None
         if not isinstance(step, dict):
             raise TraceError(f"{source}:{i}: expected a JSON object, got {type(step).__name__}")
         if HEADER_KEY in step:
