@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GraphplanError
-from ..records import RuntimeMode
+from ..records import RuntimeMode, is_uniform_decode
 from ..table import DispatchTable
 
 KEYS = ("num_tokens", "num_reqs", "max_query_len")
@@ -228,7 +228,8 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
         )
         n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
     check_trace(trace, table)
-    uniform = (m * r == n) & (m <= QUERY_LEN_PROBE)
+    # uniform batches at their own query length (a decode at whatever q the trace had)
+    uniform = is_uniform_decode(n, r, m, m) & (m <= QUERY_LEN_PROBE)
     lens, counts = np.unique(m[uniform], return_counts=True)
     if len(lens):
         common = int(lens[np.argmax(counts)])
@@ -266,7 +267,7 @@ class Workload:
 
 def aggregate(trace: Trace, q: int) -> Workload:
     n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
-    uniform = (m == q) & (n == q * r)
+    uniform = is_uniform_decode(n, r, m, q)
     key = n * 2 + (~uniform)
     keys, first, count = np.unique(key, return_index=True, return_counts=True)
     return Workload(
