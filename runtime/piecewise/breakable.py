@@ -258,7 +258,9 @@ _CAPTURE_REFUSED = (
     "capture invalidated",
     "capture_invalidated",
 )  # CUDA's and torch's words
-_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+# frames of torch and of the whole runtime package (the op dispatch mode is runtime/graphs.py's)
+# are skipped: the frame named is the model's
+_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 def segment_error(
