@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from graphplan.compiler.plan_or_table import load_table_or_plan
 from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
-from graphplan.runtime import GraphRunner, load_table
+from graphplan.runtime import GraphRunner
 from graphplan.server.batching import ContinuousBatcher
 
 from timing import publish
@@ -303,11 +304,7 @@ def setup(a) -> tuple:
 
 def table_for(path: str):
     """A compiled table (.json) or a plan compiled now."""
-    if path.endswith(".json"):
-        return load_table(path)
-    from graphplan.compiler import compile_plan
-
-    return compile_plan(path)
+    return load_table_or_plan(path)[0]
 
 
 def run(a) -> int:

@@ -106,6 +106,10 @@ class OutputError(GraphplanError):
     """An output file cannot be written."""
 
 
+class UsageError(GraphplanError):
+    """A command-line or admin argument is malformed (not a plan problem)."""
+
+
 def did_you_mean(word: object, choices) -> str:
     """`` (did you mean 'X'?)`` style hint, or empty when nothing is close."""
     if not isinstance(word, str):

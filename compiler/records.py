@@ -212,3 +212,29 @@ class TableSettings:
     @property
     def separate_routines(self) -> bool:
         return self.mode.separate_routine
+
+
+# -- batch shapes: the rules the compiler, the router and the runtime share --------------------
+def is_uniform_decode(num_tokens, num_reqs, max_query_len, q):
+    """Whether a batch is a uniform decode: every request has exactly ``q`` tokens, that is
+    ``max_query_len == q`` and ``num_tokens == q * num_reqs``.
+
+    Written with ``&`` rather than ``and`` so that it also works elementwise on numpy arrays (a
+    trace's millions of steps at once); on ints it returns a bool all the same."""
+    return (max_query_len == q) & (num_tokens == q * num_reqs)
+
+
+def decode_token_range(q: int, max_num_seqs: int) -> range:
+    """Token counts a uniform-decode batch can have: 1 to ``max_num_seqs`` requests of ``q``
+    tokens each, so q, 2q, ..., q * max_num_seqs. FULL decode graphs exist only at these sizes;
+    ``[-1]`` is the largest. (``max_num_batched_tokens`` may cut it short: callers that route
+    batches cap it there.)"""
+    return range(q, q * max_num_seqs + 1, q)
+
+
+def padded_num_reqs(num_tokens: int, max_num_seqs: int, q: int = 1) -> int:
+    """Requests a graph of ``num_tokens`` tokens holds, which a batch it runs is padded to: every
+    request of a uniform-decode graph has ``q`` tokens (``num_tokens // q`` requests), every
+    request of any other graph at least one (``q = 1``: as many requests as tokens); never more
+    than ``max_num_seqs``."""
+    return min(num_tokens // q, max_num_seqs)

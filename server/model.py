@@ -11,16 +11,13 @@ from typing import Protocol
 
 import torch
 
-from graphplan.compiler.errors import GraphplanError, TableError
+from graphplan.compiler.errors import TableError, UsageError
+from graphplan.compiler.plan_or_table import load_table_or_plan
 from graphplan.compiler.table import DispatchTable
 from graphplan.models import Model, Tokenizer
 from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UsageError(GraphplanError):
-    """A command-line or admin argument is malformed (not a plan problem)."""
 
 
 class ServingSpec(Protocol):
@@ -132,18 +129,9 @@ def compiled_model(spec: ServingSpec, model: Model):
 
 
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
-    """A compiled table (``.json``; overrides not allowed) or a plan compiled now."""
-    path = str(path)
-    if path.endswith(".json"):
-        if overrides:
-            raise UsageError(
-                f"{path}: overrides (--set) apply to plans, not to a compiled "
-                "table; compile the plan with them instead"
-            )
-        return DispatchTable.load(path)  # regular files only: a FIFO is refused, never opened
-    from graphplan.compiler import compile_plan  # the YAML stack only when a plan is given
-
-    return compile_plan(path, overrides or None)
+    """A compiled table (``.json``; overrides not allowed) or a plan compiled now
+    (graphplan.compiler.plan_or_table; the YAML stack only when a plan is given)."""
+    return load_table_or_plan(str(path), overrides)[0]
 
 
 def parse_sets(pairs: list[str] | None) -> dict:

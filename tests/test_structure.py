@@ -146,6 +146,7 @@ def test_no_module_reads_another_objects_private_attributes():
 
 SERIALISATION = {
     "compiler/table_format.py",
+    "compiler/table_fields.py",
     "compiler/load.py",
     "compiler/tools/tuned_plan.py",
     "compiler/spec.py",
@@ -165,3 +166,86 @@ def test_the_resolved_table_is_read_by_attribute_outside_its_serialisation():
                 if pattern.search(line):
                     found.append(f"{rel}:{i}: {line.strip()}")
     assert found == []
+
+
+# -- one place per rule --------------------------------------------------------------------------
+RULE_FOLDERS = ("compiler", "runtime", "server", "models", "bench", "examples")
+Q_NAMES = {"q", "decode_query_len"}  # what code calls decode_query_len
+
+
+def _leaf(node) -> str:
+    """``x`` for ``x``, ``b`` for ``a.b``; "" for anything else."""
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+
+
+def _times_q(node) -> bool:
+    return (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Mult)
+        and (_leaf(node.left) in Q_NAMES or _leaf(node.right) in Q_NAMES)
+    )
+
+
+def _is_json(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value == ".json"
+
+
+def _is_json_test(node) -> bool:
+    """``x.endswith(".json")`` or ``x.suffix == ".json"``: "is this path a compiled table?"."""
+    if isinstance(node, ast.Call) and _leaf(node.func) == "endswith":
+        return any(_is_json(a) for a in node.args)
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        return any(_leaf(x) == "suffix" for x in sides) and any(_is_json(x) for x in sides)
+    return False
+
+
+def rule_copies(source: str) -> list[str]:
+    """Places in ``source`` that write a batch-shape rule out instead of calling its function:
+    uniform decode (``n == q * num_reqs``: records.is_uniform_decode), the top of the decode
+    range (``q * max_num_seqs``: records.decode_token_range) and "is this path a compiled
+    table?" (``".json"``: plan_or_table.is_table_path)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        eq = isinstance(node, ast.Compare) and any(isinstance(o, ast.Eq) for o in node.ops)
+        if eq and any(_times_q(side) for side in (node.left, *node.comparators)):
+            out.append(f"{node.lineno}: uniform decode: {ast.unparse(node)}")
+        elif _times_q(node) and "seqs" in _leaf(node.left) + _leaf(node.right):
+            out.append(f"{node.lineno}: decode range: {ast.unparse(node)}")
+        elif _is_json_test(node):
+            out.append(f"{node.lineno}: plan or table: {ast.unparse(node)}")
+    return sorted(out, key=lambda found: int(found.split(":")[0]))
+
+
+RULE_HOMES = {
+    "compiler/records.py": "where the batch-shape rules are defined",
+    "compiler/plan_or_table.py": "where plan-or-table loading is defined",
+    "compiler/table.py": "the router writes uniform decode out (a call costs ~9% of a route); "
+    "test_batch_rules checks that the two agree",
+    "compiler/sizes.py": "the vllm preset mirrors vLLM's own default (max_num_seqs * q * 2)",
+    "compiler/engines/vllm_rules.py": "mirrors vLLM's default max capture size",
+}
+
+
+def test_each_batch_shape_rule_is_written_once():
+    found = []
+    for folder in RULE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel not in RULE_HOMES:
+                found += [f"{rel}:{c}" for c in rule_copies(path.read_text("utf-8"))]
+    assert found == []
+
+
+def test_the_rule_finder_finds_each_rule_written_out():
+    assert rule_copies(
+        "uniform = mql == table.q and n == table.q * r\n"
+        "top = q * max_num_seqs\n"
+        "is_table = path.endswith('.json') or p.suffix == '.json'\n"
+        "name = f'rank{r}.json'\n"
+    ) == [
+        "1: uniform decode: n == table.q * r",
+        "2: decode range: q * max_num_seqs",
+        "3: plan or table: path.endswith('.json')",
+        "3: plan or table: p.suffix == '.json'",
+    ]

@@ -17,15 +17,11 @@ FORMATS = ("args", "yaml", "json")
 
 def _loaded(path: str, sets):
     """(LoadedPlan, table, located diagnostics) from a plan or a compiled table.json."""
-    from .. import compile_loaded, load_plan
-    from .inputs import is_table, parse_overrides
+    from .. import compile_loaded
+    from ..plan_or_table import load_plan_of
+    from .inputs import parse_overrides
 
-    if is_table(path):
-        from ..table import DispatchTable
-
-        loaded = load_plan(DispatchTable.load(path).plan)
-    else:
-        loaded = load_plan(path, parse_overrides(sets, path))
+    loaded = load_plan_of(path, parse_overrides(sets, path))
     table, diags = compile_loaded(loaded)
     return loaded, table, diags
 

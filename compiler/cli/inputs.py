@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import GraphplanError
+from ..errors import UsageError
+from ..plan_or_table import load_table_or_plan
 
-
-class UsageError(GraphplanError):
-    exit_code = 1
+__all__ = ["UsageError", "load_any", "parse_overrides", "print_diags"]
 
 
 def parse_overrides(pairs: list[str], file: str = "<plan>") -> dict:
@@ -29,24 +28,10 @@ def parse_overrides(pairs: list[str], file: str = "<plan>") -> dict:
     return out
 
 
-def is_table(path: str) -> bool:
-    return path.endswith(".json")
-
-
 def load_any(path: str, sets=None):
-    """A DispatchTable from a compiled table (``.json``) or a plan (anything else)."""
-    from ..table import DispatchTable
-
-    if is_table(path):
-        if sets:
-            raise UsageError(
-                f"plan: {path}: --set applies to plans, not to a compiled table "
-                "(it would be ignored); compile the plan with --set instead"
-            )
-        return DispatchTable.load(path), []
-    from .. import compile_loaded, load_plan
-
-    return compile_loaded(load_plan(path, parse_overrides(sets, path)))
+    """(table, diagnostics) from a compiled table (``.json``) or a plan (anything else) and its
+    ``--set`` pairs (plan_or_table.load_table_or_plan)."""
+    return load_table_or_plan(path, parse_overrides(sets, path))
 
 
 def print_diags(diags) -> None:

@@ -41,9 +41,10 @@ def _report_workload(path: str, table):
 
 
 def cmd_report(a) -> int:
+    from ..plan_or_table import is_table_path
     from ..tools.memory import load_profile
     from ..tools.report import build, write_report
-    from .inputs import is_table, load_any
+    from .inputs import load_any
     from .outputs import check_output
 
     check_output(a.output, [a.plan, a.trace, a.profile])
@@ -53,7 +54,7 @@ def cmd_report(a) -> int:
     ctx = build(
         table,
         source=a.plan,
-        located=None if is_table(a.plan) else diags,
+        located=None if is_table_path(a.plan) else diags,
         work=work,
         trace_source=a.trace or "",
         profile=profile,

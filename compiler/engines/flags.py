@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..errors import Diagnostic, PlanError, did_you_mean
+from ..records import decode_token_range
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 LOST = "engine-lost-feature"
@@ -352,15 +353,17 @@ def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int)
 def split_routines(sizes, q: int, seqs: int, mode: str) -> tuple[list[int], list[int], str]:
     """A plan's one size list -> (decode batch sizes in requests, piecewise token counts, a
     problem) for engines that keep separate decode (requests) and prefill (tokens) lists."""
-    decode = [s for s in sizes if q <= s <= q * seqs] if mode.startswith("FULL_") else []
+    decode_range = decode_token_range(q, seqs)
+    first, last = decode_range[0], decode_range[-1]  # bounds: sizes off the range are reported
+    decode = [s for s in sizes if first <= s <= last] if mode.startswith("FULL_") else []
     problem = ""
-    if any(s % q for s in decode):
+    if any(s not in decode_range for s in decode):
         problem = f"decode graphs at sizes that are not multiples of q={q}"
     pieces = list(sizes) if mode == "FULL_AND_PIECEWISE" else []
     top = decode[-1] if decode else 0
-    if pieces and top < q * seqs and pieces[-1] > top:
+    if pieces and top < last and pieces[-1] > top:
         problem = (
-            f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
+            f"PIECEWISE graphs for decode batches of {top + q}..{min(last, pieces[-1])}"
             " tokens (above the largest decode size; the engine runs them without a graph)"
         )
     return [s // q for s in decode], pieces, problem
@@ -398,7 +401,7 @@ def engine_routines(
                 version,
                 "cudagraph.capture_sizes",
                 problem,
-                f"add size {q * seqs} or drop the sizes above it",
+                f"add size {decode_token_range(q, seqs)[-1]} or drop the sizes above it",
             )
         )
     return mode, bs, pieces

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..records import decode_token_range
 from . import flags as F
 from .draft import Draft
 from .flags import Flag
@@ -104,7 +105,7 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
                     version,
                     "cudagraph.capture_sizes",
                     "graphs without decode graphs",
-                    f"add a size between {q} and {q * s.max_num_seqs}",
+                    f"add a size between {q} and {decode_token_range(q, s.max_num_seqs)[-1]}",
                 )
             )
     else:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphplanError
-from ..records import CudagraphMode, RuntimeMode
+from ..records import CudagraphMode, RuntimeMode, decode_token_range
 from ..table import DispatchTable
 from .memory import DEFAULT_PROFILE, capture_model, check_profile
 from .size_dp import min_units, solve_with_curve
@@ -143,13 +143,14 @@ def optimize(
         notes.append(f"the largest size is the pinned {pins[-1]} (above {top})")
         top = pins[-1]
     extra: list[int] = []
-    if r.mixed_mode is RuntimeMode.NONE and top > q * seqs:  # no graph above the decode range
-        extra = [p for p in pins if p > q * seqs]
+    decode_top = decode_token_range(q, seqs)[-1]
+    if r.mixed_mode is RuntimeMode.NONE and top > decode_top:  # no graph above the decode range
+        extra = [p for p in pins if p > decode_top]
         notes.append(
             f"mode {r.mode.name} has no mixed graphs: sizes stop at q*max_num_seqs="
-            f"{q * seqs}" + (f"; pinned {extra} kept, capturing nothing" if extra else "")
+            f"{decode_top}" + (f"; pinned {extra} kept, capturing nothing" if extra else "")
         )
-        top = q * seqs
+        top = decode_top
     pins = [p for p in pins if p <= top]
     if keep_small and len(work.tokens):
         smallest = int(work.tokens.min())
@@ -167,7 +168,7 @@ def optimize(
     # -- candidates ---------------------------------------------------------------------------
     observed = work.tokens[work.tokens <= top]
     ub = r.ubatch
-    starts = [step, q, q * seqs + 1] + ([ub.decode_token_threshold] if ub.enabled else [])
+    starts = [step, q, decode_top + 1] + ([ub.decode_token_threshold] if ub.enabled else [])
     fixed = set(int(s) for s in _ceil_to(starts, step) if s <= top) | set(pins) | {top}
     grid = step
     cand = np.union1d(_ceil_to(observed, grid), list(fixed))

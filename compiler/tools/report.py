@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import resources
 
 from ..fileio import write_atomic
-from ..records import RuntimeMode
+from ..records import RuntimeMode, decode_token_range, padded_num_reqs
 from ..table import DispatchTable
 from ..table_format import graph_json
 from . import report_charts as charts
@@ -32,17 +32,17 @@ ROUTINE_LABEL = {
 def _limit(table: DispatchTable, routine: str) -> int:
     """Largest batch of a routine: decode batches have at most max_num_seqs requests."""
     if routine == "decode":
-        return min(table.max_tokens, table.q * table.max_num_seqs)
+        return min(table.max_tokens, decode_token_range(table.q, table.max_num_seqs)[-1])
     return table.max_tokens
 
 
 def _beyond(table: DispatchTable, routine: str, top: int) -> str:
     """Where the first batch above a routine's largest size goes."""
     if routine == "decode":
-        n = (top // table.q + 1) * table.q
+        n = (top // table.q + 1) * table.q  # the next multiple of q
         if n > _limit(table, routine):
             return ""
-        route = table.route(n, n // table.q, table.q)
+        route = table.route(n, padded_num_reqs(n, table.max_num_seqs, table.q), table.q)
     else:
         if top >= table.max_tokens:
             return ""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..records import RuntimeMode
+from ..records import RuntimeMode, is_uniform_decode
 from ..table import DispatchTable
 from .trace_file import KEYS, MAX_TRACE_BYTES, Trace, TraceError, load_trace
 
@@ -160,7 +160,8 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
         )
         n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
     check_trace(trace, table)
-    uniform = (m * r == n) & (m <= QUERY_LEN_PROBE)
+    # uniform batches at their own query length (a decode at whatever q the trace had)
+    uniform = is_uniform_decode(n, r, m, m) & (m <= QUERY_LEN_PROBE)
     lens, where = np.unique(m[uniform], return_inverse=True)
     counts = np.bincount(where.ravel(), weights=c[uniform], minlength=len(lens)).astype(np.int64)
     if len(lens):
@@ -201,7 +202,7 @@ class Workload:
 
 def aggregate(trace: Trace, q: int) -> Workload:
     n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
-    uniform = (m == q) & (n == q * r)
+    uniform = is_uniform_decode(n, r, m, q)
     key = n * 2 + (~uniform)
     keys, first, where = np.unique(key, return_index=True, return_inverse=True)
     count = np.bincount(where.ravel(), weights=trace.count, minlength=len(keys))

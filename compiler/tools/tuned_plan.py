@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import GraphplanError
+from ..plan_or_table import is_table_path
+from ..table import DispatchTable
 
 HEADER_MARK = "# Tuned by `plan optimize`"
 
@@ -16,9 +18,7 @@ HEADER_MARK = "# Tuned by `plan optimize`"
 def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     """The plan as its author wrote it (rendered, overrides applied, no defaults filled) and its
     leading comment lines. A compiled ``table.json`` gives its plan with defaults filled."""
-    if path.endswith(".json"):
-        from ..table import DispatchTable
-
+    if is_table_path(path):
         return copy.deepcopy(DispatchTable.load(path).plan), []
     from ..load import read_plan
 
