@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from graphplan.compiler import compile_plan
+from graphplan.compiler.records import decode_token_range
 from graphplan.compiler.tools import prom_text
 from graphplan.compiler.tools.metrics import Options, workload_from_scrapes
 from graphplan.compiler.tools.optimize import optimize
@@ -64,7 +65,7 @@ def shapes(table, work):
     n, c, u = work.tokens, work.count, work.uniform
     sizes, top = list(table.capture_sizes), table.max_tokens
     mixed_edges = sorted(set(sizes) | {2**i for i in range(top.bit_length())} | {top})
-    decode_edges = list(range(1, table.q * table.max_num_seqs + 1))
+    decode_edges = list(range(1, decode_token_range(table.q, table.max_num_seqs)[-1] + 1))
     return [
         (
             "vLLM V1 (1, 8, ..., 16384)",

@@ -38,10 +38,10 @@ def _emit(text: str, output: str | None) -> None:
 def _prediction(path: str) -> dict | None:
     """What ``plan optimize`` predicted for a tuned plan (its header), if it is one."""
     from ..limits import MAX_PLAN_BYTES, read_regular_file
+    from ..plan_or_table import is_table_path
     from ..tools.tuned_plan import read_prediction
-    from .inputs import is_table
 
-    if is_table(path):
+    if is_table_path(path):
         return None
     raw = read_regular_file(Path(path), MAX_PLAN_BYTES)
     return read_prediction(raw[:MAX_PLAN_BYTES].decode("utf-8", "replace"))

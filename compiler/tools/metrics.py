@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..records import decode_token_range
 from .prom_text import NUMBER, Scrape, ScrapeError, series_text
 from .trace_file import HEADER_VERSION, MAX_STEPS
 
@@ -265,7 +266,7 @@ def _spread(edges, counts, opts: Options, left: dict) -> tuple[np.ndarray, np.nd
 def _shape(n: np.ndarray, opts: Options, routine: str | None):
     q = opts.decode_query_len
     if routine is None:
-        decode = (n % q == 0) & (n <= q * opts.max_num_seqs)
+        decode = (n % q == 0) & (n <= decode_token_range(q, opts.max_num_seqs)[-1])
     else:
         decode = (n % q == 0) & (routine == "decode")
     return np.where(decode, n // q, 1), np.where(decode, q, n)
