@@ -150,7 +150,7 @@ def read_flags(
                 1,
                 col,
             )
-        value, used = _value(spec, name, values, where, file, col)
+        value, used = flag_value(spec, values, where, file, col)
         shown = [] if spec.kind == "json" or eq else values[:used]
         out[spec.key] = Setting(value, " ".join([name if spec.kind == "json" else word] + shown))
         i = i + 1 + (used if not eq else 0)
@@ -161,7 +161,7 @@ def _is_flag(word: str) -> bool:
     return word.startswith("-") and not word.lstrip("-").replace(".", "").isdigit()
 
 
-def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col: int):
+def flag_value(spec: Flag, values: list[str], where: str, file: str, col: int):
     if spec.kind in ("bool", "negbool"):
         if values and values[0].lower() in ("true", "false", "1", "0"):
             on = values[0].lower() in ("true", "1")
@@ -308,12 +308,12 @@ def read_flag_config(
             )
         vline, vcol = pos.get((key,), (line, col))
         out[spec.key] = Setting(
-            _config_value(spec, value, where, path, vline, vcol), f"{path}:{vline} {key}"
+            config_value(spec, value, where, path, vline, vcol), f"{path}:{vline} {key}"
         )
     return out, notes
 
 
-def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
+def config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
     if spec.kind in ("bool", "negbool"):
         if not isinstance(value, bool):
             raise input_error(
