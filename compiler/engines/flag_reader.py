@@ -60,8 +60,8 @@ def lookup(name: str, flags: dict, options: O.Options, removed: dict, ctx: tuple
         file,
         "unknown-flag",
         f"{where}: not a {options.name} option",
-        (hint + " " if hint else "")
-        + f"(graphplan knows every option of {options.name}; pass --ignore-unknown to skip it)",
+        (hint + "; " if hint else "")
+        + f"graphplan reads every option of {options.name}: pass --ignore-unknown to skip it",
         line,
         col,
     )
@@ -134,13 +134,13 @@ def read_args(
                     f"write {option} or its --no- form",
                 )
             )
-        spelled = option if option == name else f"{word.split('=')[0]} (read as {option})"
+        read_as = "" if option == name else f" (read as {option})"
         if spec is None:
-            ignored.append(spelled)
+            ignored.append(head + read_as)
         else:
             value, _ = flag_value(spec, values, where, file, col)
             shown = [] if spec.kind == "json" or eq else values
-            out[spec.key] = Setting(value, " ".join([spelled] + shown))
+            out[spec.key] = Setting(value, " ".join([head] + shown) + read_as)
         i += 1 + (0 if eq else len(values))
     if ignored:
         notes.append(

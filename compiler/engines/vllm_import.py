@@ -72,8 +72,21 @@ def to_draft(settings: dict, version: str) -> Draft:
 
 
 def _mode(d: Draft, settings: dict, cc: dict, src: str) -> None:
+    compile_mode = cc.get("mode", cc.get("level"))  # CompilationMode (0.11+) / level (older)
+    asked = str(cc.get("cudagraph_mode") or "FULL_AND_PIECEWISE").upper()
     if settings.get("enforce_eager") and settings["enforce_eager"].value:
         d.put("cudagraph.mode", "NONE", settings["enforce_eager"].source)
+    elif (
+        compile_mode is not None
+        and str(compile_mode) not in ("3", "VLLM_COMPILE", "PIECEWISE")
+        and asked in ("PIECEWISE", "FULL_AND_PIECEWISE")
+    ):
+        d.put(
+            "cudagraph.mode",
+            "NONE",
+            f"compilation_config mode {compile_mode} ({src}): vLLM captures piecewise graphs "
+            "only with mode 3 (VLLM_COMPILE) and then captures none",
+        )
     elif cc.get("cudagraph_mode") is not None:
         mode = str(cc["cudagraph_mode"]).upper()
         if mode not in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
