@@ -136,9 +136,25 @@ def test_an_option_of_another_release_names_the_release_that_has_it():
         import_plan("vllm", args=["--optimization-level", "3"])
     with pytest.raises(PlanError, match=r"vLLM 0.16.0 has no --cuda-graph-sizes \(vLLM 0.11.2"):
         import_plan("vllm", args=["--cuda-graph-sizes", "64"], version="0.15")
-    # vLLM 0.17 added --language-model-only; the releases graphplan targets refuse it, as vLLM does
-    with pytest.raises(PlanError, match=r"unknown-flag\]: .*not a vLLM 0.16.0 option"):
+    with pytest.raises(PlanError, match=r"vLLM 0.16.0 has no --language-model-only \(vLLM 0.23"):
         import_plan("vllm", args=["--language-model-only"], version="0.15")
+    out = import_plan("vllm", args=["--language-model-only"], version="0.23")
+    assert notes_of(out) == [
+        "1 vLLM 0.23.0 flag(s) that do not shape CUDA graphs, ignored: --language-model-only"
+    ]
+
+
+def test_vllm_0_23_default_list_adds_the_token_cap_and_interactivity_sizes():
+    args = ["--max-num-seqs", "64", "--max-num-batched-tokens", "100"]
+    old = table_of(import_plan("vllm", args=args, version="0.15"))
+    new = table_of(import_plan("vllm", args=args, version="0.23"))
+    assert list(old.capture_sizes) == [1, 2, 4] + list(range(8, 97, 8))
+    assert list(new.capture_sizes) == [1, 2, 4] + list(range(8, 97, 8)) + [100]
+    fine = ["--performance-mode", "interactivity", "--max-num-seqs", "64"]
+    sizes = list(table_of(import_plan("vllm", args=fine, version="0.23")).capture_sizes)
+    assert sizes == list(range(1, 33)) + list(range(40, 129, 8))
+    wide = table_of(import_plan("vllm", args=["--performance-mode", "throughput"], version="0.23"))
+    assert (wide.max_num_seqs, wide.max_num_batched_tokens) == (512, 16384)
 
 
 def test_vllm_O_means_the_compilation_mode_in_0_11_and_the_optimization_level_later():
@@ -184,9 +200,8 @@ def _argparse_reading(options, word):
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_prefix_resolution_agrees_with_argparse(data):
-    options = load(
-        *data.draw(st.sampled_from([("vllm", "0.11"), ("vllm", "0.15"), ("sglang", "0.5")]))
-    )
+    releases = [(e, v) for e in ("vllm", "sglang") for v in labels(e)]
+    options = load(*data.draw(st.sampled_from(releases)))
     opt = data.draw(st.sampled_from(sorted(options.arity)))
     word = opt[: data.draw(st.integers(2, len(opt)))]
     got = resolve(word, options)

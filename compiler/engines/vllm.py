@@ -41,6 +41,7 @@ FLAGS = {
     "--max-cudagraph-capture-size": Flag("max_cudagraph_capture_size", "int", 1, 1 << 20),
     "--cuda-graph-sizes": Flag("cuda_graph_sizes", "ints", 1, 1 << 20),
     "--optimization-level": Flag("optimization_level", "int", 0, 3),
+    "--performance-mode": Flag("performance_mode", "str"),
 }
 # Flags a version lacks: flag -> why (an error: the engine would refuse it).
 REMOVED = {

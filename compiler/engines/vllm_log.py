@@ -43,6 +43,7 @@ FIELDS = (
     "max_cudagraph_capture_size",
     "cuda_graph_sizes",
     "optimization_level",
+    "performance_mode",
 )
 # the engine-config line's fields that shape graphs
 ENGINE_FIELDS = ("data_parallel_size", "enforce_eager", "speculative_config", "compilation_config")
