@@ -1,8 +1,8 @@
 """What vLLM's ``FlexibleArgumentParser.parse_args`` does to a command line before argparse reads
-it (``vllm/utils/argparse_utils.py`` in 0.11.2 and 0.15.1), written from its source:
+it (``vllm/utils/argparse_utils.py`` in 0.11.2, 0.16.0 and 0.23.0), written from its source:
 
 - ``-O<x>`` / ``-O=<x>`` / ``-O <0-3>``: in 0.11 the compilation mode (``-O.mode=<x>``, where
-  ``-O`` is ``--compilation-config``); from 0.13 on ``--optimization-level <x>``.
+  ``-O`` is ``--compilation-config``); in 0.16.0 and 0.23.0 ``--optimization-level <x>``.
 - ``--json-arg.key value`` / ``--json-arg.key=value`` / ``--json-arg.key+ a,b``: each dotted
   argument becomes part of one JSON object per option, appended at the end as ``--json-arg
   '{...}'`` (so it wins over an earlier ``--json-arg '{...}'``: argparse keeps the last value).
