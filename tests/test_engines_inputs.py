@@ -78,6 +78,14 @@ def test_values_are_consumed_by_each_options_arity():
         import_plan("vllm", args=["--port", "--max-num-seqs", "8"])
 
 
+def test_a_config_file_named_on_a_command_line_is_pointed_at_not_read():
+    out = import_plan("vllm", args=["--config", "c.yaml", "--max-num-seqs", "8", "--", "x"])
+    assert notes_of(out) == [
+        "argument 1 (--config): the file is not read here",
+        "argument 5 (--): the words after '--' are not options; not read",
+    ]
+
+
 def test_a_switch_given_a_value_is_read_with_a_note_that_the_release_takes_none():
     out = import_plan("vllm", args=["--enforce-eager=False", "--max-num-seqs", "8"])
     assert table_of(out).mode.name == "FULL_AND_PIECEWISE"

@@ -82,6 +82,11 @@ def read_args(
     while i < len(words):
         word, col = words[i], i + 1
         where = f"argument {col} ({word})"
+        if word == "--":  # argparse: what follows is positional, never an option
+            notes.append(
+                _note(file, col, f"{where}: the words after '--' are not options; not read")
+            )
+            break
         if not O.is_option_word(word):
             raise input_error(
                 file,
@@ -135,7 +140,11 @@ def read_args(
                 )
             )
         read_as = "" if option == name else f" (read as {option})"
-        if spec is None:
+        if spec is None and option == "--config":
+            notes.append(
+                _note(file, col, f"{where}: the file is not read here", "import it: --config FILE")
+            )
+        elif spec is None:
             ignored.append(head + read_as)
         else:
             value, _ = flag_value(spec, values, where, file, col)
