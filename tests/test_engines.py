@@ -328,8 +328,8 @@ def _tmp_log(text: str) -> str:
 
 BAD = [
     (
-        ["import", "--engine", "vllm", "--", "--max-num-seq", "8"],
-        r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*"
+        ["import", "--engine", "vllm", "--", "--max-num-seqz", "8"],
+        r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seqz\).*"
         r"did you mean '--max-num-seqs'",
     ),
     (

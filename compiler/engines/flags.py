@@ -151,7 +151,7 @@ def read_flags(
                 1,
                 col,
             )
-        value, used = _value(spec, name, values, where, file, col)
+        value, used = flag_value(spec, values, where, file, col)
         shown = [] if spec.kind == "json" or eq else values[:used]
         out[spec.key] = Setting(value, " ".join([name if spec.kind == "json" else word] + shown))
         i = i + 1 + (used if not eq else 0)
@@ -162,7 +162,7 @@ def _is_flag(word: str) -> bool:
     return word.startswith("-") and not word.lstrip("-").replace(".", "").isdigit()
 
 
-def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col: int):
+def flag_value(spec: Flag, values: list[str], where: str, file: str, col: int):
     if spec.kind in ("bool", "negbool"):
         if values and values[0].lower() in ("true", "false", "1", "0"):
             on = values[0].lower() in ("true", "1")
@@ -264,7 +264,7 @@ def shell_lines(pairs: list[tuple[str, object]]) -> list[str]:
     return out
 
 
-# -- config files whose keys are flag names (vLLM and SGLang ``--config`` YAML) -----------------
+# -- config files whose keys are flag names (vLLM and SGLang ``--config`` YAML; flag_reader) ------
 
 
 def read_yaml_file(path: str) -> tuple[object, dict]:
@@ -279,61 +279,7 @@ def read_yaml_file(path: str) -> tuple[object, dict]:
     return parse_yaml(text, path)
 
 
-def read_flag_config(
-    path: str,
-    flags: dict,
-    ignored: set,
-    removed: dict,
-    engine: str,
-    allow_unknown: bool,
-    normalise=lambda name: name,
-) -> tuple[dict, list]:
-    """A ``key: value`` config whose keys are the engine's flag names without dashes."""
-    data, pos = read_yaml_file(path)
-    if not isinstance(data, dict):
-        raise input_error(path, "not-a-mapping", "expected `flag-name: value` lines", "", 1, 1)
-    out, notes = {}, []
-    for key, value in data.items():
-        line, col = pos.get((key, "<key>"), (0, 0))
-        name = normalise("--" + str(key))
-        where = f"{key}"
-        if name in removed:
-            raise input_error(
-                path, "flag-not-in-version", f"{where}: {removed[name]}", "", line, col
-            )
-        spec = flags.get(name)
-        if spec is None:
-            if name in ignored:
-                continue
-            hint = did_you_mean(name, list(flags) + sorted(ignored))
-            if allow_unknown:
-                notes.append(
-                    Diagnostic(
-                        code=NOTE,
-                        message=f"{where}: unknown {engine} key ignored",
-                        hint=hint,
-                        file=path,
-                        line=line,
-                        col=col,
-                    )
-                )
-                continue
-            raise input_error(
-                path,
-                "unknown-flag",
-                f"{where}: not a {ENGINE_NAMES[engine]} setting graphplan knows",
-                (hint + "; " if hint else "") + "pass --ignore-unknown to skip it",
-                line,
-                col,
-            )
-        vline, vcol = pos.get((key,), (line, col))
-        out[spec.key] = Setting(
-            _config_value(spec, value, where, path, vline, vcol), f"{path}:{vline} {key}"
-        )
-    return out, notes
-
-
-def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
+def config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
     if spec.kind in ("bool", "negbool"):
         if not isinstance(value, bool):
             raise input_error(
