@@ -26,8 +26,10 @@ DATA = ROOT / "tests" / "data" / "engines"
 FORMATS = {"vllm": ("args", "yaml", "json"), "sglang": ("args", "json"), "trtllm": ("yaml", "json")}
 PLANS = sorted(p.name for p in (ROOT / "plans").iterdir() if p.suffix in (".yaml", ".j2"))
 TEMPLATE_SETS = {"sweep.yaml.j2": {"max_num_seqs": 128, "spec_tokens": 2}}
-# engine inputs that are refused on purpose (a located error each, tests/test_engines.py)
-REFUSED = {"trtllm-5795-old-padding.yaml", "vllm-29955-truncated.log"}
+# engine inputs that are refused on purpose (a located error each: tests/test_engines.py, and
+# tests/test_engines_inputs.py for 20059, whose flag and numeric cudagraph_mode no supported vLLM
+# release takes)
+REFUSED = {"trtllm-5795-old-padding.yaml", "vllm-29955-truncated.log", "vllm-20059.args"}
 INPUTS = sorted(p.name for p in DATA.iterdir() if p.name not in REFUSED)
 VERSION = {"vllm-36370.args": "0.15"}  # per-count LoRA graphs need vLLM 0.15
 # a lost feature (its diagnostic's path) exempts the facts it changes
@@ -123,7 +125,7 @@ def test_every_engine_input_imported_exported_and_imported_again_is_a_fixed_poin
 
 def test_an_eager_vllm_plan_with_lora_keeps_cudagraph_specialize_lora(tmp_path):
     args = ["--enforce-eager", "--enable-lora", "--max-loras", "4"]
-    args += ["-cc", '{"cudagraph_specialize_lora": false}']
+    args += ["--compilation-config", '{"cudagraph_specialize_lora": false}']
     first = load_plan(import_plan("vllm", args=args).plan)
     assert first.spec.lora.separate_base is False
     for fmt in FORMATS["vllm"]:
