@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 
 import torch
-from real_scale import SHAPES, build_model
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
 from graphplan.server.batching import ContinuousBatcher
 
+from real_scale import SHAPES, build_model
 from timing import publish, sync
 
 ROOT = Path(__file__).resolve().parents[1]
