@@ -8,6 +8,9 @@ alternate (loop, runner, loop, runner, ...) and the medians are compared. Bar: r
 
     python bench/capture_bench.py --out bench/results/capture_bench.md        # GPU
     python bench/capture_bench.py --device cpu --quick                        # smoke run
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

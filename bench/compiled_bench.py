@@ -19,6 +19,9 @@ runner compiled) are reported as context.
 
     python bench/compiled_bench.py --out bench/results/compiled_bench.md      # GPU
     python bench/compiled_bench.py --device cpu --quick                       # smoke run
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

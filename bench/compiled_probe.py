@@ -5,6 +5,8 @@ step of the runner over the compiled model launches compared with torch.compile 
     python bench/compiled_probe.py --variant whole        # one compile variant, in this process
 
 Each compile variant runs in its own process with fresh inductor/Triton caches.
+
+GPU only: its results need a CUDA device.
 """
 
 from __future__ import annotations

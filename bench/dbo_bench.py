@@ -16,6 +16,9 @@ Modes: ``graph`` (captured graphs; NCCL inside CUDA graphs) and ``eager`` (the s
 graphs; Python launch overhead included). Step time is the mean over timed steps (median of
 repeats). Bar: "on" >= 1.15x faster than "off" at every batch at/above the threshold (graph mode; the
 eager mode's bar is reported too and used when graph capture fails).
+
+GPU only: its results need 2 or more CUDA GPUs (NCCL); ``--device cpu`` is a smoke run that checks
+the program, not a measurement.
 """
 
 from __future__ import annotations

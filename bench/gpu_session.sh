@@ -6,10 +6,11 @@
 #   pip download jsonschema hypothesis --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
 set -u
-# graphplan is not pip-installed there: a namespace folder maps graphplan.{compiler,runtime,schemas}
-# onto the checkout's folders, as `pip install -e .` does here.
-mkdir -p /tmp/gp/graphplan && for d in compiler runtime schemas; do ln -sfn "$PWD/$d" "/tmp/gp/graphplan/$d"; done
-export PYTHONPATH="/tmp/gp:$PWD/examples" PYTHONUNBUFFERED=1
+# graphplan is not pip-installed there: a namespace folder maps graphplan.{compiler,runtime,models,
+# server,schemas} onto the checkout's folders, as `pip install -e .` does here; bench/ is on the path
+# for the benches' shared helpers, as pytest's `pythonpath` puts it for the tests.
+mkdir -p /tmp/gp/graphplan && for d in compiler runtime models server schemas; do ln -sfn "$PWD/$d" "/tmp/gp/graphplan/$d"; done
+export PYTHONPATH="/tmp/gp:$PWD/bench" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,6 +39,8 @@ for step in "$@"; do
     hfpwtests) timeout 400 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_hf_piecewise_gpu.py 2>&1 | tee "$OUT/hf_piecewise_gpu_tests.log" | tail -25 ;;
     hfserver)  timeout 580 python bench/hf_server_bench.py --device cuda --out "$OUT/hf_server_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -15 ;;
     ondemand)  timeout 400 python bench/ondemand_bench.py --out "$OUT/ondemand_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    realscale) timeout 560 python bench/real_scale.py --out "$OUT/real_scale.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
+    realscale1b) timeout 300 python bench/real_scale.py --shape 1b --hf-batches 1 --out "$OUT/real_scale_1b.md" 2>&1 | tail -25 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

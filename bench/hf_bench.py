@@ -11,6 +11,9 @@ bf16, random weights from a seed; 64 requests of ~128-token prompts (112..144), 
 tokens each, no EOS. Prints generated tokens/s, time to first token and capture/warm-up time per
 system, and graphplan's ratio to generate_batch (bar: >= 5x). Greedy agreement between the systems
 is reported (bf16: near-tied argmaxes can differ between kernels, after which a request diverges).
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from graphplan.compiler.plan_or_table import load_table_or_plan
 from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
-from graphplan.runtime import GraphRunner, load_table
+from graphplan.runtime import GraphRunner
 from graphplan.server.batching import ContinuousBatcher
 
 from timing import publish
@@ -128,6 +132,7 @@ def run_graphplan(model, runner, table, prompts, new_tokens, device) -> dict:
         token_budget=table.max_tokens,
         max_model_len=model.cfg.max_model_len,
         num_cache_rows=model.cfg.num_cache_rows,
+        kv_pool=model.kv_pool,
     )
     for i, p in enumerate(prompts):
         batcher.add(i, p, max_new_tokens=new_tokens)
@@ -291,6 +296,7 @@ def setup(a) -> tuple:
         dtype=getattr(torch, a.dtype),
         device=device,
         seed=a.seed,
+        random_weights=True,
         attn_implementation=ATTN_IMPLEMENTATION,
     )
     return device, cfg, hf
@@ -298,11 +304,7 @@ def setup(a) -> tuple:
 
 def table_for(path: str):
     """A compiled table (.json) or a plan compiled now."""
-    if path.endswith(".json"):
-        return load_table(path)
-    from graphplan.compiler import compile_plan
-
-    return compile_plan(path)
+    return load_table_or_plan(path)[0]
 
 
 def run(a) -> int:

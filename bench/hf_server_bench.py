@@ -14,6 +14,9 @@ per second, end-to-end latency p50/p99, the server's steps and the replays by gr
 /metrics). Every request must answer (exit 1 otherwise); the share of requests whose tokens are the
 same under both plans is printed (bf16 rounds differently in FULL, piecewise and eager kernels, so
 near-ties may flip; on the CPU in float32 it should be 100%). The server runs as a subprocess.
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ SMOKE_SETS = [
 
 
 def write_model(path: Path, size: dict) -> Path:
-    """config.json alone: the server loads random weights from --seed."""
+    """config.json alone: the server draws random weights from --seed (--random-weights)."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -118,6 +121,7 @@ def launch(a, model_dir: Path, plan: Path, log_path: Path):
         str(a.max_model_len),
         "--seed",
         "0",
+        "--random-weights",
     ]
     for s in a.set + (SMOKE_SETS if a.smoke else []):
         cmd += ["--set", s]

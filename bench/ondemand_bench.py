@@ -26,6 +26,9 @@ max_num_seqs 512). Model: LlamaForCausalLM, vocab 32000, hidden 1024, intermedia
    of two runners in one process that a server, with one, never meets.
 Bars (issue 15): first request >= 5x sooner on demand; steady tokens/s within 3 % of full
 capture; graph memory no higher.
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

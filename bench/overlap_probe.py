@@ -8,6 +8,8 @@ the MLP alone (x@up -> SiLU -> @down -> +x), the all-reduce of an [M, H] tensor 
 two streams with no dependency between them. ``overlap`` = (mlp + comm - both) / min(mlp, comm):
 1.0 is perfect concurrency, 0 is none (negative: running together costs more than in turn). This is
 what DBO's two-ubatch schedule can gain at most; bench/dbo_bench.py measures the real schedule.
+
+GPU only: its results need 2 or more CUDA GPUs (NCCL).
 """
 
 from __future__ import annotations

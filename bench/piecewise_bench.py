@@ -23,6 +23,9 @@ same batch on the same model; capture sizes equal the token counts, so nothing i
 applies here because the tiny model's attention is capturable for any batch (ALWAYS). Bar (GPU):
 piecewise >= 2x faster than eager for mixed steps of <= 256 tokens. Exit status 1 if it fails on
 CUDA; on the CPU the verdicts are printed but not enforced.
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations
@@ -291,7 +294,13 @@ def hf_main(a) -> int:
         else {"scheduler.max_num_seqs": seqs, "scheduler.max_num_batched_tokens": 32}
     )
     model = PagedCausalLM.load(
-        cfg, max_num_seqs=seqs, max_model_len=max_len, dtype=dtype, device=device, seed=0
+        cfg,
+        max_num_seqs=seqs,
+        max_model_len=max_len,
+        dtype=dtype,
+        device=device,
+        seed=0,
+        random_weights=True,
     )
     lines = header(
         device,

@@ -7,6 +7,9 @@ sizes (51 graphs) against the largest single graph and torch.compile's warm-up f
 
     python bench/runtime_bench.py --out bench/results/runtime_bench.md          # GPU
     python bench/runtime_bench.py --device cpu --quick                          # smoke run
+
+GPU only: its results need a CUDA device; ``--device cpu`` is a smoke run that checks the program,
+not a measurement.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Server load test (issue 6): N concurrent clients x M requests each against the example server on
+"""Server load test (issue 6): N concurrent clients x M requests each against graphplan's server on
 127.0.0.1, once with the plan's graphs and once eager (the same plan with cudagraph.mode=NONE), on
 the same random workload. Every response is checked against offline greedy decoding of its prompt
 alone (reference_generate); a lost or wrong response fails the run (exit 1).

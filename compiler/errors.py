@@ -3,7 +3,39 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
+
+MAX_SHOWN = 200
+"""An echoed run of text without a space longer than this is cut, its length said."""
+MAX_LINE = 4000
+"""A rendered diagnostic line longer than this keeps its start and end, its length said."""
+# C0/C1 controls, DEL, and the bidirectional overrides that reorder what a terminal shows
+_HIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_SHOWN + 1))
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def _cut(m: re.Match) -> str:
+    run = m.group()
+    return f"{run[:60]}...[{len(run)} characters]...{run[-8:]}"
+
+
+def visible(text: str) -> str:
+    """Text as it may reach a terminal or a log: control and bidi characters as visible escapes
+    (ESC prints as ``\\x1b``, a newline as ``\\x0a``), every run of more than ``MAX_SHOWN``
+    characters without a space cut to its start and end with its length said, and at most ``MAX_LINE``
+    characters in all. The one place echoed input is made safe to print."""
+    text = _HIDDEN.sub(_escape, str(text))
+    text = _LONG_RUN.sub(_cut, text)
+    if len(text) > MAX_LINE:
+        cut = len(text) - MAX_LINE + 400
+        text = f"{text[: MAX_LINE - 600]} ...[{cut} characters]... {text[-200:]}"
+    return text
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,20 +57,22 @@ class Diagnostic:
     col: int = 0
 
     def format(self) -> str:
+        """One line for a terminal: ``file:line:col: severity[code]: path: message (hint)``, with
+        anything echoed from the input made ``visible``."""
         where = self.file or "<plan>"
         if self.line:
             where += f":{self.line}:{self.col}"
         path = f"{self.path}: " if self.path else ""
         hint = f" ({self.hint})" if self.hint else ""
-        return f"{where}: {self.severity}[{self.code}]: {path}{self.message}{hint}"
+        return visible(f"{where}: {self.severity}[{self.code}]: {path}{self.message}{hint}")
 
     def to_json(self) -> dict:
         return {
             "code": self.code,
             "severity": self.severity,
-            "path": self.path,
-            "message": self.message,
-            "hint": self.hint,
+            "path": visible(self.path),
+            "message": visible(self.message),
+            "hint": visible(self.hint),
         }
 
 
@@ -70,6 +104,10 @@ class BatchError(GraphplanError, ValueError):
 
 class OutputError(GraphplanError):
     """An output file cannot be written."""
+
+
+class UsageError(GraphplanError):
+    """A command-line or admin argument is malformed (not a plan problem)."""
 
 
 def did_you_mean(word: object, choices) -> str:

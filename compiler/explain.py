@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .records import RuntimeMode, Why
+from .records import RuntimeMode, Why, decode_token_range
 
 
 def _batch_sentence(t, n, r, mql, uniform) -> str:
@@ -85,9 +85,10 @@ def route_reasons(route, ctx) -> tuple[str, ...]:
         )
     elif why == Why.PIECEWISE:
         if uniform and res.decode_mode is RuntimeMode.FULL and res.separate_routines:
+            decode = decode_token_range(t.q, t.max_num_seqs)
             out.append(
                 f"no FULL decode graph at {g.num_tokens} tokens (decode graphs cover "
-                f"q..q*max_num_seqs = {t.q}..{t.q * t.max_num_seqs} among the capture sizes)"
+                f"q..q*max_num_seqs = {decode.start}..{decode[-1]} among the capture sizes)"
             )
         out.append(
             f"PIECEWISE graph #{route.graph_id}: relaxed key ({g.num_tokens} tokens, any "

@@ -195,9 +195,19 @@ def parse_yaml(text: str, file: str) -> tuple[object, dict]:
     return data, positions
 
 
-def parse_set_value(text: str, key: str):
+def parse_set_value(text: str, key: str, file: str = "<plan>"):
     """One ``--set KEY=VALUE`` value, read as YAML under the plan file's bounds (size, depth,
-    aliases); text that is not YAML stays a string."""
+    aliases); text that is not YAML stays a string. An error names the plan ``file`` it applies
+    to and the ``--set`` itself: ``plan.yaml: error[too-deep]: --set a.b=[[[...: ...``."""
+    try:
+        return _set_value(text, key)
+    except PlanError as e:
+        d = e.diagnostics[0]
+        message = f"--set {key}={text}: {d.message}"
+        raise PlanError([replace(d, file=file, line=0, col=0, message=message)]) from None
+
+
+def _set_value(text: str, key: str):
     where = f"--set {key}"
     if len(text) > MAX_PLAN_BYTES:
         _fail(where, "too-large", f"{len(text)} characters; a value is at most {MAX_PLAN_BYTES}")
@@ -227,7 +237,13 @@ def check_overrides(overrides: dict, file: str) -> None:
                 f"--set {str(key)[:64]!r}: a key is a dotted plan path or a template variable name",
                 "e.g. --set scheduler.max_num_seqs=128",
             )
-        check_value(value, file, key)
+        try:
+            check_value(value, file, key)
+        except PlanError as e:
+            d = e.diagnostics[0]
+            shown = value if isinstance(value, str) else repr(value)
+            message = f"--set {key}={shown}: {d.message}"
+            raise PlanError([replace(d, path="", message=message)]) from None
 
 
 def _locate_bounds(data, positions: dict, file: str) -> None:

@@ -6,6 +6,7 @@ nothing else of the compiler. Standard library only.
     {"format": "graphplan.memory_profile", "version": 1, "model_fingerprint": str,
      "device": str, "per_graph_bytes": float, "per_token_bytes": float,
      "base_bytes": float (optional, default 0), "piecewise_per_token_bytes": float (optional),
+     "per_graph_capture_seconds": float (optional), "base_capture_seconds": float (optional),
      "samples": [[num_tokens, bytes], ...]}
 """
 
@@ -92,10 +93,9 @@ def check_profile(data, source: str = "<profile>") -> dict:
         "base_bytes": _number(data.get("base_bytes", 0.0), "base_bytes", source),
         "samples": _samples(data.get("samples", []), source),
     }
-    if "piecewise_per_token_bytes" in data:  # optional: a table with PIECEWISE graphs measured it
-        out["piecewise_per_token_bytes"] = _number(
-            data["piecewise_per_token_bytes"], "piecewise_per_token_bytes", source
-        )
+    for key in ("piecewise_per_token_bytes", "per_graph_capture_seconds", "base_capture_seconds"):
+        if key in data:  # optional: measured by calibrations that know them
+            out[key] = _number(data[key], key, source)
     return out
 
 

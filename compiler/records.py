@@ -14,7 +14,23 @@ ROUTINES = ("full_decode", "full_decode_ubatched", "full_mixed", "piecewise")
 """The route matrices a table holds, one per kind of graph (docs/semantics.md §5)."""
 
 
-class RuntimeMode(enum.IntEnum):
+class _Named:
+    """Members print as their names, the spelling plans and tables use: ``str(RuntimeMode.FULL)``
+    and ``f"{mode}"`` give ``FULL``, not the ``2`` an IntEnum prints; a numeric format
+    (``f"{mode:d}"``) still formats an int member's value, and ``repr`` is Enum's."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        if spec and spec[-1] in "bcdoxXneEfFgG%" and isinstance(self, int):
+            return int.__format__(self, spec)
+        return format(self.name, spec)
+
+
+class RuntimeMode(_Named, enum.IntEnum):
     """What one step runs; the values are what DP ranks exchange (min wins, docs/semantics.md §7)."""
 
     NONE = 0
@@ -22,7 +38,7 @@ class RuntimeMode(enum.IntEnum):
     FULL = 2
 
 
-class CudagraphMode(enum.Enum):
+class CudagraphMode(_Named, enum.Enum):
     """A plan's cudagraph mode; YAML spellings are the member names. Value = (decode, mixed)."""
 
     NONE = (RuntimeMode.NONE, RuntimeMode.NONE)
@@ -49,7 +65,7 @@ class CudagraphMode(enum.Enum):
         return RuntimeMode.FULL in self.value
 
 
-class AttentionSupport(enum.IntEnum):
+class AttentionSupport(_Named, enum.IntEnum):
     """How much of a batch the attention backend can run inside a FULL graph (weakest first)."""
 
     NEVER = 0
@@ -90,7 +106,7 @@ class Graph:
     """Which route matrix refers to it (one of ROUTINES)."""
 
 
-class Why(enum.Enum):
+class Why(_Named, enum.Enum):
     """Why a route ended where it did: (code, metrics label, sentence).
 
     The code is stable (tests and tables of routes compare it); the label is the
@@ -196,3 +212,29 @@ class TableSettings:
     @property
     def separate_routines(self) -> bool:
         return self.mode.separate_routine
+
+
+# -- batch shapes: the rules the compiler, the router and the runtime share --------------------
+def is_uniform_decode(num_tokens, num_reqs, max_query_len, q):
+    """Whether a batch is a uniform decode: every request has exactly ``q`` tokens, that is
+    ``max_query_len == q`` and ``num_tokens == q * num_reqs``.
+
+    Written with ``&`` rather than ``and`` so that it also works elementwise on numpy arrays (a
+    trace's millions of steps at once); on ints it returns a bool all the same."""
+    return (max_query_len == q) & (num_tokens == q * num_reqs)
+
+
+def decode_token_range(q: int, max_num_seqs: int) -> range:
+    """Token counts a uniform-decode batch can have: 1 to ``max_num_seqs`` requests of ``q``
+    tokens each, so q, 2q, ..., q * max_num_seqs. FULL decode graphs exist only at these sizes;
+    ``[-1]`` is the largest. (``max_num_batched_tokens`` may cut it short: callers that route
+    batches cap it there.)"""
+    return range(q, q * max_num_seqs + 1, q)
+
+
+def padded_num_reqs(num_tokens: int, max_num_seqs: int, q: int = 1) -> int:
+    """Requests a graph of ``num_tokens`` tokens holds, which a batch it runs is padded to: every
+    request of a uniform-decode graph has ``q`` tokens (``num_tokens // q`` requests), every
+    request of any other graph at least one (``q = 1``: as many requests as tokens); never more
+    than ``max_num_seqs``."""
+    return min(num_tokens // q, max_num_seqs)

@@ -14,6 +14,8 @@ from .records import (
     RuntimeMode,
     TableSettings,
     UbatchSettings,
+    decode_token_range,
+    padded_num_reqs,
 )
 from .sizes import resolve_sizes
 from .spec import LoraSpec, PlanSpec, plan_from_dict
@@ -41,6 +43,7 @@ def check_rules(spec: PlanSpec) -> list[Diagnostic]:
             "needs at least one token per step",
             f"raise it to at least {s.max_num_seqs}",
         )
+    largest_decode = decode_token_range(s.decode_query_len, s.max_num_seqs)[-1]
     if s.decode_query_len > s.max_num_batched_tokens:
         error(
             "query-len-above-tokens",
@@ -48,13 +51,13 @@ def check_rules(spec: PlanSpec) -> list[Diagnostic]:
             f"{s.decode_query_len} exceeds max_num_batched_tokens={s.max_num_batched_tokens}",
             "lower the number of speculative tokens",
         )
-    elif s.decode_query_len * s.max_num_seqs > s.max_num_batched_tokens:
+    elif largest_decode > s.max_num_batched_tokens:
         warnings.append(
             Diagnostic(
                 code="decode-capped",
                 path="scheduler.decode_query_len",
                 message=f"a decode step of all max_num_seqs={s.max_num_seqs} requests needs "
-                f"{s.decode_query_len * s.max_num_seqs} tokens > max_num_batched_tokens="
+                f"{largest_decode} tokens > max_num_batched_tokens="
                 f"{s.max_num_batched_tokens}; at most {s.max_num_batched_tokens // s.decode_query_len}"
                 " requests decode together",
                 hint="raise max_num_batched_tokens or lower max_num_seqs",
@@ -106,7 +109,8 @@ def graph_keys(
     q, seqs = spec.scheduler.decode_query_len, spec.scheduler.max_num_seqs
     ub = spec.parallel.ubatch
     out = []
-    decode_sizes = [s for s in sizes if q <= s <= q * seqs]
+    decode_range = decode_token_range(q, seqs)  # FULL decode sizes are multiples of q (sizes.py)
+    decode_sizes = [s for s in sizes if s in decode_range]
     for lora in cases:
         has = lora > 0
         for s in sizes:
@@ -117,7 +121,7 @@ def graph_keys(
                         RuntimeMode.FULL,
                         BatchDescriptor(
                             num_tokens=s,
-                            num_reqs=min(s, seqs),
+                            num_reqs=padded_num_reqs(s, seqs),
                             uniform=False,
                             has_lora=has,
                             num_active_loras=lora,
@@ -144,7 +148,7 @@ def graph_keys(
             ubatched = ub.enabled and s >= ub.decode_token_threshold
             key = dict(
                 num_tokens=s,
-                num_reqs=min(s // q, seqs),
+                num_reqs=padded_num_reqs(s, seqs, q),
                 uniform=True,
                 has_lora=has,
                 num_active_loras=lora,
@@ -216,7 +220,7 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
             round_to_q=mode.decode_mode is RuntimeMode.FULL,
         )
         diags += size_diags
-        decode_top = q * spec.scheduler.max_num_seqs
+        decode_top = decode_token_range(q, spec.scheduler.max_num_seqs)[-1]
         if mode.mixed_mode is RuntimeMode.NONE and sizes and sizes[-1] > decode_top:
             unused = [s for s in sizes if s > decode_top]
             diags.append(

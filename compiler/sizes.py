@@ -76,24 +76,65 @@ def sglang_sizes(sched: SchedulerSpec, max_bs: int) -> list[int]:
     return sorted(b * q for b in bs)
 
 
-def trtllm_sizes(sched: SchedulerSpec, max_bs: int, padding: bool) -> list[int]:
-    """TensorRT-LLM's ``_generate_cuda_graph_batch_sizes`` (llm_args.py, PyTorch backend, 2026);
-    default max_batch_size 128, capped at ``max_num_tokens // q`` and max_num_seqs as its
-    ``_filter_cuda_graph_batch_sizes`` does. Batch sizes are requests, multiplied by q."""
-    q = sched.decode_query_len
-    top = min(max_bs or 128, sched.max_num_seqs, sched.max_num_batched_tokens // q)
+TRTLLM_RULES = ("pow2-floor", "pow2-ceil", "step64")
+"""The three ways TensorRT-LLM releases generate a default ``cuda_graph_config`` list
+(``CudaGraphConfig._generate_cuda_graph_batch_sizes``, tensorrt_llm/llmapi/llm_args.py; which
+release uses which: ``engines.trtllm.size_rule`` and docs/engines.md)."""
+
+
+def trtllm_generated(max_bs: int, padding: bool, rule: str = "step64") -> list[int]:
+    """TensorRT-LLM's generated batch sizes (requests) for ``max_batch_size`` ``max_bs`` >= 1.
+
+    Base: with padding ``[1, 2, 4] + [8, 16, ..., 128]``, without ``range(1, 32) + [32, 64, 128]``.
+    ``pow2-floor`` (v1.0.0) adds ``2**i for i in range(8, floor(log2(max)))``; ``pow2-ceil``
+    (v1.1.0rc0 .. v1.3.0rc11) the same up to ``ceil(log2(max))``; ``step64`` (v1.3.0rc13 and main,
+    PR #12895) steps the padded list by 64 while ``<= max`` and keeps ``pow2-ceil`` unpadded. Then
+    entries above max go and max is appended if not last. ``log2`` is ``math.log(max, 2)`` as
+    TensorRT-LLM computes it (a float)."""
+    if rule not in TRTLLM_RULES:
+        raise ValueError(f"unknown TensorRT-LLM size rule {rule!r}")
     if padding:
-        bs = [1, 2, 4] + [i * 8 for i in range(1, 17)]
-        while bs[-1] + 64 <= top:
-            bs.append(bs[-1] + 64)
+        bs = [1, 2, 4] + list(range(8, 129, 8))
     else:
         bs = list(range(1, 32)) + [32, 64, 128]
-        if top > 1:
-            bs += [2**i for i in range(8, math.ceil(math.log2(top)))]
-    bs = sorted(b for b in set(bs) if b <= top)
-    if top >= 1 and (not bs or bs[-1] != top):
-        bs.append(top)
-    return [b * q for b in bs]
+    if padding and rule == "step64":
+        while bs[-1] + 64 <= max_bs:
+            bs.append(bs[-1] + 64)
+    else:
+        log = math.log(max_bs, 2)
+        bs += [2**i for i in range(8, math.floor(log) if rule == "pow2-floor" else math.ceil(log))]
+    bs = sorted(b for b in bs if b <= max_bs)
+    return bs if bs and bs[-1] == max_bs else bs + [max_bs]
+
+
+def trtllm_filtered(
+    batch_sizes: list[int], max_batch_size: int, max_num_tokens: int, q: int, padding: bool
+) -> list[int]:
+    """TensorRT-LLM's ``_filter_cuda_graph_batch_sizes`` (pyexecutor/model_engine.py): keep the
+    sizes up to ``min(max_batch_size, max_num_tokens // q)`` (the largest all-decode batch); with
+    padding, a size above that cap adds the cap itself (PR #4843), without padding it is dropped."""
+    cap = min(max_batch_size, max_num_tokens // q)
+    if cap < 1:
+        return []
+    out: list[int] = []
+    for b in sorted(batch_sizes):
+        if b <= cap:
+            out.append(b)
+            continue
+        if padding and (not out or out[-1] != cap):
+            out.append(cap)
+        break
+    return out
+
+
+def trtllm_sizes(sched: SchedulerSpec, max_bs: int, padding: bool) -> list[int]:
+    """The ``trtllm`` preset: TensorRT-LLM's newest default list (``step64``) for
+    ``max_batch_size`` ``max_bs`` (0: its default 128), cut by its own filter at max_num_seqs and
+    ``max_num_batched_tokens // q``. Batch sizes are requests, multiplied by q (tokens)."""
+    q = sched.decode_query_len
+    generated = trtllm_generated(max_bs or 128, padding)
+    kept = trtllm_filtered(generated, sched.max_num_seqs, sched.max_num_batched_tokens, q, padding)
+    return [b * q for b in kept]
 
 
 def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[int, str]]:

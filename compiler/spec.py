@@ -40,7 +40,7 @@ class CaptureSizesSpec:
     max_size: int = 0
     """sglang/trtllm: largest batch size in requests (0 = the preset's own default)."""
     enable_padding: bool = False
-    """trtllm only: its padded list (denser, +64 steps) instead of the default one."""
+    """trtllm only: its padded list (+64 steps after 128, padded up to the cap) instead."""
     ranges: tuple[SizeRange, ...] = ()
     include: tuple[int, ...] = ()
 

@@ -171,7 +171,11 @@ class DecoderLayer(nn.Module):
 
 class TinyLlama(nn.Module):
     """Inference-only (no grads). Owns its KV cache `kv_cache`
-    [layers, 2, num_cache_rows + 1, max_model_len, kv_heads, head_dim] in the model dtype."""
+    [layers, 2, num_cache_rows + 1, max_model_len, kv_heads, head_dim] in the model dtype.
+    A ``graphplan.models.Model``: ids only (no tokenizer), no end-of-sequence token."""
+
+    tokenizer = None
+    kv_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,
@@ -218,6 +222,9 @@ class TinyLlama(nn.Module):
         """Where padding tokens write: position 0 of the extra row num_cache_rows."""
         return self.slot(self.cfg.num_cache_rows, 0)
 
+    kv_pool = None
+    """One cache row per seat at max_model_len: no blocks to hand out (``server.batching``)."""
+
     def forward(self, input_ids, positions, slot_mapping, seq_lens, query_start_loc):
         """input_ids/positions/slot_mapping [T] int64 -> logits [T, vocab] float32.
         seq_lens [R] and query_start_loc [R + 1] are unused (see module docstring)."""
@@ -227,6 +234,20 @@ class TinyLlama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.kv_cache[i], slot_mapping, positions)
         return self.lm_head(self.norm(x)).float()
+
+    # -- the Model protocol (the module functions below stay for existing callers) ----------
+    def make_batch(self, reqs) -> dict[str, torch.Tensor]:
+        """``(cache_row, start_pos, token_ids)`` per request -> forward's keyword arguments."""
+        return make_batch(self, reqs)
+
+    def static_inputs(self) -> list:
+        return static_inputs(self)
+
+    def release(self, seat: int) -> None:
+        """Nothing to do: each seat owns a whole cache row, overwritten by its next sequence."""
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
 
 
 QK_GAIN = 2.0

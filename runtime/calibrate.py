@@ -13,7 +13,9 @@ fixed cost per graph: 10x.) The profile it saves is what ``plan compile --memory
 ``plan report`` read; its ``samples`` are the shared pool's [num_tokens, growth] pairs, largest
 first, then the largest PIECEWISE graph alone (if the table has one: its per-token cost,
 ``piecewise_per_token_bytes``, is its own, since a piece graph holds one piece's activations at a
-time), then the smallest FULL graph alone."""
+time), then the smallest FULL graph alone. ``per_graph_capture_seconds`` is the shared-pool
+capture's time over its graph count (warm-ups included): what ``plan optimize
+--budget-capture-seconds`` prices a graph at."""
 
 from __future__ import annotations
 
@@ -94,6 +96,7 @@ def calibrate_memory(
     summary = runner.capture((RuntimeMode.FULL,), only=ids, measure_each=True)
     runner.release()
     samples = [[tokens, growth] for _, tokens, growth in summary["per_graph"]]  # largest first
+    per_graph_seconds = summary["seconds"] / max(summary["graphs"], 1)
     smallest = min(ids, key=lambda i: table.graphs[i].key.num_tokens)
     runner = GraphRunner(model, table, inputs, device=device, progress=False)
     ((_, small_tokens, alone),) = runner.capture(("FULL",), only={smallest})["per_graph"]
@@ -117,6 +120,7 @@ def calibrate_memory(
             "per_graph_bytes": float(per_graph),
             "per_token_bytes": float(per_token),
             "base_bytes": float(base),
+            "per_graph_capture_seconds": float(per_graph_seconds),
             **extra,
             "samples": samples + [[small_tokens, alone]],
         }

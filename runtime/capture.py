@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.records import RuntimeMode
+from graphplan.compiler.records import RuntimeMode, padded_num_reqs
 
 from .buffers import as_tuple
 from .compiled.model import CompiledModel
@@ -37,7 +37,7 @@ class Captured:
     single_output: bool
     """The model returns one tensor (not a tuple)."""
     piecewise: object | None
-    """runtime.breakable_graphs.BreakableGraphs when PIECEWISE graphs were captured."""
+    """runtime.piecewise.graphs.BreakableGraphs when PIECEWISE graphs were captured."""
     summary: dict
     """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
 
@@ -117,7 +117,8 @@ def graph_rows(key, max_num_seqs: int) -> tuple[int, int]:
     """(tokens, requests) a graph of ``key`` is captured at: a key without a request count
     (a token-only graph) takes as many requests as tokens, up to ``max_num_seqs``."""
     tokens = key.num_tokens
-    return tokens, key.num_reqs if key.num_reqs is not None else min(tokens, max_num_seqs)
+    reqs = key.num_reqs if key.num_reqs is not None else padded_num_reqs(tokens, max_num_seqs)
+    return tokens, reqs
 
 
 def _graph_views(job: CaptureJob, key) -> tuple[dict, int]:

@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 
 from graphplan.compiler.errors import GraphplanError, TableError
-from graphplan.compiler.records import RuntimeMode
+from graphplan.compiler.records import RuntimeMode, padded_num_reqs
 from graphplan.compiler.table import DispatchTable
 
 from .buffers import StaticBuffers, StaticInput
@@ -109,7 +109,7 @@ class GraphRunner:
             device = _model_device(model)
         self.compiled = compiled_model(model, compile)  # None unless compile is on
         self.model, self.table = model if self.compiled is None else self.compiled, table
-        self.eager_model = model  # what eager steps run: the model as written, compile or not
+        self.eager_model = model  # what run_eager runs: the model as written, compile or not
         self.device = torch.device(device)
         self.backend = graph_backend(self.device)
         self.warmups, self.warmup_each, self.progress = warmups, warmup_each, progress
@@ -125,7 +125,7 @@ class GraphRunner:
         # set by runtime.dp.runner.DPRunner. Without it ubatched graphs are not captured.
         self.ubatch_body = None
         self._piecewise = (
-            None  # runtime.breakable_graphs.BreakableGraphs once PIECEWISE is captured
+            None  # runtime.piecewise.graphs.BreakableGraphs once PIECEWISE is captured
         )
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
@@ -194,7 +194,7 @@ class GraphRunner:
         """One compile at the largest graph's size, then a run at the smallest FULL graph's (a
         compile there, if torch specialises that size, is the warm-up's: see CompiledModel)."""
         tokens = self.buffers.max_tokens
-        reqs = min(tokens, self.buffers.max_reqs)
+        reqs = padded_num_reqs(tokens, self.buffers.max_reqs)
         self.buffers.reset(tokens, reqs)
         full = [g.key for g in self.table.graphs if g.mode is RuntimeMode.FULL]
         small = min(full, key=lambda k: k.num_tokens, default=None)
@@ -233,8 +233,7 @@ class GraphRunner:
                 self._stats.eager(route, gid)
             else:
                 self._stats.eager_because(reason)
-            with torch.no_grad():
-                return self.eager_model(**inputs)
+            return self.run_eager(inputs)
         reqs = num_reqs or 0
         if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)
@@ -252,6 +251,14 @@ class GraphRunner:
         if self._single_output:
             return self._outputs[0][:n]
         return tuple(o[:n] for o in self._outputs)
+
+    def run_eager(self, inputs: dict[str, torch.Tensor]):
+        """The eager path every eager step takes, single-rank or DP (runtime/dp/runner.py): the
+        model as written (``eager_model``, even with ``compile`` on: compile serves FULL graphs),
+        without autograd, on exactly these inputs. The caller counts the step (``execute`` does,
+        DP calls ``record_eager``)."""
+        with torch.no_grad():
+            return self.eager_model(**inputs)
 
     def capture_next(self) -> int | None:
         """Capture the first graph waiting for on-demand capture (at most one); returns its id, or

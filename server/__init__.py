@@ -4,7 +4,8 @@ continuous batching through the runtime, plan swaps between steps. ``graphplan-s
 from .app import Server
 from .batching import ContinuousBatcher, TokenEvent
 from .engine import Engine
-from .model import ModelSpec, build_model, load_table
+from .hf_model import HFSpec
+from .model import ModelSpec, ServingSpec, build_model, load_table
 from .protocol import RequestError
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "Engine",
     "RequestError",
     "ModelSpec",
+    "ServingSpec",
+    "HFSpec",
     "ContinuousBatcher",
     "TokenEvent",
     "build_model",

@@ -24,9 +24,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from graphplan.compiler import __version__
+
 from .engine import Engine
 from .metrics import render_metrics
-from .model import ModelSpec, load_table
+from .model import ModelSpec, ServingSpec, load_table
 from .openai_api import OpenAIFrontEnd
 from .protocol import RequestError, parse_generate, parse_reload
 from .security import AdminGate, GuardedHandler, ReloadDir
@@ -36,7 +38,7 @@ log = logging.getLogger("graphplan.server")
 
 class Handler(GuardedHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server_version = "graphplan-server/0.1"
+    server_version = f"graphplan-server/{__version__}"  # the package's one version
     server: "_HTTPServer"
 
     def send_response(self, code, message=None):  # every response, counted by code
@@ -219,8 +221,9 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class Server:
-    """The tiny Llama behind graphplan's runtime, over HTTP. ``start()`` listens at once and
-    captures on the engine thread; /healthz turns 200 when that is done."""
+    """A model (``spec``: the tiny Llama, or a Hugging Face checkpoint) behind graphplan's
+    runtime, over HTTP. ``start()`` listens at once and captures on the engine thread; /healthz
+    turns 200 when that is done."""
 
     def __init__(
         self,
@@ -230,7 +233,7 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 0,
         device: str = "cpu",
-        spec: ModelSpec = ModelSpec(),
+        spec: ServingSpec = ModelSpec(),
         progress: bool = True,
         max_body_bytes: int = 1 << 20,
         request_timeout: float = 300.0,

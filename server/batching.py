@@ -2,21 +2,31 @@
 takes one token, and prompts are prefilled in chunks with the rest of a per-step token budget, all
 in one batch (vLLM-style chunked prefill).
 
-Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out a
-``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (``tiny_llama.make_batch`` turns
-it into the model's inputs), and ``commit()`` takes the step's logits (or ``commit_tokens()`` the
-tokens a sampler picked) and reports each new token as a ``TokenEvent``.
+Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out
+a ``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (a model's ``make_batch`` turns
+it into the step's inputs: ``graphplan.models.Model``), and ``commit()`` takes the step's logits or
+the tokens a sampler picked (``server/sampling.py``) and reports each new token as a
+``TokenEvent``.
 
     batcher = ContinuousBatcher(max_num_seqs=8, token_budget=32, max_model_len=128, num_cache_rows=8)
     batcher.add("a", [1, 2, 3], max_new_tokens=8)
     while batcher.has_work():
         batch = batcher.schedule()
-        logits = runner.step(make_batch(model, batch.reqs), batch.num_reqs, batch.max_query_len)
+        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
         for event in batcher.commit(batch, logits): ...
 
 Policy, each step: decodes first (one token each, oldest request first), then the next chunk of
 each request already mid-prompt, then waiting requests in arrival order while the budget, a free
 cache row and ``max_num_seqs`` allow. A request's cache row is freed when it finishes.
+
+KV blocks on demand (``kv_pool``, a paged cache's ``BlockTables``): a request holds
+``ceil(tokens in the cache / block_size)`` blocks, taken as it grows and given back when it finishes.
+A step schedules only what the free blocks hold: a waiting request is admitted only while its first
+chunk fits with ``watermark`` of the pool to spare, and a prompt chunk is cut to what fits. When a
+decode cannot get its next block, the most recently admitted requests not yet in this step are
+preempted (vLLM's recompute policy): their blocks and row go back, and they wait at the head of the
+queue with the tokens they generated, which are prefilled again when they are readmitted. Nothing is
+lost, and a pool that holds one ``max_model_len`` sequence lets every request finish.
 """
 
 from __future__ import annotations
@@ -25,13 +35,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from graphplan.models.protocol import BlockPool
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepBatch:
     """One step's batch, requests in batch order."""
 
     reqs: tuple[tuple[int, int, tuple[int, ...]], ...]
-    """(cache_row, start_pos, token_ids) per request: what ``tiny_llama.make_batch`` takes."""
+    """(cache_row, start_pos, token_ids) per request: what a model's ``make_batch`` takes."""
     request_ids: tuple[Hashable, ...]
     sample_rows: tuple[int, ...]
     """Row of each request's last token in the batch, or -1 when the request samples nothing this
@@ -42,6 +54,17 @@ class StepBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.reqs)
+
+    @property
+    def sampling_rows(self) -> tuple[int, ...]:
+        """The logits rows to sample from, one per request that samples this step (batch order):
+        the rows a sampler's step takes, and the order ``commit(sampled=...)`` reads."""
+        return tuple(i for i in self.sample_rows if i >= 0)
+
+    @property
+    def sampling_cache_rows(self) -> tuple[int, ...]:
+        """The cache row of each request in ``sampling_rows`` (a sampler's slot for it)."""
+        return tuple(req[0] for req, i in zip(self.reqs, self.sample_rows) if i >= 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,13 +85,30 @@ class _Request:
     output: list[int] = field(default_factory=list)
 
     @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
+    def pending(self) -> int:
+        """Tokens not yet in the cache: 1 for a decode (the last generated token), more for a
+        prompt, or for prompt + output again after a preemption."""
+        return len(self.prompt) + len(self.output) - self.computed
+
+    def chunk(self, n: int) -> tuple[int, ...]:
+        """The next ``n`` tokens to put in the cache."""
+        if self.computed < len(self.prompt):
+            head = self.prompt[self.computed : self.computed + n]
+            return head + tuple(self.output[: n - len(head)])
+        start = self.computed - len(self.prompt)
+        return tuple(self.output[start : start + n])
 
 
 class ContinuousBatcher:
     def __init__(
-        self, *, max_num_seqs: int, token_budget: int, max_model_len: int, num_cache_rows: int
+        self,
+        *,
+        max_num_seqs: int,
+        token_budget: int,
+        max_model_len: int,
+        num_cache_rows: int,
+        kv_pool: BlockPool | None = None,
+        watermark: float = 0.01,
     ):
         if min(max_num_seqs, token_budget, max_model_len, num_cache_rows) < 1:
             raise ValueError(
@@ -76,6 +116,9 @@ class ContinuousBatcher:
             )
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.max_model_len = max_model_len
+        self.kv_pool = kv_pool
+        self._watermark = int(watermark * kv_pool.num_free()) if kv_pool is not None else 0
+        self.num_preemptions = 0
         self._free_rows = deque(range(num_cache_rows))
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order
@@ -125,30 +168,46 @@ class ContinuousBatcher:
     def schedule(self) -> StepBatch | None:
         """The next step's batch, or None when nothing can run."""
         budget = self.token_budget
+        free = self.kv_pool.num_free() if self.kv_pool is not None else None
         picked: list[tuple[_Request, tuple[int, ...]]] = []
-        for r in self._running:  # decodes: the last generated token
-            if not r.prefilling and budget:
-                picked.append((r, (r.output[-1],)))
-                budget -= 1
+        for r in list(self._running):  # decodes, oldest first; may preempt the newest
+            if r.pending != 1 or not budget or r not in self._running:
+                continue
+            if free is not None:
+                free = self._make_room(r, self._grow(r, 1), free, picked)
+                if free is None:  # r itself was preempted
+                    free = self._free_after(picked)
+                    break
+                free -= self._grow(r, 1)
+            picked.append((r, r.chunk(1)))
+            budget -= 1
         for r in self._running:  # the next chunk of prompts already started
-            if r.prefilling and budget:
-                picked.append((r, r.prompt[r.computed : r.computed + budget]))
-                budget -= len(picked[-1][1])
+            if r.pending > 1 and budget and all(r is not p for p, _ in picked):
+                n = self._fits(r, min(budget, r.pending), free, 0)
+                if n:
+                    picked.append((r, r.chunk(n)))
+                    budget -= n
+                    free = None if free is None else free - self._grow(r, n)
         while (
             budget and self._waiting and self._free_rows and len(self._running) < self.max_num_seqs
         ):
-            r = self._waiting.popleft()
+            r = self._waiting[0]
+            n = self._fits(r, min(budget, r.pending), free, self._watermark)
+            if not n:
+                break  # admission waits for blocks, in arrival order
+            self._waiting.popleft()
             r.row = self._free_rows.popleft()
             self._running.append(r)
-            picked.append((r, r.prompt[:budget]))
-            budget -= len(picked[-1][1])
+            picked.append((r, r.chunk(n)))
+            budget -= n
+            free = None if free is None else free - self._grow(r, n)
         if not picked:
             return None
         reqs, rows, first = [], [], 0
         for r, toks in picked:
             reqs.append((r.row, r.computed, toks))
             first += len(toks)
-            done = r.computed + len(toks) == len(r.prompt) + len(r.output)
+            done = len(toks) == r.pending
             rows.append(first - 1 if done else -1)
         return StepBatch(
             reqs=tuple(reqs),
@@ -158,13 +217,65 @@ class ContinuousBatcher:
             max_query_len=max(len(t) for _, t in picked),
         )
 
-    def commit(self, batch: StepBatch, logits) -> list[TokenEvent]:
-        """Greedy: the argmax of each sampling row of ``logits`` [num_tokens, vocab] (a tensor)."""
-        rows = [i for i in batch.sample_rows if i >= 0]
-        picked = iter(logits[rows].argmax(dim=-1).tolist() if rows else [])
-        return self.commit_tokens(
-            batch, [next(picked) if i >= 0 else None for i in batch.sample_rows]
-        )
+    # -- KV blocks ----------------------------------------------------------------------------
+    def _grow(self, r: _Request, n: int) -> int:
+        """Blocks a step of ``n`` more tokens takes: the pool reserves whole blocks for positions
+        [0, computed + n), and the request holds those of [0, computed) already."""
+        bs = self.kv_pool.block_size
+        return -(-(r.computed + n) // bs) - -(-r.computed // bs)
+
+    def _fits(self, r: _Request, n: int, free: int | None, spare: int) -> int:
+        """The most of ``n`` tokens whose blocks fit in ``free`` with ``spare`` left (all of
+        them without a pool)."""
+        if free is None:
+            return n
+        bs = self.kv_pool.block_size
+        room = free - spare
+        if room < 0:
+            return 0
+        # positions up to the end of the blocks held plus ``room`` new ones
+        return max(0, min(n, (-(-r.computed // bs) + room) * bs - r.computed))
+
+    def _make_room(self, r: _Request, need: int, free: int, picked) -> int | None:
+        """Preempt the newest running requests not in this step until ``need`` blocks are free;
+        None when ``r`` itself had to go."""
+        while free < need:
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return None
+            free = self._free_after(picked)
+        return free
+
+    def _free_after(self, picked) -> int:
+        """Blocks free once this step's picks have taken theirs (the pool reserves them later,
+        in ``make_batch``)."""
+        return self.kv_pool.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
+
+    def _preempt(self, r: _Request) -> None:
+        """Give back its blocks and row; it waits first in line and recomputes what it had."""
+        self._running.remove(r)
+        self._free_rows.append(r.row)
+        self.kv_pool.release(r.row)
+        r.row, r.computed = -1, 0
+        self._waiting.appendleft(r)
+        self.num_preemptions += 1
+
+    def commit(self, batch: StepBatch, logits=None, *, sampled=None) -> list[TokenEvent]:
+        """Record a step from its ``logits`` [num_tokens, vocab] (a tensor; greedy: the argmax of
+        each sampling row), or from ``sampled``: the token a sampler picked for each request in
+        ``batch.sampling_rows`` order (a tensor or a sequence, e.g. ``Sampler.sample``'s
+        ``token_ids``; entries past those, a captured graph's padding, are ignored)."""
+        if (logits is None) == (sampled is None):
+            raise ValueError("commit takes either the step's logits or the sampled token ids")
+        rows = batch.sampling_rows
+        if sampled is None:
+            sampled = logits[list(rows)].argmax(dim=-1) if rows else []
+        picked = list(sampled) if isinstance(sampled, (list, tuple)) else sampled.tolist()
+        if len(picked) < len(rows):
+            raise ValueError(f"{len(picked)} sampled tokens for {len(rows)} sampling requests")
+        it = iter(picked)
+        return self.commit_tokens(batch, [next(it) if i >= 0 else None for i in batch.sample_rows])
 
     def commit_tokens(self, batch: StepBatch, tokens: Sequence[int | None]) -> list[TokenEvent]:
         """Record a step: ``tokens[i]`` is request i's new token (None where it samples nothing)."""
@@ -190,4 +301,6 @@ class ContinuousBatcher:
     def _retire(self, r: _Request) -> None:
         self._running.remove(r)
         self._free_rows.append(r.row)
+        if self.kv_pool is not None:
+            self.kv_pool.release(r.row)
         self._known.discard(r.id)

@@ -2,11 +2,12 @@
    graphplan-serve --model DIR --plan plans/hf-mixed.yaml    (a Hugging Face decoder;
                             plans/hf-decode.yaml: FULL graphs for decodes only, mixed steps eager)
 
-Compiles the plan (or loads a compiled table.json), starts listening, builds the tiny Llama sized
-to the table, captures its graphs (progress in the log), then serves. SIGHUP re-reads the plan and
-swaps it in between steps; SIGTERM / SIGINT drain and stop. ``/admin/reload`` is off unless an admin
-token is given (``GRAPHPLAN_ADMIN_TOKEN``, or ``--admin-token``, which other users can see in the
-process list), and reloads only files inside ``--reload-dir`` (default: the plan's folder).
+Compiles the plan (or loads a compiled table.json), starts listening, builds the model (the tiny
+Llama, or --model's checkpoint) sized to the table, captures its graphs (progress in the log),
+then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / SIGINT drain and
+stop. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
+``--admin-token``, which other users can see in the process list), and reloads only files inside
+``--reload-dir`` (default: the plan's folder).
 Exit codes: 0 after a clean stop, 2 for an invalid plan, 1 for any other start-up failure.
 """
 
@@ -24,7 +25,7 @@ from graphplan.compiler.errors import GraphplanError
 
 from .app import Server
 from .hf_model import HFSpec
-from .model import DTYPES, ModelSpec, parse_sets
+from .model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .security import TOKEN_ENV, admin_token
 
 log = logging.getLogger("graphplan.server")
@@ -53,9 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         metavar="DIR",
-        help="a local Hugging Face checkpoint (config.json + *.safetensors, tokenizer "
-        "optional; config.json alone: random weights from --seed) instead of the tiny "
-        "Llama; Llama, Qwen2 and Qwen3 causal LMs",
+        help="a local Hugging Face checkpoint (config.json + model.safetensors or its shards, "
+        "or pytorch_model.bin; tokenizer optional) instead of the tiny Llama; Llama, Qwen2 and "
+        "Qwen3 causal LMs. Only its regular files are read and none of its code runs",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model: weights drawn from --seed instead of read from DIR (benchmarks, tests); "
+        "without it a directory with no weights is refused",
     )
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
     p.add_argument(
@@ -134,19 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.random_weights and not a.model:
+        parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     d = ModelSpec()
     logging.basicConfig(
         level=a.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    spec: ServingSpec
     if a.model:
         spec = HFSpec(
             model=a.model,
             max_model_len=a.max_model_len,
             dtype=a.dtype,
             seed=a.seed,
+            random_weights=a.random_weights,
             kv_cache_tokens=a.kv_cache_tokens,
             kv_memory_fraction=a.kv_memory_fraction,
             served_model_name=a.served_model_name,
@@ -163,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             compile=a.compile,
         )
     try:
-        if a.model:
-            spec.check()  # an unsupported or missing checkpoint fails here, before capture
+        spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(
             a.plan,
             overrides=parse_sets(a.set) or None,

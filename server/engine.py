@@ -19,15 +19,7 @@ from graphplan.runtime import GraphRunner
 
 from .batching import ContinuousBatcher
 from .metrics import ServerMetrics
-from .model import (
-    ModelSpec,
-    build_model,
-    check_fits,
-    compiled_model,
-    load_table,
-    model_batch,
-    model_inputs,
-)
+from .model import ModelSpec, ServingSpec, build_model, check_fits, compiled_model, load_table
 from .protocol import RequestError
 
 log = logging.getLogger("graphplan.server")
@@ -69,7 +61,7 @@ class Engine:
         source: str,
         overrides: dict | None = None,
         *,
-        spec: ModelSpec = ModelSpec(),
+        spec: ServingSpec = ModelSpec(),
         device: str = "cpu",
         progress: bool = True,
         max_waiting: int = 1024,
@@ -227,6 +219,7 @@ class Engine:
             token_budget=t.max_tokens,
             max_model_len=cfg.max_model_len,
             num_cache_rows=cfg.num_cache_rows,
+            kv_pool=self.model.kv_pool,
         )
         with self._cond:
             if self.state == "starting":
@@ -247,7 +240,7 @@ class Engine:
         runner = GraphRunner(
             self.model,
             table,
-            model_inputs(self.model),
+            self.model.static_inputs(),
             device=self.device,
             progress=self.progress,
             compile=self.compiled,
@@ -346,7 +339,7 @@ class Engine:
     def _step(self, batch) -> None:
         t0 = time.perf_counter()
         try:
-            inputs = model_batch(self.model, batch.reqs)
+            inputs = self.model.make_batch(batch.reqs)
             logits = self.runner.step(
                 inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
             )

@@ -1,6 +1,6 @@
-"""Offline greedy generation (the engine loop without HTTP) over a model's ``make_batch`` (the tiny Llama's, or
-``PagedCausalLM.make_batch``): continuous batching through the server's batcher, and the lockstep
-loop of a data-parallel rank. The examples and tests use them to compare graphs with eager
+"""Offline greedy generation (the engine loop without HTTP) over any ``graphplan.models.Model``
+(its ``make_batch``): continuous batching through the server's batcher, and the lockstep loop of a
+data-parallel rank. The examples and tests use them to compare graphs with eager
 execution on the same schedule (``tiny_llama.greedy`` and ``reference_generate`` are the
 one-batch forms)."""
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 import random
 
 import torch
-
-from graphplan.models.tiny_llama import make_batch
 
 from .batching import ContinuousBatcher
 
@@ -63,6 +61,7 @@ def continuous_greedy(
         token_budget=chunk,
         max_model_len=model.cfg.max_model_len,
         num_cache_rows=model.cfg.num_cache_rows,
+        kv_pool=model.kv_pool,
     )
     arrived, t = 0, 0
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -73,7 +72,7 @@ def continuous_greedy(
                 arrived += 1
             batch = batcher.schedule()
             if batch is not None:
-                logits = step(make_batch(model, batch.reqs), batch.num_reqs, batch.max_query_len)
+                logits = step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
                 tokens = []
                 for rid, i in zip(batch.request_ids, batch.sample_rows):
                     if i < 0:
@@ -101,7 +100,7 @@ def dp_generate(model, dp, prompts, new_tokens: int, steps: int) -> list[list[in
         if i >= new_tokens or not reqs:
             dp.step(None)
             continue
-        batch = make_batch(model, reqs)
+        batch = model.make_batch(reqs)
         last = batch["query_start_loc"][1:].long() - 1
         logits = dp.step(
             batch,

@@ -1,33 +1,36 @@
 """Serving a stock Hugging Face decoder: ``--model DIR`` builds a ``PagedCausalLM`` (models/hf)
 with one sequence seat per ``scheduler.max_num_seqs``, and loads the directory's tokenizer when it
-has one (text prompts on /v1/completions). Nothing is fetched from the network."""
+has one (text prompts on /v1/completions). Nothing is fetched from the network, no code from the
+directory runs, and only its regular files are read (models/hf/files.py and tokenizer_files.py).
+``HFSpec`` is a ``model.ServingSpec``; the checkpoint's own rules (tokenizer files, EOS ids) live in
+``graphplan.models.hf.load``."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFSpec:
-    """A transformers checkpoint directory and how to serve it."""
+    """A transformers checkpoint directory and how to serve it (a ``model.ServingSpec``)."""
 
     model: str
-    """Directory with config.json and *.safetensors (tokenizer files optional); with config.json
-    alone the weights are random from ``seed``."""
+    """Directory with config.json and model.safetensors (or its shards, or pytorch_model.bin);
+    tokenizer files optional."""
     max_model_len: int | None = None
     """Prompt plus generated tokens of one request; default min(max_position_embeddings, 2048)."""
     dtype: str | None = None
     """float32, bfloat16 or float16; default bfloat16 on CUDA, float32 on the CPU."""
     seed: int = 0
+    random_weights: bool = False
+    """Weights drawn from ``seed`` instead of read from the directory (``--random-weights``:
+    benchmarks, tests); without it a directory with no weights is refused."""
     block_size: int = 16
     kv_cache_tokens: int | None = None
     kv_memory_fraction: float | None = None
-    """Neither: the KV cache holds exactly max_num_seqs sequences of max_model_len tokens."""
+    """Neither: every seat at max_model_len when memory allows, else what fits (blocks on demand)."""
     served_model_name: str | None = None
     """The ``model`` clients name on /v1 (default: the directory's name)."""
     compile: str = ""
@@ -38,7 +41,7 @@ class HFSpec:
         return self.served_model_name or Path(self.model).resolve().name
 
     def _config(self) -> dict:
-        return _read_json(str(_directory(self.model) / "config.json"))
+        return _checked_config(self.model)
 
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
@@ -53,36 +56,53 @@ class HFSpec:
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The model's end-of-sequence ids (generation_config.json first, then config.json)."""
-        eos = _read_json(str(_directory(self.model) / "generation_config.json")).get("eos_token_id")
-        if eos is None:
-            eos = self._config().get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+        from graphplan.models.hf import eos_token_ids
+
+        return eos_token_ids(self.model)
 
     def check(self) -> None:
-        """Raise ModelLoadError / UnsupportedModelError (GraphplanErrors) before anything loads."""
-        from graphplan.models.hf import check_supported, load_config
+        """Raise ModelLoadError and its kinds (GraphplanErrors) before anything loads: the config,
+        the architecture, the weight files' tensors (headers only), generation_config.json and
+        the tokenizer files."""
+        import torch
 
-        check_supported(load_config(self.model))
+        from graphplan.models.hf import check_checkpoint
+        from graphplan.models.hf.tokenizer_files import check as check_tokenizer
+        from graphplan.models.hf.tokenizer_files import has_tokenizer
+
+        from .model import DTYPES
+
+        check_checkpoint(
+            self.model,
+            dtype=DTYPES.get(self.dtype or "float32", torch.float32),
+            random_weights=self.random_weights,
+        )
+        self.stop_token_ids()
+        if has_tokenizer(_directory(self.model)):
+            check_tokenizer(_directory(self.model))
+
+    def load_tokenizer(self):
+        """The directory's tokenizer, or None when it has none (ids-only serving)."""
+        from graphplan.models.hf import load_tokenizer
+
+        return load_tokenizer(self.model)
 
     def build(self, table, device):
         import torch
 
         from graphplan.models.hf import PagedCausalLM
 
-        from .model import DTYPES, UsageError
+        from .model import dtype_of
 
         dtype = self.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
-        if dtype not in DTYPES:
-            raise UsageError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         return PagedCausalLM.load(
             self.model,
             max_num_seqs=table.max_num_seqs,
             max_model_len=self.resolved_max_model_len(),
-            dtype=DTYPES[dtype],
+            dtype=dtype_of(dtype),
             device=torch.device(device),
             seed=self.seed,
+            random_weights=self.random_weights,
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             kv_memory_fraction=self.kv_memory_fraction,
@@ -90,24 +110,14 @@ class HFSpec:
 
 
 def _directory(model: str) -> Path:
-    path = Path(model)
-    return path.parent if path.is_file() else path
+    from graphplan.models.hf.files import model_dir
+
+    return model_dir(model)
 
 
 @lru_cache(maxsize=16)
-def _read_json(path: str) -> dict:
-    """A small JSON file of the checkpoint, read once ({} when absent or unreadable)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
+def _checked_config(model: str) -> dict:
+    """config.json's values, checked (models/hf/load.read_config), read once."""
+    from graphplan.models.hf.load import read_config
 
-
-def load_tokenizer(model_dir: str):
-    """The directory's tokenizer, or None when it has no tokenizer files (ids-only serving)."""
-    path = _directory(model_dir)
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return read_config(_directory(model))

@@ -1,21 +1,57 @@
 """What the server serves: a dispatch table (a compiled ``table.json``, or a plan compiled at
-start-up) and the tiny Llama sized to it (one KV-cache row per ``scheduler.max_num_seqs``)."""
+start-up) and a model sized to it (one KV-cache seat per ``scheduler.max_num_seqs``), described
+by a ``ServingSpec``: ``ModelSpec`` (the tiny Llama, here) or ``hf_model.HFSpec`` (a transformers
+checkpoint). The server reads a spec and the model it builds only through their protocols
+(``ServingSpec``, ``graphplan.models.Model``), never by probing which kind it has."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from graphplan.compiler.errors import GraphplanError, TableError
+from graphplan.compiler.errors import TableError, UsageError
+from graphplan.compiler.plan_or_table import load_table_or_plan
 from graphplan.compiler.table import DispatchTable
-from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs
+from graphplan.models import Model, Tokenizer
+from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UsageError(GraphplanError):
-    """A command-line or admin argument is malformed (not a plan problem)."""
+class ServingSpec(Protocol):
+    """What the server needs to know of a model before and while it serves it."""
+
+    @property
+    def name(self) -> str:
+        """The model's name on /v1 (``model`` in requests and /v1/models)."""
+        ...
+
+    @property
+    def compile(self) -> str:
+        """torch.compile backend of the compiled path, or "" to run the model as written."""
+        ...
+
+    def limits(self) -> dict:
+        """``{"vocab_size": ..., "max_model_len": ...}``, known before the model is built."""
+        ...
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence ids (empty: none), known before the model is built."""
+        ...
+
+    def check(self) -> None:
+        """Raise a GraphplanError now for a model that cannot be served (before capture)."""
+        ...
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        """Text <-> ids for /v1, or None (token ids only)."""
+        ...
+
+    def build(self, table: DispatchTable, device: str | torch.device) -> Model:
+        """The model, its KV cache sized to the table's ``max_num_seqs``."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +83,12 @@ class ModelSpec:
     def stop_token_ids(self) -> tuple[int, ...]:
         return ()
 
+    def check(self) -> None:
+        dtype_of(self.dtype)
+
+    def load_tokenizer(self) -> None:
+        return None  # the tiny Llama serves token ids only
+
     def config(self, num_cache_rows: int) -> TinyLlamaConfig:
         return TinyLlamaConfig.sized(
             hidden=self.hidden,
@@ -56,29 +98,29 @@ class ModelSpec:
             num_cache_rows=num_cache_rows,
         )
 
-
-def build_model(spec: ModelSpec, table: DispatchTable, device: str | torch.device) -> TinyLlama:
-    if not isinstance(spec, ModelSpec):  # a Hugging Face checkpoint (hf_model.HFSpec)
-        return spec.build(table, device)
-    if spec.dtype not in DTYPES:
-        raise UsageError(f"dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
-    return TinyLlama(
-        spec.config(table.max_num_seqs), seed=spec.seed, device=device, dtype=DTYPES[spec.dtype]
-    )
+    def build(self, table: DispatchTable, device: str | torch.device) -> TinyLlama:
+        return TinyLlama(
+            self.config(table.max_num_seqs),
+            seed=self.seed,
+            device=device,
+            dtype=dtype_of(self.dtype),
+        )
 
 
-def model_batch(model, reqs) -> dict:
-    """The step's inputs for ``(row, start_pos, token_ids)`` requests, for either kind of model."""
-    return model.make_batch(reqs) if hasattr(model, "make_batch") else make_batch(model, reqs)
+def dtype_of(name: str) -> torch.dtype:
+    """A ``--dtype`` name as a torch dtype (UsageError naming the choices otherwise)."""
+    if name not in DTYPES:
+        raise UsageError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
-def model_inputs(model) -> list:
-    return model.static_inputs() if hasattr(model, "static_inputs") else static_inputs(model)
+def build_model(spec: ServingSpec, table: DispatchTable, device: str | torch.device) -> Model:
+    """The spec's model for this table (``spec.build``)."""
+    return spec.build(table, device)
 
 
-def compiled_model(spec, model):
-    """One CompiledModel for the server's life (table swaps reuse it: one compile), or None;
-    ``spec`` is a ModelSpec or an HFSpec (both carry ``compile``)."""
+def compiled_model(spec: ServingSpec, model: Model):
+    """One CompiledModel for the server's life (table swaps reuse it: one compile), or None."""
     if not spec.compile:
         return None
     from graphplan.runtime import CompiledModel
@@ -87,18 +129,9 @@ def compiled_model(spec, model):
 
 
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
-    """A compiled table (``.json``; overrides not allowed) or a plan compiled now."""
-    path = str(path)
-    if path.endswith(".json"):
-        if overrides:
-            raise UsageError(
-                f"{path}: overrides (--set) apply to plans, not to a compiled "
-                "table; compile the plan with them instead"
-            )
-        return DispatchTable.load(path)  # regular files only: a FIFO is refused, never opened
-    from graphplan.compiler import compile_plan  # the YAML stack only when a plan is given
-
-    return compile_plan(path, overrides or None)
+    """A compiled table (``.json``; overrides not allowed) or a plan compiled now
+    (graphplan.compiler.plan_or_table; the YAML stack only when a plan is given)."""
+    return load_table_or_plan(str(path), overrides)[0]
 
 
 def parse_sets(pairs: list[str] | None) -> dict:
@@ -110,7 +143,7 @@ def parse_sets(pairs: list[str] | None) -> dict:
     return parse_overrides(pairs or [])
 
 
-def check_fits(table: DispatchTable, model: TinyLlama) -> None:
+def check_fits(table: DispatchTable, model: Model) -> None:
     """A new table must fit the model built at start-up (its KV cache is kept across swaps)."""
     rows = model.cfg.num_cache_rows
     if table.max_num_seqs > rows:

@@ -22,6 +22,7 @@ import queue
 import time
 import uuid
 
+from .model import ServingSpec
 from .openai_protocol import APIError, Completion, RequestError, error_body, parse_completion
 
 log = logging.getLogger("graphplan.server")
@@ -30,15 +31,11 @@ log = logging.getLogger("graphplan.server")
 class OpenAIFrontEnd:
     """Answers /v1 requests for one served model; built once by the Server."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: ServingSpec):
         self.spec = spec
         self.model_name = spec.name
         self.created = int(time.time())
-        self.tokenizer = None
-        if hasattr(spec, "model"):  # a Hugging Face checkpoint: its tokenizer, if it has one
-            from .hf_model import load_tokenizer
-
-            self.tokenizer = load_tokenizer(spec.model)
+        self.tokenizer = spec.load_tokenizer()  # None: token-id prompts only
         self.default_stop = tuple(spec.stop_token_ids())
 
     # -- dispatch (called by app.Handler) ---------------------------------------------------

@@ -139,16 +139,25 @@ def tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
 
-def write_model_dir(path: Path, **config) -> Path:
-    """config.json (random weights from the seed) + a word-level tokenizer: 'w0'..'w125' are ids
-    2..127, '<eos>' is 1."""
+def write_model_dir(path: Path, *, seed: int = 0, **config) -> Path:
+    """A Qwen3 checkpoint as save_pretrained writes it (config.json, generation_config.json,
+    model.safetensors: the weights ``init_random`` draws from ``seed``) + ``write_tokenizer``."""
+    from graphplan.models.hf import load_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    model = load_model(
+        small_config("qwen3", **config), seed=seed, attn_implementation="eager", random_weights=True
+    )
+    model.save_pretrained(path)  # its auto tokenizer reads tokenizer.json as is
+    return write_tokenizer(path)
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer built with ``tokenizers``, saved as a fast tokenizer
+    (tokenizer.json, tokenizer_config.json): 'w0'..'w125' are ids 2..127, '<eos>' is 1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    path.mkdir(parents=True, exist_ok=True)
-    small_config("qwen3", **config).save_pretrained(
-        path
-    )  # its auto tokenizer reads tokenizer.json as is
     words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

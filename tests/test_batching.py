@@ -72,6 +72,23 @@ def test_commit_takes_the_argmax_of_each_sampling_row():
     assert [(e.request_id, e.token) for e in b.commit(s, logits)] == [("x", 7), ("y", 3)]
 
 
+def test_commit_takes_a_samplers_tokens_in_sampling_row_order_and_ignores_padding():
+    b = batcher(budget=8)
+    b.add("x", [1, 2, 3], max_new_tokens=2)
+    b.add("y", [4], max_new_tokens=2)
+    b.add("z", list(range(10)), max_new_tokens=2)  # its first chunk samples nothing
+    s = b.schedule()
+    assert s.sampling_rows == (2, 3) and s.sampling_cache_rows == (0, 1)
+    events = b.commit(s, sampled=torch.tensor([7, 3, 99, 99]))  # two rows of graph padding
+    assert [(e.request_id, e.token) for e in events] == [("x", 7), ("y", 3)]
+    s = b.schedule()
+    assert s.sampling_cache_rows == (0, 1, 2) and s.sampling_rows == (0, 1, 7)
+    with pytest.raises(ValueError, match="2 sampled tokens for 3 sampling requests"):
+        b.commit(s, sampled=[1, 2])
+    with pytest.raises(ValueError, match="either the step's logits or the sampled token ids"):
+        b.commit(s, torch.zeros(7, 10), sampled=[1, 2, 3])
+
+
 def test_a_stop_token_finishes_early_and_abort_frees_the_row():
     b = batcher(budget=8, rows=1)
     b.add("s", [1], max_new_tokens=5, stop_token_ids=[0])

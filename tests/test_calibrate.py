@@ -61,6 +61,7 @@ def test_calibrated_profile_is_saved_and_read_by_plan_compile_memory(tmp_path, c
     # captured largest first into one pool, then the smallest alone
     assert [n for n, _ in profile["samples"]] == [64, 16, 4, 1, 1]
     assert profile["device"] == "cpu" and profile["model_fingerprint"] == model_fingerprint(model)
+    assert profile["per_graph_capture_seconds"] > 0  # the shared-pool capture's time per graph
     assert memory.load_profile(path)["samples"] == profile["samples"]
     table = tmp_path / "t.json"
     compile_plan(PLAN).save(table)

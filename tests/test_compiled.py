@@ -272,7 +272,12 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
     from hf_models import plan as hf_plan
 
     model = PagedCausalLM.load(
-        small_config("llama", layers=3), max_num_seqs=4, max_model_len=32, block_size=4, seed=0
+        small_config("llama", layers=3),
+        max_num_seqs=4,
+        max_model_len=32,
+        block_size=4,
+        seed=0,
+        random_weights=True,
     )
     runner = GraphRunner(
         model, compile_plan(hf_plan()), model.static_inputs(), progress=False, compile="eager"
@@ -316,6 +321,7 @@ def test_hf_adapter_under_inductor_never_recompiles_after_its_warm_up():
         max_model_len=32,
         block_size=4,
         seed=0,
+        random_weights=True,
     )
     compiled = CompiledModel(model, "inductor", options={"cpp.vec_isa_ok": False})
     runner = GraphRunner(model, table, model.static_inputs(), progress=False, compile=compiled)

@@ -428,12 +428,14 @@ def test_trtllm_preset_adds_powers_of_two_below_max_and_max():
     assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64, 128, 256, 512, 1000]
 
 
-def test_trtllm_preset_is_capped_by_max_num_batched_tokens():
-    t = compile_(
-        scheduler={"max_num_seqs": 100, "max_num_batched_tokens": 100},
-        cudagraph={"capture_sizes": {"preset": "trtllm"}},
-    )
-    assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64, 100]
+def test_trtllm_preset_is_cut_at_max_num_batched_tokens_as_its_engine_cuts_it():
+    # TensorRT-LLM's _filter_cuda_graph_batch_sizes: unpadded, 65..100 run eager; padded, to 100
+    sched = {"max_num_seqs": 100, "max_num_batched_tokens": 100}
+    t = compile_(scheduler=sched, cudagraph={"capture_sizes": {"preset": "trtllm"}})
+    assert list(t.settings.capture_sizes) == list(range(1, 33)) + [64]
+    padded = {"preset": "trtllm", "enable_padding": True}
+    t = compile_(scheduler=sched, cudagraph={"capture_sizes": padded})
+    assert list(t.settings.capture_sizes) == [1, 2, 4] + list(range(8, 97, 8)) + [100]
 
 
 def test_trtllm_padded_preset_steps_by_64_after_128():

@@ -177,6 +177,53 @@ def test_prepare_announces_the_next_batch_and_step_must_bring_that_batch():
     assert dp.step(None) is None and dp.last_decision.idle
 
 
+class CountingBackend:
+    """A torch.compile backend that runs each graph as traced and counts the runs of compiled
+    code: any call of the compiled model adds to ``runs``."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def test_dp_eager_steps_run_the_eager_model_not_the_compiled_one():
+    """With compile on, DP's padded and micro-batched eager steps run what single-rank eager
+    steps run (GraphRunner.eager_model, through run_eager), never the compiled model."""
+    from graphplan.models.tiny_llama import make_batch, static_inputs
+
+    model, ref = _tiny()
+    backend = CountingBackend()
+    runner = GraphRunner(
+        model, compile_plan(_plan(dp=2)), static_inputs(model), progress=False, compile=backend
+    )
+    eager_calls = []
+    runner.eager_model = lambda **kw: eager_calls.append(kw) or model(**kw)
+    dp = DPRunner(runner)  # a DP group of one
+    dp.capture(("PIECEWISE",))  # the plan is FULL: compiles, captures no graph
+    assert backend.runs > 0  # the compile warm-up ran compiled code
+    backend.runs = 0
+
+    decode = make_batch(model, [(row, 0, [5 + row]) for row in range(3)])
+    out = dp.step(decode, 3, 1)  # FULL graph at 4 tokens, not captured: eager at 4
+    assert dp.last_decision.pad_to == 4 and not dp.last_decision.ubatch
+    torch.testing.assert_close(out, ref(**decode), rtol=1e-4, atol=1e-4)
+    assert backend.runs == 0  # no compiled code ran
+    assert len(eager_calls) == 1 and eager_calls[0]["input_ids"].shape[0] == 4
+
+    prefill = make_batch(model, [(3, 0, list(range(1, 14))), (4, 0, list(range(20, 33)))])
+    out = dp.step(prefill, 2, 13)  # 26 tokens >= the prefill threshold: micro-batched, eager
+    assert dp.last_decision.ubatch and dp.counts["ubatched_steps"] == 1
+    torch.testing.assert_close(out, ref(**prefill), rtol=1e-4, atol=1e-4)
+    assert len(eager_calls) == 3  # one call per micro-batch
+    assert backend.runs == 0 and sum(runner.stats()["eager_steps"].values()) == 2
+
+
 # -- spawned Gloo ranks -------------------------------------------------------------------------
 
 

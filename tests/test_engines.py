@@ -267,12 +267,14 @@ def test_sglang_command_with_python_u_and_dp_attention_from_pr_6092():
     assert settings_of(t)[4:] == (32768, 1, 16)
 
 
-def test_trtllm_padded_config_from_pr_6640_by_version():
-    _, old = imported("trtllm", config=str(DATA / "trtllm-6640-llama4-hybrid.yml"))
-    _, new = imported("trtllm", config=str(DATA / "trtllm-6640-llama4-hybrid.yml"), version="main")
+def test_trtllm_padded_config_from_pr_6640_follows_the_newest_release_unless_one_is_named():
+    path = str(DATA / "trtllm-6640-llama4-hybrid.yml")  # max_batch_size 1024, enable_padding
     grid = [1, 2, 4] + list(range(8, 129, 8))
-    assert settings_of(old)[:2] == ("FULL_DECODE_ONLY", grid + [256, 512, 1024])
-    assert settings_of(new)[1] == grid + list(range(192, 1025, 64))
+    _, newest = imported("trtllm", config=path)
+    _, old = imported("trtllm", config=path, version="1.0")
+    assert settings_of(newest)[:2] == ("FULL_DECODE_ONLY", grid + list(range(192, 1025, 64)))
+    assert len(settings_of(newest)[1]) == 33
+    assert settings_of(old)[1] == grid + [256, 512, 1024]
 
 
 def test_trtllm_explicit_batch_sizes_from_pr_13745():
@@ -326,8 +328,8 @@ def _tmp_log(text: str) -> str:
 
 BAD = [
     (
-        ["import", "--engine", "vllm", "--", "--max-num-seq", "8"],
-        r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seq\).*"
+        ["import", "--engine", "vllm", "--", "--max-num-seqz", "8"],
+        r"<args>:1:1: error\[unknown-flag\]: argument 1 \(--max-num-seqz\).*"
         r"did you mean '--max-num-seqs'",
     ),
     (

@@ -17,7 +17,7 @@ from graphplan.models.hf import (
     PagedCausalLM,
     UnsupportedModelError,
 )
-from graphplan.models.hf.paged_kv import BlockTables
+from graphplan.models.paged_kv import BlockTables
 from graphplan.runtime import GraphRunner
 
 from hf_models import (
@@ -38,7 +38,13 @@ TABLE = compile_plan(plan())
 
 def build(family: str, seed: int = 0, **cache):
     model = PagedCausalLM.load(
-        small_config(family), max_num_seqs=4, max_model_len=32, block_size=4, seed=seed, **cache
+        small_config(family),
+        max_num_seqs=4,
+        max_model_len=32,
+        block_size=4,
+        seed=seed,
+        random_weights=True,
+        **cache,
     )
     runner = GraphRunner(model, TABLE, model.static_inputs(), progress=False)
     runner.capture()
@@ -124,7 +130,9 @@ def test_greedy_continuous_batching_equals_transformers_generate(built):
 def test_a_model_directory_loads_its_safetensors_offline(tmp_path):
     from hf_models import reference_model as _ref
 
-    src = PagedCausalLM.load(small_config("qwen2"), max_num_seqs=2, max_model_len=16, seed=3)
+    src = PagedCausalLM.load(
+        small_config("qwen2"), max_num_seqs=2, max_model_len=16, seed=3, random_weights=True
+    )
     _ref(src).save_pretrained(tmp_path)  # config.json + model.safetensors
     assert list(tmp_path.glob("*.safetensors"))
     loaded = PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16, seed=99)
@@ -132,11 +140,16 @@ def test_a_model_directory_loads_its_safetensors_offline(tmp_path):
         assert torch.equal(a, b), name  # the file's weights, not the seed's
 
 
-def test_a_config_alone_gives_random_weights_from_the_seed(tmp_path):
+def test_a_config_alone_is_refused_unless_random_weights_are_asked_for(tmp_path):
     small_config("llama").save_pretrained(tmp_path)
-    a = PagedCausalLM.load(tmp_path / "config.json", max_num_seqs=2, max_model_len=16, seed=1)
-    b = PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16, seed=1)
-    c = PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16, seed=2)
+    with pytest.raises(ModelLoadError, match="no weights: expected model.safetensors"):
+        PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16)
+    with pytest.raises(ModelLoadError, match="carries no weights.*random_weights=True"):
+        PagedCausalLM.load(small_config("llama"), max_num_seqs=2, max_model_len=16)
+    a, b, c = (
+        PagedCausalLM.load(src, max_num_seqs=2, max_model_len=16, seed=seed, random_weights=True)
+        for src, seed in ((tmp_path / "config.json", 1), (tmp_path, 1), (tmp_path, 2))
+    )
     w = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(a.hf.state_dict()[w], b.hf.state_dict()[w])
     assert not torch.equal(a.hf.state_dict()[w], c.hf.state_dict()[w])
@@ -145,6 +158,8 @@ def test_a_config_alone_gives_random_weights_from_the_seed(tmp_path):
 def test_a_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16)
+    with pytest.raises(ModelLoadError, match="no such directory"):
+        PagedCausalLM.load(tmp_path / "nowhere", max_num_seqs=2, max_model_len=16)
 
 
 @pytest.mark.parametrize(
@@ -175,29 +190,50 @@ def test_an_unsupported_architecture_is_refused_at_load():
 # ---- KV cache -----------------------------------------------------------------------------
 
 
-def test_kv_cache_too_small_for_max_num_seqs_is_an_error():
-    with pytest.raises(KVCacheSizeError, match=r"max_num_seqs=4 .*max_model_len=32 need 32 blocks"):
-        PagedCausalLM.load(
+def load_random(cfg, **kw):
+    return PagedCausalLM.load(cfg, random_weights=True, **kw)
+
+
+def test_a_kv_pool_smaller_than_one_sequence_is_an_error_and_one_sequence_is_enough():
+    with pytest.raises(KVCacheSizeError, match=r"one sequence of max_model_len=32 needs 8 blocks"):
+        load_random(
             small_config("llama"),
             max_num_seqs=4,
             max_model_len=32,
             block_size=4,
-            kv_cache_tokens=100,
+            kv_cache_tokens=28,
         )
+    # blocks are handed out on demand: 4 seats share a pool of one sequence's blocks
+    m = load_random(
+        small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=32
+    )
+    assert m.cfg.num_blocks == 8 and m.kv_pool.num_free() == 8
+
+
+def test_the_default_pool_holds_every_seat_at_its_longest_when_memory_allows(monkeypatch):
+    from graphplan.models import paged_kv
+
+    m = load_random(small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4)
+    assert m.cfg.num_blocks == 4 * 8
+    # with little free memory, the default is what fits (less the headroom), not a refusal
+    per_block = m.cache.shape.bytes_per_token * 4
+    monkeypatch.setattr(paged_kv, "free_memory_bytes", lambda device: 21 * per_block)
+    m = load_random(small_config("llama"), max_num_seqs=4, max_model_len=32, block_size=4)
+    assert m.cfg.num_blocks == int(21 * per_block * 0.9) // per_block - 1 == 17
 
 
 def test_kv_cache_sized_from_a_token_budget_or_a_memory_fraction():
     cfg = small_config("llama")
-    m = PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=400)
+    m = load_random(cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=400)
     assert m.cfg.num_blocks == 100 and m.cache.kv.shape[2] == 101  # + the padding block
-    m = PagedCausalLM.load(
+    m = load_random(
         cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_memory_fraction=1e-5
     )  # of the free memory: a few hundred KiB
     assert m.cfg.num_blocks >= 32
     with pytest.raises(KVCacheSizeError, match="memory fraction 1e-12 of"):
-        PagedCausalLM.load(cfg, max_num_seqs=4, max_model_len=32, kv_memory_fraction=1e-12)
+        load_random(cfg, max_num_seqs=4, max_model_len=32, kv_memory_fraction=1e-12)
     with pytest.raises(KVCacheSizeError, match="not both"):
-        PagedCausalLM.load(
+        load_random(
             cfg, max_num_seqs=4, max_model_len=32, kv_cache_tokens=400, kv_memory_fraction=0.1
         )
 
@@ -232,7 +268,7 @@ def test_padding_rows_write_only_the_padding_block():
 # ---- import boundary ----------------------------------------------------------------------
 
 
-def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extra():
+def test_the_runtime_and_models_import_without_transformers_and_hf_names_the_extra():
     block = (
         "import sys, importlib.abc\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
@@ -242,7 +278,7 @@ def test_the_runtime_imports_without_transformers_and_the_adapter_names_the_extr
         "sys.meta_path.insert(0, Block())\n"
     )
     code = block + (
-        "import graphplan.runtime, graphplan.models.hf.paged_kv\n"
+        "import graphplan.runtime, graphplan.models.paged_kv\n"
         "try:\n    import graphplan.models.hf\n"
         "except ImportError as e:\n    print('ERR', e)\n"
     )

@@ -59,6 +59,7 @@ def build(family: str, dtype, table, max_model_len=32, block_size=4, **size):
         dtype=dtype,
         device=DEV,
         seed=0,
+        random_weights=True,
     )
     runner = GraphRunner(model, table, model.static_inputs(), progress=False)
     runner.capture()

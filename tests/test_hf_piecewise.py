@@ -30,7 +30,12 @@ LENS, PROMPTS = (21, 13, 9, 17), (14, 8, 1, 12)
 
 def build(family: str, mode: str):
     model = PagedCausalLM.load(
-        small_config(family), max_num_seqs=4, max_model_len=32, block_size=4, seed=0
+        small_config(family),
+        max_num_seqs=4,
+        max_model_len=32,
+        block_size=4,
+        seed=0,
+        random_weights=True,
     )
     runner = GraphRunner(
         model, compile_plan(mixed_plan(mode)), model.static_inputs(), progress=False

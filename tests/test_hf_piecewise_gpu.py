@@ -57,6 +57,7 @@ def test_bf16_mixed_batches_replay_piece_graphs_within_the_models_own_bf16_error
         dtype=torch.bfloat16,
         device="cuda",
         seed=0,
+        random_weights=True,
     )
     runner = GraphRunner(model, table, model.static_inputs(), progress=False)
     runner.capture()

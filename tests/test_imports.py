@@ -242,4 +242,7 @@ def test_the_cli_names_the_extra_to_install_when_the_yaml_stack_is_missing(tmp_p
         timeout=60,
     )
     assert out.returncode == 1, out.stderr
-    assert "pip install 'graphplan[plan]'" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        "pip install -e '.[plan]' in the graphplan checkout" in out.stderr
+        and "Traceback" not in out.stderr
+    )

@@ -211,7 +211,7 @@ def test_cli_refuses_an_unsupported_checkpoint_before_capturing(tmp_path, capsys
     err = capsys.readouterr().err
     assert "model type 'gpt2'" in err and "Traceback" not in err
     assert main(["--model", str(tmp_path / "nowhere"), "--plan", str(plan), "--port", "0"]) == 1
-    assert "no config.json" in capsys.readouterr().err
+    assert "nowhere: no such directory" in capsys.readouterr().err
 
 
 def raw(server, method, path, body=None, raw_body: bytes | None = None):

@@ -167,7 +167,7 @@ def test_the_trace_headline_does_not_reward_running_eager(tmp_path, capsys):
     assert 'id="trace-graphed-share">0.0 %<' in page
     assert 'id="trace-eager-steps" class="warning">3000<' in page
     assert "padding tokens per step (trace)" not in page and "trace-per-step" not in page
-    assert "0.0 % of steps on graphs" in capsys.readouterr().out
+    assert "0.0 % of all 3000 steps on graphs" in capsys.readouterr().out
 
 
 def test_a_trace_that_does_not_fit_the_plan_gets_warnings(tmp_path, capsys):
@@ -191,7 +191,7 @@ def test_a_trace_that_does_not_fit_the_plan_gets_warnings(tmp_path, capsys):
     )
     got = json.loads(capsys.readouterr().out)["trace"]
     w = got["warnings"]
-    assert len(w) == 2 and got["steps"] < 20000
+    assert len(w) == 2 and got["steps"] == 20000 and got["priced_steps"] < 20000
     assert re.search(r"chat.jsonl:\d+: num_reqs 130 exceeds scheduler.max_num_seqs=128", w[0])
     assert "every request at 1 token (0 at 3)" in w[1] and "decode_query_len=1" in w[1]
     page = out.read_text()
@@ -296,3 +296,33 @@ def test_the_report_renders_in_headless_chromium(tmp_path):
         '<polyline class="curve"',
     ):
         assert element in dom
+
+
+def test_the_trace_headline_counts_every_step_and_says_how_many_were_left_out(tmp_path, capsys):
+    # 19,995 of 20,000 steps are above the plan's max_num_batched_tokens: the 5 left are on
+    # graphs, but the headline is over every step (0.0 %, not 100 %) and says why the rest is out
+    plan = tmp_path / "p.yaml"
+    plan.write_text(
+        "version: 1\nname: small\nscheduler: {max_num_seqs: 8, max_num_batched_tokens: 64}\n"
+        "cudagraph: {capture_sizes: [1, 2, 4, 8]}\n"
+    )
+    trace = tmp_path / "t.jsonl"
+    fits = '{"num_tokens": 4, "num_reqs": 4, "max_query_len": 1}\n'
+    over = '{"num_tokens": 100, "num_reqs": 4, "max_query_len": 97}\n'
+    trace.write_text(fits * 5 + over * 19_995)
+    out = tmp_path / "r.html"
+    assert main(["report", str(plan), "--trace", str(trace), "-o", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert "trace: 0.0 % of all 20000 steps on graphs; 19995 of 20000 steps left out" in line
+    assert "19995 with num_tokens above scheduler.max_num_batched_tokens=64" in line
+    page = out.read_text()
+    assert 'id="trace-graphed-share">0.0 %<' in page and "of all 20000 trace steps" in page
+    assert 'id="trace-left-out" class="warning">19995<' in page
+    assert 'id="trace-all-steps">20000<' in page and 'id="trace-steps">5<' in page
+    assert "this plan's scheduler never runs them" in page
+    args = ["report", str(plan), "--trace", str(trace), "-o", str(out), "--format", "json"]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)["trace"]
+    assert (got["steps"], got["priced_steps"], got["left_out_steps"]) == (20000, 5, 19995)
+    assert got["graphed_share"] == 5 / 20000 and got["graphed_steps"] == 5
+    assert got["left_out"] == {"num_tokens above scheduler.max_num_batched_tokens=64": 19995}

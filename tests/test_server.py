@@ -1,4 +1,4 @@
-"""The example server on loopback (CPU stand-in for graphs, ephemeral ports): readiness, greedy
+"""graphplan's server on loopback (CPU stand-in for graphs, ephemeral ports): readiness, greedy
 correctness under continuous batching, bad requests, metrics, plan swaps, SIGHUP, shutdown."""
 
 import http.client
@@ -406,7 +406,7 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
         {"path": str(table), "set": {"cudagraph.mode": "NONE"}},
         ADMIN,
     )
-    assert status == 422 and "apply to plans, not to a compiled table" in body["error"]
+    assert status == 422 and "applies to plans, not to a compiled table" in body["error"]
     assert generate(server, [8, 1], 4) == _reference((8, 1), 4)
 
 

@@ -21,6 +21,7 @@ from graphplan.compiler import (
     TableError,
     compile_plan,
     records,
+    table_fields,
     table_format,
 )
 
@@ -387,21 +388,21 @@ def test_the_schema_rejects_what_the_loader_rejects(h100):
 def test_the_schema_names_exactly_the_fields_table_format_writes_and_reads(h100):
     data = json.loads(h100.dumps())
     props = TABLE_SCHEMA["properties"]
-    assert set(props) == set(data) == set(table_format._TOP)
+    assert set(props) == set(data) == set(table_fields.TOP_FIELDS)
     assert (
         set(props["settings"]["properties"])
         == set(data["settings"])
-        == set(table_format._SETTINGS)
+        == set(table_fields.SETTINGS_FIELDS)
         == set(records.TableSettings.__slots__)
     )
     assert (
         set(props["settings"]["properties"]["ubatch"]["properties"])
         == set(data["settings"]["ubatch"])
-        == set(table_format._UBATCH)
+        == set(table_fields.UBATCH_FIELDS)
         == set(records.UbatchSettings.__slots__)
     )
     graph = props["graphs"]["items"]["properties"]
-    assert set(graph) == set(data["graphs"][0]) == set(table_format._GRAPH)
+    assert set(graph) == set(data["graphs"][0]) == set(table_fields.GRAPH_FIELDS)
     assert set(graph) - {"id", "mode", "routine"} == set(records.BatchDescriptor.__slots__)
     assert set(props["routes"]["properties"]) == set(records.ROUTINES) == set(data["routes"])
     assert props["format"]["const"] == table_format.FORMAT

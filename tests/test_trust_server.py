@@ -1,4 +1,4 @@
-"""The example server and the runtime against hostile clients: admin routes locked by a token
+"""graphplan's server and the runtime against hostile clients: admin routes locked by a token
 (off without one), reloads confined to a directory, JSON 4xx for every client error, timeouts on
 idle sockets, a slow template that cannot wedge reloads, and an interrupted capture that releases
 everything."""

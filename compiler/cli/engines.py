@@ -10,21 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 FORMATS = ("args", "yaml", "json")
 
 
 def _loaded(path: str, sets):
     """(LoadedPlan, table, located diagnostics) from a plan or a compiled table.json."""
-    from .. import compile_loaded, load_plan
-    from .inputs import is_table, parse_overrides
+    from .. import compile_loaded
+    from ..plan_or_table import load_plan_of
+    from .inputs import parse_overrides
 
-    if is_table(path):
-        from ..table import DispatchTable
-
-        loaded = load_plan(DispatchTable.load(path).plan)
-    else:
-        loaded = load_plan(path, parse_overrides(sets))
+    loaded = load_plan_of(path, parse_overrides(sets, path))
     table, diags = compile_loaded(loaded)
     return loaded, table, diags
 
@@ -38,16 +35,54 @@ def _emit(text: str, output: str | None) -> None:
         sys.stdout.write(text)
 
 
+def _prediction(path: str) -> dict | None:
+    """What ``plan optimize`` predicted for a tuned plan (its header), if it is one."""
+    from ..limits import MAX_PLAN_BYTES, read_regular_file
+    from ..plan_or_table import is_table_path
+    from ..tools.tuned_plan import read_prediction
+
+    if is_table_path(path):
+        return None
+    raw = read_regular_file(Path(path), MAX_PLAN_BYTES)
+    return read_prediction(raw[:MAX_PLAN_BYTES].decode("utf-8", "replace"))
+
+
 def cmd_export(a) -> int:
     from ..engines import export_plan
-    from .inputs import print_diags
+    from ..engines.flags import ENGINE_NAMES
+    from ..tools.tuned_plan import prediction_text
+    from .inputs import UsageError, print_diags
 
+    pred = _prediction(a.plan)
+    engine = a.engine or (pred or {}).get("engine")
+    if engine not in ("vllm", "sglang", "trtllm"):
+        raise UsageError(
+            "plan export: give --engine vllm|sglang|trtllm"
+            + (
+                " (the tuned plan's workload came from graphplan's own server: serve the plan "
+                "itself, or export it for another engine)"
+                if engine == "graphplan"
+                else " (the plan records no engine: it was not tuned from an engine's metrics)"
+            )
+        )
     loaded, table, diags = _loaded(a.plan, a.set)
-    out = export_plan(loaded, table.capture_sizes, a.engine, a.format, a.engine_version)
+    out = export_plan(loaded, table.capture_sizes, engine, a.format, a.engine_version)
     print_diags(list(diags) + list(out.diagnostics))
     _emit(out.text, a.output)
     if a.output:
         print(f"wrote {a.output} ({out.version}, {len(out.lost)} lost feature(s))", file=sys.stderr)
+    if pred is not None:
+        same = list(table.capture_sizes) == pred["sizes"]
+        print(
+            f"{ENGINE_NAMES[engine]}: "
+            + (
+                prediction_text(pred)
+                if same
+                else "the plan's capture sizes are not the ones plan optimize chose (edited "
+                "since?): no prediction"
+            ),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -66,7 +101,7 @@ def cmd_import(a) -> int:
         config=a.config,
         log=a.log,
         version=a.engine_version,
-        sets=parse_overrides(a.set),
+        sets=parse_overrides(a.set, a.output or a.config or a.log or f"<{a.engine} flags>"),
         allow_unknown=a.ignore_unknown,
     )
     print_diags(out.diagnostics)
@@ -96,7 +131,12 @@ def cmd_engines(a) -> int:
 def add_engine_commands(sub, common) -> None:
     sp = sub.add_parser("export", help="write a plan as vLLM, SGLang or TensorRT-LLM settings")
     sp.add_argument("plan", help="a plan or a compiled table.json")
-    sp.add_argument("--engine", required=True, choices=("vllm", "sglang", "trtllm"))
+    sp.add_argument(
+        "--engine",
+        choices=("vllm", "sglang", "trtllm"),
+        help="the engine; default: the one a tuned plan's workload came from (plan optimize "
+        "records it when the workload came from an engine's metrics)",
+    )
     sp.add_argument(
         "--format",
         choices=FORMATS,

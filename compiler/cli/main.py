@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import GraphplanError, did_you_mean
+from ..errors import GraphplanError, did_you_mean, visible
 from .inputs import UsageError, load_any, print_diags
 
 PLAN_EXTRA = ("yaml", "jsonschema", "jinja2")  # the `graphplan[plan]` extra (pyproject.toml)
@@ -222,7 +222,9 @@ def _wants_json(argv: list[str]) -> bool:
 
 def _fail(argv: list[str], message: str, exit_code: int, kind: str, diagnostics=()) -> int:
     """Report an error: the message on stderr and, with --format json, a JSON error object on
-    stdout (scripts reading stdout get one object either way); returns the exit code."""
+    stdout (scripts reading stdout get one object either way); returns the exit code. Input
+    echoed in the message is made ``visible`` (escapes shown, long values cut) line by line."""
+    message = "\n".join(visible(line) for line in message.split("\n"))
     print(message, file=sys.stderr)
     if _wants_json(argv):
         print(
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(
             argv,
             f"plan: this command needs {e.name!r}, part of the plan extra: "
-            "pip install 'graphplan[plan]'",
+            "pip install -e '.[plan]' in the graphplan checkout",
             1,
             "MissingExtra",
         )

@@ -26,35 +26,40 @@ def _workload(path: str, table):
 
 
 def _report_workload(path: str, table):
-    """(workload, warnings): a report prices what fits the plan and warns about the rest."""
+    """(workload, warnings, left out): a report prices what fits the plan, warns about the rest
+    and counts every step in its headline."""
     import sys
 
-    from ..tools.trace import aggregate, fit_trace, load_trace
+    from ..tools.trace import aggregate, fit_trace, left_out, load_trace
 
-    trace, warnings = fit_trace(load_trace(path), table)
+    trace = load_trace(path)
+    out = left_out(trace, table)
+    trace, warnings = fit_trace(trace, table)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    return aggregate(trace, table.q), warnings
+    return aggregate(trace, table.q), warnings, out
 
 
 def cmd_report(a) -> int:
+    from ..plan_or_table import is_table_path
     from ..tools.memory import load_profile
     from ..tools.report import build, write_report
-    from .inputs import is_table, load_any
+    from .inputs import load_any
     from .outputs import check_output
 
     check_output(a.output, [a.plan, a.trace, a.profile])
     table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
-    work, warnings = _report_workload(a.trace, table) if a.trace else (None, [])
+    work, warnings, out = _report_workload(a.trace, table) if a.trace else (None, [], None)
     ctx = build(
         table,
         source=a.plan,
-        located=None if is_table(a.plan) else diags,
+        located=None if is_table_path(a.plan) else diags,
         work=work,
         trace_source=a.trace or "",
         profile=profile,
         trace_warnings=warnings,
+        trace_left_out=out,
     )
     write_report(a.output, ctx)
     if a.format == "json":
@@ -76,8 +81,9 @@ def cmd_report(a) -> int:
             f"wrote {a.output}: {len(table.graphs)} graphs, {len(ctx['diagnostics'])} "
             f"diagnostic(s), {ctx['memory']['total_mib']:.1f} MiB estimated graph memory"
             + (
-                f"; trace: {100 * t['pad'].graphed_share:.1f} % of steps on graphs, "
-                f"{t['pad'].per_graph_step:.3f} padding tokens per graph step, "
+                f"; trace: {100 * t['graphed_share']:.1f} % of all {t['steps']} steps on graphs"
+                + (f"; {t['left_out']}" if t["left_out"].left_out else "")
+                + f"; {t['pad'].per_graph_step:.3f} padding tokens per graph step, "
                 f"{t['pad'].eager_steps} eager steps"
                 if t
                 else ""
@@ -89,12 +95,15 @@ def cmd_report(a) -> int:
 def _trace_json(t) -> dict | None:
     if not t:
         return None
-    p = t["pad"]
+    p, out = t["pad"], t["left_out"]
     return {
-        "steps": p.steps,
+        "steps": t["steps"],
+        "priced_steps": p.steps,
+        "left_out_steps": out.left_out,
+        "left_out": dict(out.reasons),
         "graphed_steps": p.graphed_steps,
         "eager_steps": p.eager_steps,
-        "graphed_share": p.graphed_share,
+        "graphed_share": t["graphed_share"],
         "padded_tokens": p.padded_tokens,
         "padding_per_graph_step": p.per_graph_step,
         "warnings": list(t["warnings"]),
@@ -130,10 +139,14 @@ def cmd_optimize(a) -> int:
     from ..tools.optimize import optimize, rank_start_sizes
     from ..tools.summary import compact_sizes
     from ..tools.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
-    from .inputs import load_any, parse_overrides
+    from . import tuned_output
+    from .inputs import UsageError, load_any, parse_overrides
     from .outputs import check_output
 
     check_output(a.output, [a.plan, a.trace, a.profile])
+    check_output(a.report, [a.plan, a.trace, a.profile])
+    if a.report and a.output and a.report == a.output:
+        raise UsageError("plan optimize: --report and -o name the same file; give two names")
     table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)
@@ -149,12 +162,18 @@ def cmd_optimize(a) -> int:
         pins=pins,
         max_size=a.max_size,
         memory_budget=budget,
+        capture_budget=a.budget_capture_seconds,
         profile=profile,
         keep_small=not a.no_small,
+        curve_graphs=max(max_graphs, len(table.graphs)) * 3 // 2 if a.report else None,
     )
     outside = outside_trace(table, res.table, res.top)
     above = int(work.count[work.tokens > res.top].sum())
     header = _header(a, res, work.steps, above, len(table.graphs))
+    mem_before, mem_after = estimate(table, profile), estimate(res.table, profile)
+    cap = (mem_before["capture_seconds"], mem_after["capture_seconds"])
+    header += tuned_output.header_lines(a, res, work, len(table.graphs), cap)
+    engine = tuned_output.engine_of(work)
     if a.start_graphs is not None and a.start_graphs < 0:
         from ..tools.optimize import OptimizeError
 
@@ -170,11 +189,12 @@ def cmd_optimize(a) -> int:
             f"{a.start_graphs} most used by the trace and the largest)"
         )
     if a.output:
-        data, comments = raw_plan(a.plan, parse_overrides(a.set))
+        data, comments = raw_plan(a.plan, parse_overrides(a.set, a.plan))
         text = tuned_plan_text(data, res.sizes, header, comments, start)
         check_tuned(text, res.sizes)
         write_atomic(a.output, text.encode("utf-8"))
-    mem_before, mem_after = estimate(table, profile), estimate(res.table, profile)
+    if a.report:
+        tuned_output.write_report(a.report, a, table, res, work, profile)
     if a.format == "json":
         side = lambda t, p, m: {
             "sizes": list(t.capture_sizes),
@@ -183,6 +203,7 @@ def cmd_optimize(a) -> int:
             "per_step": p.per_step,
             "eager_steps": p.eager_steps,
             "memory_bytes": m["total_bytes"],
+            "capture_seconds": m["capture_seconds"],
         }
         print(
             json.dumps(
@@ -197,6 +218,11 @@ def cmd_optimize(a) -> int:
                     "outside_trace": outside,
                     "start_sizes": list(start) if start is not None else None,
                     "output": a.output,
+                    "report": a.report,
+                    "limits": res.limits,
+                    "engine": engine,
+                    "prediction": tuned_output.prediction(a, res, work, len(table.graphs)),
+                    "curve": [list(p) for p in res.curve],
                 },
                 sort_keys=True,
             )
@@ -207,27 +233,21 @@ def cmd_optimize(a) -> int:
         f"trace {a.trace}: {work.steps} steps ({decode} uniform decode, {work.steps - decode} "
         f"mixed), {work.steps - above} at or below the largest size {res.top}"
     )
-    limit = f"--max-graphs {max_graphs}"
-    if budget is not None:
-        limit += (
-            f", --memory-budget {a.memory_budget:g} MiB ("
-            + ("built-in default profile" if profile is None else profile["source"])
-            + ")"
-        )
-    print(f"graph budget: {res.budget_graphs} graphs ({limit})")
-    for note in res.notes:
+    print(f"graph budget: {res.budget_graphs} graphs ({tuned_output.limit_text(res, a, profile)})")
+    for note in [*res.notes, *tuned_output.workload_notes(work)]:
         print(f"note: {note}")
     print(
         f"\n{'':<18} {'sizes':>6} {'graphs':>7} {'padded tokens':>14} {'per step':>9} "
-        f"{'eager steps':>12} {'memory':>11}"
+        f"{'eager steps':>12} {'memory':>11} {'capture':>8}"
     )
-    for label, t, p, m in (
+    for label, t, p, m in (  # memory and capture time: estimates (tools/memory.py)
         ("before (plan)", table, res.before, mem_before),
         ("after (optimized)", res.table, res.after, mem_after),
     ):
         print(
             f"{label:<18} {len(t.capture_sizes):>6} {len(t.graphs):>7} {p.padded_tokens:>14} "
-            f"{p.per_step:>9.3f} {p.eager_steps:>12} {m['total_mib']:>7.1f} MiB"
+            f"{p.per_step:>9.3f} {p.eager_steps:>12} {m['total_mib']:>7.1f} MiB "
+            f"{m['capture_seconds']:>6.2f} s"
         )
     print(
         f"\npadded tokens: {0.0 - _cut(res.before.padded_tokens, res.after.padded_tokens):+.1f} %"
@@ -239,7 +259,11 @@ def cmd_optimize(a) -> int:
             "by the trace and the largest); the rest on first use"
         )
     print("\n".join(outside_lines(outside)))
+    for line in tuned_output.engine_lines(engine, a.output):
+        print(line)
     print(f"wrote {a.output}" if a.output else "(no plan written; add -o tuned.yaml)")
+    if a.report:
+        print(f"wrote {a.report} (the tuned plan, its padding, and the trade-off curve)")
     return 0
 
 
@@ -298,9 +322,17 @@ def add_tuning_commands(sub, common) -> None:
     )
     sp.add_argument(
         "--max-graphs",
+        "--budget-graphs",
         type=int,
         metavar="K",
         help="graph budget, all routines and LoRA cases (default: the plan's count)",
+    )
+    sp.add_argument(
+        "--budget-capture-seconds",
+        type=float,
+        metavar="S",
+        help="capture-time budget in seconds, by the capture-time model (a calibrated "
+        "--profile's per_graph_capture_seconds, else 0.1 s per graph)",
     )
     sp.add_argument(
         "--memory-budget",
@@ -337,5 +369,15 @@ def add_tuning_commands(sub, common) -> None:
         "sizes most steps of the trace land on, and the largest; the rest on first use",
     )
     sp.add_argument("-o", "--output", help="where to write the tuned plan YAML (atomically)")
+    sp.add_argument(
+        "--report",
+        metavar="HTML",
+        help="also write an HTML report: the plan's list against the tuned one (padding, "
+        "graphs, capture time, memory) and the padding-vs-graphs trade-off curve",
+    )
     common(sp)
     sp.set_defaults(fn=cmd_optimize)
+
+    from .workload import add_workload_command
+
+    add_workload_command(sub, common)

@@ -33,6 +33,14 @@ def adapter(engine: str):
     return mod
 
 
+def _checked_version(mod, engine: str, version: str | None) -> str:
+    """An adapter that reads releases by rule (TensorRT-LLM) checks its own; others list labels."""
+    own = getattr(mod, "check_version", None)
+    if own is not None:
+        return own(version)
+    return F.check_version(engine, version, mod.VERSIONS, mod.DEFAULT_VERSION)
+
+
 @dataclass(frozen=True, slots=True)
 class Exported:
     text: str
@@ -53,7 +61,7 @@ def export_plan(
     from ..modes import resolve_mode
 
     mod = adapter(engine)
-    version = F.check_version(engine, version, mod.VERSIONS, mod.DEFAULT_VERSION)
+    version = _checked_version(mod, engine, version)
     fmt = fmt or mod.FORMATS[0]
     if fmt not in mod.FORMATS:
         raise F.input_error(
@@ -102,7 +110,7 @@ def import_plan(
     from .. import compile_plan
 
     mod = adapter(engine)
-    version = F.check_version(engine, version, mod.VERSIONS, mod.DEFAULT_VERSION)
+    version = _checked_version(mod, engine, version)
     given = [k for k, v in (("args", args), ("--config", config), ("--log", log)) if v is not None]
     if len(given) != 1:
         raise F.input_error(

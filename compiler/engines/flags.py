@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..errors import Diagnostic, PlanError, did_you_mean
+from ..records import decode_token_range
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 LOST = "engine-lost-feature"
@@ -150,7 +151,7 @@ def read_flags(
                 1,
                 col,
             )
-        value, used = _value(spec, name, values, where, file, col)
+        value, used = flag_value(spec, values, where, file, col)
         shown = [] if spec.kind == "json" or eq else values[:used]
         out[spec.key] = Setting(value, " ".join([name if spec.kind == "json" else word] + shown))
         i = i + 1 + (used if not eq else 0)
@@ -161,7 +162,7 @@ def _is_flag(word: str) -> bool:
     return word.startswith("-") and not word.lstrip("-").replace(".", "").isdigit()
 
 
-def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col: int):
+def flag_value(spec: Flag, values: list[str], where: str, file: str, col: int):
     if spec.kind in ("bool", "negbool"):
         if values and values[0].lower() in ("true", "false", "1", "0"):
             on = values[0].lower() in ("true", "1")
@@ -175,18 +176,37 @@ def _value(spec: Flag, name: str, values: list[str], where: str, file: str, col:
         parts = [p for v in values for p in v.replace(",", " ").split()]
         return [to_int(p, where, spec.lo, spec.hi, file, col) for p in parts], len(values)
     if spec.kind == "json":
-        try:
-            return json.loads(values[0]), 1
-        except json.JSONDecodeError as e:
-            raise input_error(
-                file,
-                "bad-json",
-                f"{where}: not JSON ({e.msg} at character {e.pos + 1})",
-                "quote it: --flag '{\"key\": 1}'",
-                1,
-                col,
-            ) from None
+        return json_value(values[0], where, file, 1, col), 1
     return values[0], 1
+
+
+def json_value(text: str, where: str, file: str, line: int = 1, col: int = 0):
+    """A flag's JSON argument under the plan's bounds (depth, size, finite numbers: a 100k-deep
+    ``[[[...`` is a located error, never a RecursionError)."""
+    from ..limits import check_value
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise input_error(
+            file,
+            "bad-json",
+            f"{where}: not JSON ({e.msg} at character {e.pos + 1})",
+            "quote it: --flag '{\"key\": 1}'",
+            line,
+            col,
+        ) from None
+    except (RecursionError, ValueError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise input_error(
+            file, "bad-json", f"{where}: not JSON a plan can use ({why})", "", line, col
+        ) from None
+    try:
+        check_value(value, file, where)
+    except PlanError as e:
+        d = e.diagnostics[0]
+        raise input_error(file, d.code, f"{where}: {d.message}", d.hint, line, col) from None
+    return value
 
 
 def to_int(text, where: str, lo: int, hi: int, file: str, col: int = 0, line: int = 1) -> int:
@@ -244,7 +264,7 @@ def shell_lines(pairs: list[tuple[str, object]]) -> list[str]:
     return out
 
 
-# -- config files whose keys are flag names (vLLM and SGLang ``--config`` YAML) -----------------
+# -- config files whose keys are flag names (vLLM and SGLang ``--config`` YAML; flag_reader) ------
 
 
 def read_yaml_file(path: str) -> tuple[object, dict]:
@@ -259,61 +279,7 @@ def read_yaml_file(path: str) -> tuple[object, dict]:
     return parse_yaml(text, path)
 
 
-def read_flag_config(
-    path: str,
-    flags: dict,
-    ignored: set,
-    removed: dict,
-    engine: str,
-    allow_unknown: bool,
-    normalise=lambda name: name,
-) -> tuple[dict, list]:
-    """A ``key: value`` config whose keys are the engine's flag names without dashes."""
-    data, pos = read_yaml_file(path)
-    if not isinstance(data, dict):
-        raise input_error(path, "not-a-mapping", "expected `flag-name: value` lines", "", 1, 1)
-    out, notes = {}, []
-    for key, value in data.items():
-        line, col = pos.get((key, "<key>"), (0, 0))
-        name = normalise("--" + str(key))
-        where = f"{key}"
-        if name in removed:
-            raise input_error(
-                path, "flag-not-in-version", f"{where}: {removed[name]}", "", line, col
-            )
-        spec = flags.get(name)
-        if spec is None:
-            if name in ignored:
-                continue
-            hint = did_you_mean(name, list(flags) + sorted(ignored))
-            if allow_unknown:
-                notes.append(
-                    Diagnostic(
-                        code=NOTE,
-                        message=f"{where}: unknown {engine} key ignored",
-                        hint=hint,
-                        file=path,
-                        line=line,
-                        col=col,
-                    )
-                )
-                continue
-            raise input_error(
-                path,
-                "unknown-flag",
-                f"{where}: not a {ENGINE_NAMES[engine]} setting graphplan knows",
-                (hint + "; " if hint else "") + "pass --ignore-unknown to skip it",
-                line,
-                col,
-            )
-        vline, vcol = pos.get((key,), (line, col))
-        out[spec.key] = Setting(
-            _config_value(spec, value, where, path, vline, vcol), f"{path}:{vline} {key}"
-        )
-    return out, notes
-
-
-def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
+def config_value(spec: Flag, value, where: str, path: str, line: int, col: int):
     if spec.kind in ("bool", "negbool"):
         if not isinstance(value, bool):
             raise input_error(
@@ -326,27 +292,24 @@ def _config_value(spec: Flag, value, where: str, path: str, line: int, col: int)
         items = value if isinstance(value, list) else str(value).replace(",", " ").split()
         return [to_int(v, where, spec.lo, spec.hi, path, col, line) for v in items]
     if spec.kind == "json" and isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise input_error(
-                path, "bad-json", f"{where}: not JSON ({e.msg})", "", line, col
-            ) from None
+        return json_value(value, where, path, line, col)
     return value
 
 
 def split_routines(sizes, q: int, seqs: int, mode: str) -> tuple[list[int], list[int], str]:
     """A plan's one size list -> (decode batch sizes in requests, piecewise token counts, a
     problem) for engines that keep separate decode (requests) and prefill (tokens) lists."""
-    decode = [s for s in sizes if q <= s <= q * seqs] if mode.startswith("FULL_") else []
+    decode_range = decode_token_range(q, seqs)
+    first, last = decode_range[0], decode_range[-1]  # bounds: sizes off the range are reported
+    decode = [s for s in sizes if first <= s <= last] if mode.startswith("FULL_") else []
     problem = ""
-    if any(s % q for s in decode):
+    if any(s not in decode_range for s in decode):
         problem = f"decode graphs at sizes that are not multiples of q={q}"
     pieces = list(sizes) if mode == "FULL_AND_PIECEWISE" else []
     top = decode[-1] if decode else 0
-    if pieces and top < q * seqs and pieces[-1] > top:
+    if pieces and top < last and pieces[-1] > top:
         problem = (
-            f"PIECEWISE graphs for decode batches of {top + q}..{min(q * seqs, pieces[-1])}"
+            f"PIECEWISE graphs for decode batches of {top + q}..{min(last, pieces[-1])}"
             " tokens (above the largest decode size; the engine runs them without a graph)"
         )
     return [s // q for s in decode], pieces, problem
@@ -384,7 +347,7 @@ def engine_routines(
                 version,
                 "cudagraph.capture_sizes",
                 problem,
-                f"add size {q * seqs} or drop the sizes above it",
+                f"add size {decode_token_range(q, seqs)[-1]} or drop the sizes above it",
             )
         )
     return mode, bs, pieces

@@ -10,12 +10,14 @@ fixed grammar; it never evaluates anything (no ``eval``, no ``ast.literal_eval``
     dict   := '{' [value ':' value (',' value ':' value)* [',']] '}'
     list   := '[' [value (',' value)* [',']] ']'        tuple := '(' ... ')'
     enum   := '<' dotted ':' value '>'                 -> Enum(name, member, value)
+            | '<' ... '>' (any other repr, e.g. <class 'x.Y'>, balanced) -> Name(text)
     call   := dotted '(' [arg (',' arg)*] ')'           arg := [ident '='] value -> Call
     name   := dotted identifier: True/False/None, true/false/null, inf/nan, or kept as Name
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MAX_DEPTH = 64
@@ -186,14 +188,25 @@ class _Reader:
             self.fail("expected a name")
         return self.s[start : self.i]
 
-    def _enum(self) -> Enum:
+    def _enum(self):
+        start = self.i
         self.expect("<")
-        dotted = self.dotted()
-        cls, _, member = dotted.rpartition(".")
-        self.expect(":")
-        value = self.value()
-        self.expect(">")
-        return Enum(cls, member, value)
+        try:
+            dotted = self.dotted()
+            cls, _, member = dotted.rpartition(".")
+            self.expect(":")
+            value = self.value()
+            self.expect(">")
+            return Enum(cls, member, value)
+        except ReprError:  # <class 'x.Y'>, <function f at 0x...>: kept as text, never read
+            self.i, level = start, 0
+            while self.i < len(self.s) and self.s[self.i] != "\n":
+                level += {"<": 1, ">": -1}.get(self.s[self.i], 0)
+                self.i += 1
+                if level == 0:
+                    return Name(self.s[start : self.i])
+            self.i = start
+            self.fail("a '<...>' repr is not closed")
 
     def _name_or_call(self):
         name = self.dotted()
@@ -241,6 +254,60 @@ def parse_kwargs(text: str, pos: int = 0) -> dict:
         elif r.peek():
             r.fail(f"expected ',' after {key}=..., found {r.s[r.i]!r}")
     return out
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=(?!=)")
+_OPEN = {"(": ")", "[": "]", "{": "}", "<": ">"}
+
+
+def split_kwargs(text: str, pos: int = 0) -> tuple[list[tuple[str, str, int]], str]:
+    """``name=value, name=value, ...`` -> ([(name, value text, offset of the value)], head):
+    the split is made at top-level commas that start ``name=`` (outside quotes and brackets), so
+    a value may be anything vLLM prints, quoted or not (``served_model_name=org/model``,
+    ``model=/path``, ``dtype=torch.bfloat16``). ``head`` is text before the first ``name=``
+    (a line whose beginning is missing). Bounded: MAX_CHARS, MAX_DEPTH; never recursive."""
+    if len(text) > MAX_CHARS:
+        raise ReprError(f"{len(text)} characters is too long to be a config", 0)
+    starts, stack, quote, last, i, n = [], [], "", "", pos, len(text)
+    first = _IDENT.match(text, _skip_ws(text, pos))
+    if first:
+        starts.append(first.start())
+    while i < n:
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"" and last in ("", "=", "[", "{", "(", ",", ":"):
+            quote = ch  # a quote opens a string only where a value starts
+        elif ch in _OPEN and (ch != "<" or text[i + 1 : i + 2].isalpha()):
+            stack.append(_OPEN[ch])
+            if len(stack) > MAX_DEPTH:
+                raise ReprError(f"nested more than {MAX_DEPTH} levels", i)
+        elif stack and ch == stack[-1]:
+            stack.pop()
+        elif ch == "," and not stack:
+            m = _IDENT.match(text, _skip_ws(text, i + 1))
+            if m:
+                starts.append(m.start())
+        if ch not in " \t":
+            last = ch
+        i += 1
+    out = []
+    for k, start in enumerate(starts):
+        eq = text.index("=", start)
+        end = starts[k + 1] if k + 1 < len(starts) else n
+        value = text[eq + 1 : end].rstrip()
+        out.append((text[start:eq], value.removesuffix(",").strip(), eq + 1))
+    head = text[pos : starts[0]] if starts else text[pos:]
+    return out, head.strip()
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    return i
 
 
 def plain(value):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..records import decode_token_range
 from . import flags as F
 from .draft import Draft
 from .flags import Flag
@@ -42,20 +43,6 @@ FLAGS = {
     "--enable-lora": Flag("enable_lora", "bool"),
     "--max-loras-per-batch": Flag("max_loras_per_batch", "int", 1, 256),
 }
-IGNORED = set(
-    """--model-path --model --tokenizer-path --host --port --tp-size --tp
---tensor-parallel-size --dp --ep-size --ep --pp-size --mem-fraction-static --trust-remote-code
---dtype --quantization --kv-cache-dtype --context-length --attention-backend
---decode-attention-backend --prefill-attention-backend --sampling-backend --served-model-name
---enable-dp-attention --enable-dp-lm-head --moe-a2a-backend --moe-runner-backend --deepep-mode
---moe-dense-tp-size --disable-radix-cache --schedule-policy --disable-overlap-schedule
---watchdog-timeout --log-requests --log-requests-level --decode-log-interval --nnodes --node-rank
---dist-init-addr --page-size --random-seed --stream-interval --enable-metrics --lora-paths
---max-lora-rank --lora-backend --speculative-draft-model-path --speculative-num-steps
---speculative-eagle-topk --torch-compile-max-bs --enable-torch-compile --api-key
---chat-template --reasoning-parser --tool-call-parser --enable-mixed-chunk
---piecewise-cuda-graph-compiler --cuda-graph-backend-prefill""".split()
-)
 REMOVED = {
     "0.5": {
         "--cuda-graph-bs-prefill": "SGLang 0.5 spells it --piecewise-cuda-graph-tokens "
@@ -104,7 +91,7 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
                     version,
                     "cudagraph.capture_sizes",
                     "graphs without decode graphs",
-                    f"add a size between {q} and {q * s.max_num_seqs}",
+                    f"add a size between {q} and {decode_token_range(q, s.max_num_seqs)[-1]}",
                 )
             )
     else:
@@ -169,17 +156,31 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
 
 
 def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
-    return F.read_flags(
-        F.tokens_of(words), FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, file, allow_unknown
+    """Flags -> settings; every option of the release (``flags_data/sglang-<version>.json``) is
+    read, abbreviations as SGLang's argparse parser reads them."""
+    from . import flag_reader
+    from .cli_options import load
+
+    return flag_reader.read_args(
+        F.tokens_of(words),
+        FLAGS,
+        load(ENGINE, version),
+        REMOVED.get(version, {}),
+        ENGINE,
+        file,
+        allow_unknown,
     )
 
 
 def read_config(path: str, version: str, allow_unknown: bool):
     """A YAML/JSON of ServerArgs fields or flag names (``cuda_graph_max_bs: 256``)."""
-    return F.read_flag_config(
+    from . import flag_reader
+    from .cli_options import load
+
+    return flag_reader.read_config(
         path,
         FLAGS,
-        IGNORED,
+        load(ENGINE, version),
         REMOVED.get(version, {}),
         ENGINE,
         allow_unknown,

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 
+from ..sizes import trtllm_filtered, trtllm_generated
 from . import flags as F
+from . import trtllm_versions as V
 from .draft import Draft
 from .flags import Flag
+from .trtllm_versions import DEFAULT_VERSION, VERSIONS, check_version  # noqa: F401 (API)
 
 ENGINE = "trtllm"
-VERSIONS = {
-    "1.0": "TensorRT-LLM 1.0: cuda_graph_config {batch_sizes, max_batch_size, "
-    "enable_padding}; padded default list doubles after 128",
-    "main": "TensorRT-LLM after PR #12895 (2026-04): padded default list steps by 64 after 128",
-}
-DEFAULT_VERSION = "1.0"
 FORMATS = ("yaml", "args", "json")
 BIG = 1 << 20
 FLAGS = {
@@ -311,37 +308,33 @@ def to_draft(settings: dict, version: str) -> Draft:
     return d
 
 
-def default_batch_sizes(max_bs: int, padding: bool, version: str) -> list[int]:
-    """CudaGraphConfig._generate_cuda_graph_batch_sizes for a version (requests)."""
-    if padding and version == "1.0":
-        bs = [1, 2, 4] + list(range(8, 129, 8))
-        bs += [2**i for i in range(8, (max_bs - 1).bit_length())]  # powers of two below max
-    elif padding:
-        bs = [1, 2, 4] + list(range(8, 129, 8))
-        while bs[-1] + 64 <= max_bs:
-            bs.append(bs[-1] + 64)
-    else:
-        bs = list(range(1, 32)) + [32, 64, 128]
-        bs += [2**i for i in range(8, (max_bs - 1).bit_length())]
-    bs = sorted(b for b in set(bs) if b <= max_bs)
-    return bs + ([max_bs] if not bs or bs[-1] != max_bs else [])
-
-
 def finish_sizes(d: Draft, version: str) -> None:
+    """Capture sizes as TensorRT-LLM builds them: ``batch_sizes``, or the release's generated
+    list for ``cuda_graph_config.max_batch_size`` (default 128); then its model engine's filter
+    at ``min(max_batch_size, max_num_tokens // q)`` (``compiler.sizes.trtllm_filtered``)."""
     if "cudagraph.capture_sizes" in d.values or d.values["cudagraph.mode"] == "NONE":
         d.assume("cudagraph.capture_sizes", [], "CUDA graphs off")
         return
     graph, src, tc = d.pending
     seqs, q = d.values["scheduler.max_num_seqs"], d.values["scheduler.decode_query_len"]
+    tokens = d.values["scheduler.max_num_batched_tokens"]
     graph = graph or {}
-    top = min(graph.get("max_batch_size") or 128, seqs)
     padding = bool(graph.get("enable_padding", False))
     if graph.get("batch_sizes"):
-        bs, why = sorted(set(graph["batch_sizes"])), f"{src} batch_sizes (x q tokens)"
+        given, why = sorted(set(graph["batch_sizes"])), f"{src} batch_sizes (x q tokens)"
     else:
-        bs = default_batch_sizes(top, padding, version)
-        why = f"TensorRT-LLM {version} default list, max_batch_size {top}" + (
-            ", padded" if padding else ""
+        top, rule = graph.get("max_batch_size") or 128, V.size_rule(version)
+        given = trtllm_generated(top, padding, rule)
+        why = (
+            f"TensorRT-LLM {version} default list for max_batch_size {top}"
+            f"{', padded' if padding else ''} ({V.RULE_TEXT[rule]})"
+        )
+        if V.rule_note(version):
+            d.note(V.rule_note(version), "pass the --engine-version of the release you run")
+    kept = trtllm_filtered(given, seqs, tokens, q, padding)
+    if kept != given:
+        why += f", cut at min(max_batch_size {seqs}, max_num_tokens {tokens} // {q})" + (
+            " with the cap added (padding)" if padding and kept and kept[-1] not in given else ""
         )
     if not padding:
         d.note(
@@ -349,10 +342,11 @@ def finish_sizes(d: Draft, version: str) -> None:
             "eagerly; graphplan pads it to the next captured size",
             "export sets enable_padding: true",
         )
-    sizes = {b * q for b in bs if b <= seqs}
+    sizes = {b * q for b in kept}
     if d.values["cudagraph.mode"] == "FULL_AND_PIECEWISE":
-        tokens = tc.get("capture_num_tokens") or bs
-        sizes |= set(tokens)
+        # the engine's piecewise token counts: capture_num_tokens, else the config's batch sizes
+        pieces = tc.get("capture_num_tokens") or given
+        sizes |= {n for n in pieces if n <= tokens}
         why += (
             " united with torch_compile_config.capture_num_tokens"
             if tc.get("capture_num_tokens")

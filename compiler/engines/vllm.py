@@ -1,6 +1,7 @@
 """vLLM adapter: a plan -> ``vllm serve`` flags / ``--config`` YAML / EngineArgs JSON, and vLLM
 flags, config files and (``vllm_log``) logs -> a plan. The rules vLLM applies to what it reads live
-in ``vllm_rules``; flag names are checked against vLLM's source (docs/engines.md).
+in ``vllm_rules``; ``FLAGS`` are the options that shape graphs, every other option of the release
+(``flags_data/vllm-<version>.json``) is accepted and ignored (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -35,33 +36,13 @@ FLAGS = {
     "--no-enforce-eager": Flag("enforce_eager", "negbool"),
     "--compilation-config": Flag("compilation_config", "json"),
     "-cc": Flag("compilation_config", "json"),
+    "-O": Flag("compilation_config", "json"),  # 0.11; later -O<n> is --optimization-level
     "--cudagraph-capture-sizes": Flag("cudagraph_capture_sizes", "ints", 1, 1 << 20),
     "--max-cudagraph-capture-size": Flag("max_cudagraph_capture_size", "int", 1, 1 << 20),
     "--cuda-graph-sizes": Flag("cuda_graph_sizes", "ints", 1, 1 << 20),
     "--optimization-level": Flag("optimization_level", "int", 0, 3),
+    "--performance-mode": Flag("performance_mode", "str"),
 }
-# Flags vLLM has that do not shape CUDA graphs (their values are skipped).
-IGNORED = set(
-    """--model --host --port --served-model-name --tensor-parallel-size -tp
---pipeline-parallel-size -pp --gpu-memory-utilization --max-model-len --trust-remote-code --dtype
---quantization -q --kv-cache-dtype --enable-prefix-caching --no-enable-prefix-caching
---enable-chunked-prefill --no-enable-chunked-prefill --task --limit-mm-per-prompt
---disable-custom-all-reduce --max-log-len --seed --download-dir --lora-modules --max-lora-rank
---max-cpu-loras --lora-dtype --fully-sharded-loras --enable-expert-parallel -ep --all2all-backend
---async-scheduling --no-async-scheduling --block-size --swap-space --api-key --chat-template
---tokenizer --tokenizer-mode --revision --load-format --attention-backend --uvicorn-log-level
---disable-log-requests --disable-log-stats --enable-log-requests --enable-auto-tool-choice
---tool-call-parser --reasoning-parser --kv-transfer-config --distributed-executor-backend
---max-num-partial-prefills --long-prefill-token-threshold --scheduling-policy --hf-overrides
---generation-config --override-generation-config --mm-processor-kwargs --enable-sleep-mode
---model-impl --data-parallel-rank -dpn --data-parallel-start-rank -dpr --data-parallel-size-local
--dpl --data-parallel-address -dpa --data-parallel-rpc-port -dpp --data-parallel-backend -dpb
---data-parallel-hybrid-lb --data-parallel-external-lb --headless --enable-eplb --eplb-config
---disable-nccl-for-dp-synchronization --ubatch-size --allowed-origins --root-path --ssl-keyfile
---ssl-certfile --max-seq-len-to-capture --num-gpu-blocks-override --cpu-offload-gb
---disable-sliding-window --disable-cascade-attn --enable-prompt-embeds --structured-outputs-config
---kv-events-config --additional-config --cuda-graph-max-size""".split()
-)
 # Flags a version lacks: flag -> why (an error: the engine would refuse it).
 REMOVED = {
     "0.11": {
@@ -98,6 +79,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
         )
     if mode == "NONE" or not sizes:
         out["enforce_eager"] = True
+        if lora.enabled:  # eager keeps the LoRA setting: a re-import must read the same plan
+            out["compilation_config"] = {"cudagraph_specialize_lora": lora.separate_base}
         if mode != "NONE":
             diags.append(
                 F.note(
@@ -227,7 +210,9 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
     lines = F.shell_lines(
         [("--" + k, json.loads(v) if k.endswith("config") else v) for k, v in pairs]
     )
-    use = "# use: vllm serve MODEL $(grep -v '^#' this.args)"
+    # the whole command on one line, each word shell-quoted: pasted into a shell, the JSON of
+    # --compilation-config stays one argument (``$(cat this.args)`` would split it into words)
+    use = "# use: " + " ".join(["vllm serve MODEL"] + lines)
     return f"# {head}\n{use}\n" + "\n".join(lines) + "\n"
 
 
@@ -235,36 +220,41 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
 
 
 def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
-    """Flags -> settings; ``-cc.key=value`` and ``-O<n>`` spellings are folded in."""
-    plain, dotted, level = [], {}, None
-    for w in F.tokens_of(words):
-        head, eq, value = w.partition("=")
-        if head.startswith(("-cc.", "--compilation-config.")) and eq:
-            key = head.split(".", 1)[1]
-            try:
-                dotted[key] = F.Setting(json.loads(value), w)
-            except json.JSONDecodeError:
-                dotted[key] = F.Setting(value, w)
-        elif len(w) == 3 and w.startswith("-O") and w[2].isdigit():
-            level = F.Setting(int(w[2]), w)
-        else:
-            plain.append(w)
-    settings, notes = F.read_flags(
-        plain, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, file, allow_unknown, normalise
+    """Flags -> settings, after the rewriting vLLM's FlexibleArgumentParser does first."""
+    from . import flag_reader
+    from .cli_options import load
+    from .vllm_args import flexible
+
+    words, folded = flexible(F.tokens_of(words), version)
+    settings, notes = flag_reader.read_args(
+        words,
+        FLAGS,
+        load(ENGINE, version),
+        REMOVED.get(version, {}),
+        ENGINE,
+        file,
+        allow_unknown,
+        normalise,
     )
-    if level:
-        settings["optimization_level"] = level
-    if dotted:
-        cc = dict(settings["compilation_config"].value) if "compilation_config" in settings else {}
-        cc.update({k: s.value for k, s in dotted.items()})
-        settings["compilation_config"] = F.Setting(cc, " ".join(s.source for s in dotted.values()))
+    if "compilation_config" in settings and folded:
+        cc = settings["compilation_config"]
+        settings["compilation_config"] = F.Setting(cc.value, folded)
     return settings, notes
 
 
 def read_config(path: str, version: str, allow_unknown: bool):
     """``vllm serve --config`` YAML: keys are flag names (``max-num-seqs: 128``)."""
-    return F.read_flag_config(
-        path, FLAGS, IGNORED, REMOVED.get(version, {}), ENGINE, allow_unknown, normalise
+    from . import flag_reader
+    from .cli_options import load
+
+    return flag_reader.read_config(
+        path,
+        FLAGS,
+        load(ENGINE, version),
+        REMOVED.get(version, {}),
+        ENGINE,
+        allow_unknown,
+        normalise,
     )
 
 

@@ -27,8 +27,11 @@ def to_draft(settings: dict, version: str) -> Draft:
             "chunked prefill; give --set scheduler.max_num_batched_tokens=N",
         ),
     ):
+        perf = get("performance_mode")
         if key in settings:
             d.put(f"scheduler.{key}", settings[key].value, settings[key].source)
+        elif perf and perf.value == "throughput" and version not in ("0.11", "0.15"):
+            d.put(f"scheduler.{key}", 2 * default, f"twice the default {default} ({perf.source})")
         else:
             d.assume(f"scheduler.{key}", default, why)
     spec = get("speculative_config")
@@ -72,8 +75,21 @@ def to_draft(settings: dict, version: str) -> Draft:
 
 
 def _mode(d: Draft, settings: dict, cc: dict, src: str) -> None:
+    compile_mode = cc.get("mode", cc.get("level"))  # CompilationMode (0.11+) / level (older)
+    asked = str(cc.get("cudagraph_mode") or "FULL_AND_PIECEWISE").upper()
     if settings.get("enforce_eager") and settings["enforce_eager"].value:
         d.put("cudagraph.mode", "NONE", settings["enforce_eager"].source)
+    elif (
+        compile_mode is not None
+        and str(compile_mode) not in ("3", "VLLM_COMPILE", "PIECEWISE")
+        and asked in ("PIECEWISE", "FULL_AND_PIECEWISE")
+    ):
+        d.put(
+            "cudagraph.mode",
+            "NONE",
+            f"compilation_config mode {compile_mode} ({src}): vLLM captures piecewise graphs "
+            "only with mode 3 (VLLM_COMPILE) and then captures none",
+        )
     elif cc.get("cudagraph_mode") is not None:
         mode = str(cc["cudagraph_mode"]).upper()
         if mode not in ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
@@ -205,8 +221,11 @@ def finish_sizes(d: Draft, version: str) -> None:
             if top_in is not None
             else "min(2 * q * max_num_seqs, 512, max_num_batched_tokens)"
         )
+        perf = settings.get("performance_mode")
+        sizes = R.default_sizes_for(version, top, tokens, perf.value if perf else "")
+        extra = "" if sizes == R.default_sizes(top) else " (with vLLM 0.23's additions)"
         d.put(
             "cudagraph.capture_sizes",
-            R.default_sizes(top),
-            f"vLLM {version} default list [1, 2, 4] + 8../8 + 256../16 up to {top} = {why}",
+            sizes,
+            f"vLLM {version} default list [1, 2, 4] + 8../8 + 256../16 up to {top} = {why}" + extra,
         )

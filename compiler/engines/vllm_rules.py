@@ -12,8 +12,11 @@ from dataclasses import dataclass
 VERSIONS = {
     "0.11": "vLLM 0.11.x: cudagraph_mode, max_cudagraph_capture_size, cudagraph_specialize_lora, "
     "DBO flags; no per-count LoRA graphs",
-    "0.15": "vLLM after PR #32005 (2026-01): adds --specialize-active-lora (LoRA graphs per "
-    "active-adapter count)",
+    "0.15": "vLLM after PR #32005 (2026-01, first released in 0.16.0): adds "
+    "--specialize-active-lora (LoRA graphs per active-adapter count)",
+    "0.23": "vLLM 0.23: as 0.15, and the default list also captures max_num_batched_tokens when "
+    "it caps the list; --performance-mode interactivity starts it with every size 1..32, "
+    "throughput doubles the default max_num_seqs and max_num_batched_tokens",
 }
 DEFAULT_VERSION = "0.11"
 ATTENTION_OPS = (
@@ -59,6 +62,19 @@ def default_sizes(top: int) -> list[int]:
         + list(range(8, min(top + 1, 256), 8))
         + list(range(256, top + 1, 16))
     )
+
+
+def default_sizes_for(version: str, top: int, tokens: int, performance_mode: str = "") -> list:
+    """The default list of a release: 0.23 (``_set_cudagraph_sizes``) starts with 1..min(top, 32)
+    in ``interactivity`` mode and adds ``max_num_batched_tokens`` when it is at most ``top``."""
+    sizes = default_sizes(top)
+    if version in ("0.11", "0.15"):
+        return sizes
+    if performance_mode == "interactivity":
+        sizes = list(range(1, min(top, 32) + 1)) + sizes
+    if tokens <= top:
+        sizes.append(tokens)
+    return sorted(set(sizes))
 
 
 def explicit_sizes(sizes, max_num_batched_tokens: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..records import RuntimeMode
+from ..records import RuntimeMode, decode_token_range, padded_num_reqs
 from ..table import DispatchTable
 from .summary import coverage
 
@@ -61,10 +61,9 @@ def _route_label(t: DispatchTable, n: int, uniform: bool) -> str:
     if n > t.max_tokens:
         return "out of range"
     if uniform:
-        r = n // t.q
-        if r > t.max_num_seqs:
+        if n not in decode_token_range(t.q, t.max_num_seqs):
             return "out of range"
-        route = t.route(n, r, t.q)
+        route = t.route(n, padded_num_reqs(n, t.max_num_seqs, t.q), t.q)
     else:
         route = t.route(n)
     return (
@@ -79,7 +78,7 @@ def _changes(a: DispatchTable, b: DispatchTable, kind: str) -> list[RouteChange]
     step = a.q if uniform else 1
     top = max(a.max_tokens, b.max_tokens)
     if uniform:
-        top = min(top, step * max(a.max_num_seqs, b.max_num_seqs))
+        top = min(top, decode_token_range(a.q, max(a.max_num_seqs, b.max_num_seqs))[-1])
     out: list[RouteChange] = []
     for n in range(step, top + 1, step):
         before, after = _route_label(a, n, uniform), _route_label(b, n, uniform)

@@ -20,6 +20,15 @@ and fit ``bytes = per_graph_bytes + per_token_bytes * num_tokens`` by least squa
      "device": str, "per_graph_bytes": float, "per_token_bytes": float,
      "base_bytes": float (optional, default 0), "samples": [[num_tokens, bytes], ...]}
 
+Capture time follows the same shape: every graph is one warm-up run and one capture, about the
+same cost whatever its size (the model's kernels are launched once either way), so
+
+    capture seconds ~= base_capture_seconds + per_graph_capture_seconds * num_graphs
+
+with the two coefficients from the profile when its calibration measured them
+(``runtime/calibrate.py`` times the shared-pool captures), else ``DEFAULT_CAPTURE_SECONDS`` per
+graph. ``plan optimize --budget-capture-seconds`` turns a time budget into a graph budget with it.
+
 Without a profile, ``DEFAULT_PROFILE`` is used (an order-of-magnitude figure for an 8B-class bf16
 model; outputs say so). The profile's file format (what the runtime's calibration writes) is
 ``compiler/profile_format.py``.
@@ -48,6 +57,8 @@ __all__ = [
     "load_profile",
     "save_profile",
     "fit_profile",
+    "capture_model",
+    "capture_seconds",
     "estimate",
     "estimate_lines",
     "DEFAULT_PROFILE",
@@ -70,6 +81,30 @@ DEFAULT_PROFILE = {
     "samples": [],
 }
 """Used when no calibrated profile is given; calibrate with the runtime for real numbers."""
+
+
+DEFAULT_CAPTURE_SECONDS = 0.1
+"""Seconds per graph when no calibration measured it: an order of magnitude for an 8B-class model
+(a warm-up run plus a capture of tens of kernels per layer); the tiny Llama of the benchmarks
+takes 0.009-0.014 s per graph on an H100 (bench/results/capture_bench.md: 51 graphs in
+0.44-0.71 s). Calibrate for real numbers."""
+
+
+def capture_model(profile: dict | None) -> tuple[float, float, str]:
+    """(base seconds, seconds per graph, where they come from)."""
+    if profile is not None and "per_graph_capture_seconds" in profile:
+        return (
+            profile.get("base_capture_seconds", 0.0),
+            profile["per_graph_capture_seconds"],
+            profile.get("source", "the given profile"),
+        )
+    return 0.0, DEFAULT_CAPTURE_SECONDS, f"the default {DEFAULT_CAPTURE_SECONDS:g} s per graph"
+
+
+def capture_seconds(profile: dict | None, num_graphs: int) -> float:
+    """Estimated seconds to capture ``num_graphs`` graphs (0 for none)."""
+    base, per_graph, _ = capture_model(profile)
+    return base + per_graph * num_graphs if num_graphs > 0 else 0.0
 
 
 def fit_profile(samples, model_fingerprint: str, device: str) -> dict:
@@ -173,9 +208,14 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
         f"because every graph shares one pool captured largest first and smaller graphs reuse "
         f"its blocks; total {total / MIB:.1f} MiB, from {where}."
     )
+    cap_base, cap_per_graph, cap_source = capture_model(profile)
     return {
         "total_bytes": total,
         "total_mib": total / MIB,
+        "capture_seconds": capture_seconds(profile, n),
+        "capture_explanation": f"{n} graphs x {cap_per_graph:.3g} s"
+        + (f" + {cap_base:.3g} s once" if cap_base else "")
+        + f", from {cap_source}",
         "num_graphs": n,
         "largest_graph_tokens": largest,
         "overhead_bytes": int(round(overhead)),
@@ -202,4 +242,7 @@ def estimate_lines(est: dict) -> list[str]:
             f"{m['bytes'] / MIB:.1f} MiB alone"
         )
     out.append(f"  {est['explanation']}")
+    out.append(
+        f"capture time (estimate): {est['capture_seconds']:.2f} s ({est['capture_explanation']})"
+    )
     return out

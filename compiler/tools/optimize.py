@@ -4,8 +4,10 @@ Objective. Given a trace and a plan, choose capture sizes S minimising the *padd
 ``sum over steps that land on a graph of (padded_tokens - num_tokens)``, where a step routes as in
 ``compiler.trace.step_route``. Subject to:
 - graphs: the table compiled with S has at most ``max_graphs`` graphs (all routines, LoRA cases
-  and ubatch variants counted), and, with ``memory_budget``, the memory model
-  (``compiler.memory``) fits: ``per_graph * graphs + per_token * max(S) <= budget``;
+  and ubatch variants counted); with ``memory_budget``, the memory model (``tools.memory``)
+  fits: ``base + per_graph * graphs + per_token * max(S) <= budget``; with ``capture_budget``,
+  the capture-time model fits: ``base_capture + per_graph_capture * graphs <= seconds``. Each is
+  a graph count (the largest size is fixed), so the DP runs under the smallest;
 - coverage: ``max(S) = top``, by default the plan's current largest size (``--max-size`` moves it),
   so the steps above it run eager exactly as before; and every step at or below ``top`` gets the
   strongest runtime mode any legal size >= its token count would give it: no step is pushed to
@@ -16,6 +18,8 @@ Objective. Given a trace and a plan, choose capture sizes S minimising the *padd
   so are the plan's sizes below the trace's smallest step, so batches the trace never saw but a
   server still runs (a lone decode) pad as they did before rather than to the trace's smallest size.
 Ties go to the fewest graphs. Decode and mixed steps share the sizes, so both are priced together.
+The same DP gives the optimum under every smaller graph budget too: ``curve_graphs`` returns that
+trade-off curve (padded tokens against graphs) up to the given count.
 
 Exactness. An optimal S exists within the candidates: the observed token counts <= top (rounded
 up to legal sizes), the pins, ``top``, and the first legal size of every interval on which the
@@ -33,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphplanError
-from ..records import CudagraphMode, RuntimeMode
+from ..records import CudagraphMode, RuntimeMode, decode_token_range
 from ..table import DispatchTable
-from .memory import DEFAULT_PROFILE, check_profile
-from .size_dp import min_units, solve
+from .memory import DEFAULT_PROFILE, capture_model, check_profile
+from .size_dp import min_units, solve_with_curve
 from .trace import Padding, Workload, padding, step_route
 
 MAX_CANDIDATES = 4000
@@ -52,7 +56,9 @@ class Result:
     top: int
     graphs: int
     budget_graphs: int
-    """The graph limit the DP ran under: max_graphs, lowered by the memory budget if given."""
+    """The graph limit the DP ran under: the least of ``limits``."""
+    limits: dict
+    """Each budget given, as a graph count: {"--max-graphs": K, "--memory-budget": ..., ...}."""
     padded_tokens: int
     """The DP's optimum; equals ``after.padded_tokens``."""
     before: Padding
@@ -62,6 +68,9 @@ class Result:
     grid: int
     """Candidate grid step (1, or q, unless the trace had more than MAX_CANDIDATES sizes)."""
     notes: tuple[str, ...]
+    curve: tuple[tuple[int, int], ...] = ()
+    """(graph budget, least padded tokens within it) for every budget up to ``curve_graphs``
+    at which some size set fits, in steps of the LoRA case count."""
 
 
 def rank_start_sizes(after: Padding, sizes, k: int) -> tuple[int, ...]:
@@ -95,8 +104,10 @@ def optimize(
     pins=(),
     max_size=None,
     memory_budget=None,
+    capture_budget=None,
     profile=None,
     keep_small: bool = False,
+    curve_graphs: int | None = None,
 ) -> Result:
     """Tuned capture sizes for ``table``'s plan over ``work``; see the module docstring."""
     r = table.settings
@@ -132,13 +143,14 @@ def optimize(
         notes.append(f"the largest size is the pinned {pins[-1]} (above {top})")
         top = pins[-1]
     extra: list[int] = []
-    if r.mixed_mode is RuntimeMode.NONE and top > q * seqs:  # no graph above the decode range
-        extra = [p for p in pins if p > q * seqs]
+    decode_top = decode_token_range(q, seqs)[-1]
+    if r.mixed_mode is RuntimeMode.NONE and top > decode_top:  # no graph above the decode range
+        extra = [p for p in pins if p > decode_top]
         notes.append(
             f"mode {r.mode.name} has no mixed graphs: sizes stop at q*max_num_seqs="
-            f"{q * seqs}" + (f"; pinned {extra} kept, capturing nothing" if extra else "")
+            f"{decode_top}" + (f"; pinned {extra} kept, capturing nothing" if extra else "")
         )
-        top = q * seqs
+        top = decode_top
     pins = [p for p in pins if p <= top]
     if keep_small and len(work.tokens):
         smallest = int(work.tokens.min())
@@ -156,7 +168,7 @@ def optimize(
     # -- candidates ---------------------------------------------------------------------------
     observed = work.tokens[work.tokens <= top]
     ub = r.ubatch
-    starts = [step, q, q * seqs + 1] + ([ub.decode_token_threshold] if ub.enabled else [])
+    starts = [step, q, decode_top + 1] + ([ub.decode_token_threshold] if ub.enabled else [])
     fixed = set(int(s) for s in _ceil_to(starts, step) if s <= top) | set(pins) | {top}
     grid = step
     cand = np.union1d(_ceil_to(observed, grid), list(fixed))
@@ -231,32 +243,48 @@ def optimize(
     W, S = np.rint(W).astype(np.int64), np.rint(S).astype(np.int64)
 
     # -- budget ----------------------------------------------------------------------------------
-    budget = max_graphs
+    limits = {"--max-graphs": max_graphs}
     if memory_budget is not None:
-        profile = DEFAULT_PROFILE if profile is None else check_profile(profile)
-        per_graph = profile["per_graph_bytes"]
-        room = memory_budget - profile.get("base_bytes", 0.0) - profile["per_token_bytes"] * top
+        prof = DEFAULT_PROFILE if profile is None else check_profile(profile)
+        per_graph = prof["per_graph_bytes"]
+        room = memory_budget - prof.get("base_bytes", 0.0) - prof["per_token_bytes"] * top
         # what the graphs' overhead may use
         if room < 0:
             raise OptimizeError(
                 f"--memory-budget {memory_budget / 2**20:.1f} MiB: the activations "
                 f"of a {top}-token graph alone need "
-                f"{profile['per_token_bytes'] * top / 2**20:.1f} MiB"
+                f"{prof['per_token_bytes'] * top / 2**20:.1f} MiB"
             )
         if per_graph > 0:
-            budget = min(budget, int(room // per_graph))
+            limits["--memory-budget"] = int(room // per_graph)
+    if capture_budget is not None:
+        base, per_graph_s, source = capture_model(profile)
+        if not 0 < capture_budget < float("inf"):
+            raise OptimizeError(
+                f"--budget-capture-seconds {capture_budget:g}: give a number of seconds > 0"
+            )
+        if capture_budget < base:
+            raise OptimizeError(
+                f"--budget-capture-seconds {capture_budget:g}: capturing anything takes "
+                f"{base:g} s ({source})"
+            )
+        if per_graph_s > 0:
+            limits["--budget-capture-seconds"] = int((capture_budget - base) / per_graph_s + 1e-9)
+    why = min(limits, key=limits.get)
+    budget = limits[why]
     units = budget // n_cases
     need = min_units(weight, lo, units)
     if need is None:
         least = min_units(weight, lo, 1 << 62) * n_cases
-        why = "--max-graphs" if budget == max_graphs else "the memory budget"
         raise OptimizeError(
             f"{why} allows {budget} graphs; the largest size {top}"
             + (", the pinned sizes" if pins else "")
             + " and keeping every "
             f"step on its best graph need at least {least} (raise it)"
         )
-    cost, _, chosen = solve(cand, weight, lo, W, S, units)
+    best, costs = solve_with_curve(cand, weight, lo, W, S, units, (curve_graphs or 0) // n_cases)
+    cost, _, chosen = best
+    curve = tuple((k * n_cases, c) for k, c in enumerate(costs) if c is not None and k)
     sizes = sorted(set(int(cand[j - 1]) for j in chosen) | set(extra))
     after_table = _with_sizes(table.plan, sizes)
     return Result(
@@ -264,10 +292,12 @@ def optimize(
         top=top,
         graphs=len(after_table.graphs),
         budget_graphs=budget,
+        limits=limits,
         padded_tokens=cost,
         before=padding(table, work),
         after=padding(after_table, work),
         table=after_table,
         grid=grid,
         notes=tuple(notes),
+        curve=curve if curve_graphs else (),
     )

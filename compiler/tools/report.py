@@ -1,6 +1,8 @@
 """``plan report``: one self-contained HTML page about a compiled plan (no JavaScript, no external
 resources): the resolved plan, every diagnostic, the graphs in capture order, padding and graph
-charts as inline SVG, the memory estimate, and with a trace, the padding that workload pays.
+charts as inline SVG, the memory estimate, with a trace the padding that workload pays, and from
+``plan optimize --report`` the tuning: the plan's list against the tuned one (padding, graphs,
+capture time, memory) and the trade-off curve of padding against the graph budget.
 
 The page is rendered with Jinja2 from ``compiler/templates/report.html.j2`` (package data).
 """
@@ -9,14 +11,14 @@ from __future__ import annotations
 
 from importlib import resources
 
-from .. import report_charts as charts
 from ..fileio import write_atomic
-from ..records import RuntimeMode
+from ..records import RuntimeMode, decode_token_range, padded_num_reqs
 from ..table import DispatchTable
 from ..table_format import graph_json
-from .memory import MIB, estimate
+from . import report_charts as charts
+from .memory import MIB, capture_model, estimate
 from .summary import compact_sizes, coverage, padding_profile
-from .trace import Padding, Workload, padding
+from .trace import LeftOut, Padding, Workload, padding
 
 MAX_GRAPH_ROWS = 2000
 ROUTINE_LABEL = {
@@ -30,17 +32,17 @@ ROUTINE_LABEL = {
 def _limit(table: DispatchTable, routine: str) -> int:
     """Largest batch of a routine: decode batches have at most max_num_seqs requests."""
     if routine == "decode":
-        return min(table.max_tokens, table.q * table.max_num_seqs)
+        return min(table.max_tokens, decode_token_range(table.q, table.max_num_seqs)[-1])
     return table.max_tokens
 
 
 def _beyond(table: DispatchTable, routine: str, top: int) -> str:
     """Where the first batch above a routine's largest size goes."""
     if routine == "decode":
-        n = (top // table.q + 1) * table.q
+        n = (top // table.q + 1) * table.q  # the next multiple of q
         if n > _limit(table, routine):
             return ""
-        route = table.route(n, n // table.q, table.q)
+        route = table.route(n, padded_num_reqs(n, table.max_num_seqs, table.q), table.q)
     else:
         if top >= table.max_tokens:
             return ""
@@ -94,8 +96,12 @@ def _resolved_rows(table: DispatchTable) -> list[tuple[str, str]]:
     return rows
 
 
-def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=()) -> dict:
+def _trace_section(
+    table: DispatchTable, work: Workload, source: str, warnings=(), out: LeftOut | None = None
+) -> dict:
     pad: Padding = padding(table, work)
+    out = out or LeftOut(steps=pad.steps, left_out=0, reasons=())
+    steps = max(out.steps, pad.steps)
     top = table.capture_sizes[-1] if table.capture_sizes else 1
     x_max = charts.nice_max(top * 1.15)
     hist_max = charts.nice_max(max(top * 1.15, int(work.tokens.max())))  # every step shows
@@ -104,6 +110,10 @@ def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=(
     return {
         "source": source,
         "pad": pad,
+        "steps": steps,
+        "left_out": out,
+        # the headline: steps on graphs over every step of the trace, left-out ones included
+        "graphed_share": pad.graphed_steps / steps if steps else 0.0,
         "top": top,
         "warnings": list(warnings),
         "above_top": int(work.count[work.tokens > top].sum()),
@@ -126,6 +136,52 @@ def _trace_section(table: DispatchTable, work: Workload, source: str, warnings=(
     }
 
 
+def tuning_section(
+    before: DispatchTable, res, work: Workload, profile=None, source: str = ""
+) -> dict:
+    """The plan's sizes against ``plan optimize``'s (``res``: an optimize.Result with a curve)."""
+    rows = []
+    for label, t, p in (
+        ("plan (the current list)", before, res.before),
+        ("tuned", res.table, res.after),
+    ):
+        mem = estimate(t, profile)
+        rows.append(
+            {
+                "label": label,
+                "sizes": len(t.capture_sizes),
+                "compact": compact_sizes(t.capture_sizes),
+                "graphs": len(t.graphs),
+                "padded_tokens": p.padded_tokens,
+                "per_step": p.per_step,
+                "eager_steps": p.eager_steps,
+                "capture_seconds": mem["capture_seconds"],
+                "memory_mib": mem["total_mib"],
+            }
+        )
+    steps = max(work.steps, 1)
+    curve = [(g, c / steps) for g, c in res.curve]
+    marks = [
+        (len(before.graphs), res.before.per_step, "plan", "plan"),
+        (res.graphs, res.after.per_step, "tuned", "tuned"),
+    ]
+    cut = res.before.padded_tokens - res.after.padded_tokens
+    return {
+        "source": source,
+        "engine": (work.header or {}).get("engine"),
+        "rows": rows,
+        "limits": sorted(res.limits.items()),
+        "budget": res.budget_graphs,
+        "reduction_pct": 100.0 * cut / res.before.padded_tokens if res.before.padded_tokens else 0,
+        "curve": curve,
+        "chart": charts.tradeoff_chart(curve, marks),
+        "capture_model": capture_model(profile)[2],
+        "memory_model": "the built-in default profile"
+        if profile is None
+        else profile.get("source", "the given profile"),
+    }
+
+
 def build(
     table: DispatchTable,
     *,
@@ -135,6 +191,8 @@ def build(
     trace_source: str = "",
     profile: dict | None = None,
     trace_warnings=(),
+    tuning: dict | None = None,
+    trace_left_out: LeftOut | None = None,
 ) -> dict:
     """Everything the template shows, computed here so that tests can check the same numbers."""
     routines = []
@@ -187,9 +245,10 @@ def build(
         "graphs_left_out": len(table.graphs) - len(graphs),
         "memory": mem,
         "mib": MIB,
-        "trace": _trace_section(table, work, trace_source, trace_warnings)
+        "trace": _trace_section(table, work, trace_source, trace_warnings, trace_left_out)
         if work is not None
         else None,
+        "tuning": tuning,
     }
 
 

@@ -174,3 +174,32 @@ def histogram(values, weights, x_max: float, bins: int = 64) -> list[tuple[float
         if 0 < v <= x_max:
             totals[min(int((v - 1) // width), bins - 1)] += w
     return [((i + 0.5) * width, t) for i, t in enumerate(totals)]
+
+
+def tradeoff_chart(curve: list[tuple[int, float]], points: list[tuple[int, float, str, str]]):
+    """Padding per step against the graph budget: the optimum at every budget as a step curve
+    (``curve``: (graphs, padded tokens per step), ascending), and labelled ``points`` (graphs,
+    padding, label, css class): the plan's list and the tuned one."""
+    xs = [g for g, _ in curve] + [g for g, *_ in points]
+    ys = [y for _, y in curve] + [y for _, y, *_ in points]
+    f = frame(
+        nice_max(max(xs + [1]) * 1.05),
+        nice_max(max(ys + [0.0]) * 1.1),
+        "graphs (budget)",
+        "padded tokens per step",
+    )
+    steps, ends = [], [g for g, _ in curve[1:]] + [g for g, _ in curve[-1:]]
+    for (g, y), g2 in zip(curve, ends):  # each budget's optimum holds until the next one's
+        steps += [(g, y), (g2, y)]
+    f["polyline"] = " ".join(f"{f['px'](x):.2f},{f['py'](y):.2f}" for x, y in steps)
+    f["points"] = [
+        {
+            "x": round(f["px"](g), 1),
+            "y": round(f["py"](y), 1),
+            "label": label,
+            "cls": cls,
+            "title": f"{label}: {g} graphs, {y:.3f} padded tokens per step",
+        }
+        for g, y, label, cls in points
+    ]
+    return f

@@ -77,13 +77,9 @@ def _row_minima_dense(rows: np.ndarray, value, ncols: int) -> tuple[np.ndarray, 
     return v[np.arange(len(rows)), arg], arg
 
 
-def solve(sizes, weight, lo, W, S, budget: int, dense: bool = False):
-    """Optimal chain for the problem in the module docstring.
-
-    ``sizes``/``weight``: [D] candidates (ascending) and their units; ``lo``/``W``/``S``: [D + 1]
-    indexed like ``[0] + sizes``. Returns ``(cost, units, chosen)`` with ``chosen`` the 1-based
-    candidate indices, ascending, ending at D; or ``None`` when no allowed chain fits ``budget``.
-    """
+def _layers(sizes, weight, lo, W, S, budget: int, dense: bool):
+    """(f, arg, w, big) of the problem: ``f[k, j]`` least cost of a chain ending at j within k
+    units (>= big: none), ``arg`` its predecessor; None when there is nothing to choose."""
     c = np.concatenate(([0], np.asarray(sizes, dtype=np.int64)))
     w = np.concatenate(([0], np.asarray(weight, dtype=np.int64)))
     lo = np.asarray(lo, dtype=np.int64)
@@ -107,15 +103,44 @@ def solve(sizes, weight, lo, W, S, budget: int, dense: bool = False):
             best, at = minima(rows, _penalized(f[k - u], c, W, S, lo, big), D + 1)
             f[k, rows] = np.where(best >= big, inf, best)
             arg[k, rows] = at
+    return f, arg, w, big
+
+
+def _chain(f, arg, w, big, budget: int):
+    D = f.shape[1] - 1
     if f[budget, D] >= big:
         return None
-    k = int(np.argmax(f[:, D] == f[budget, D]))  # fewest units among the optimal chains
+    k = int(np.argmax(f[: budget + 1, D] == f[budget, D]))  # fewest units among the optima
     chosen, j = [], D
     while j > 0:
         chosen.append(j)
         j, k = int(arg[k, j]), k - int(w[j])
     chosen.reverse()
     return int(f[budget, D]), int(w[chosen].sum()), chosen
+
+
+def solve(sizes, weight, lo, W, S, budget: int, dense: bool = False):
+    """Optimal chain for the problem in the module docstring.
+
+    ``sizes``/``weight``: [D] candidates (ascending) and their units; ``lo``/``W``/``S``: [D + 1]
+    indexed like ``[0] + sizes``. Returns ``(cost, units, chosen)`` with ``chosen`` the 1-based
+    candidate indices, ascending, ending at D; or ``None`` when no allowed chain fits ``budget``.
+    """
+    got = _layers(sizes, weight, lo, W, S, budget, dense)
+    return None if got is None else _chain(*got, budget)
+
+
+def solve_with_curve(sizes, weight, lo, W, S, budget: int, curve_budget: int, dense=False):
+    """``solve`` at ``budget``, and the trade-off curve: the least cost within every budget
+    0..max(budget, curve_budget) (None where no allowed chain fits). One DP gives both: the
+    layers up to ``budget`` do not depend on the ones above it."""
+    top = max(budget, curve_budget)
+    got = _layers(sizes, weight, lo, W, S, top, dense)
+    if got is None:
+        return None, [None] * (top + 1)
+    f, _, _, big = got
+    curve = [int(v) if v < big else None for v in f[:, -1]]
+    return (_chain(*got, budget) if budget >= 1 else None), curve
 
 
 def min_units(weight, lo, budget_cap: int) -> int | None:

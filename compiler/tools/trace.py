@@ -1,5 +1,6 @@
-"""Workload traces: observed steps as JSONL, one ``{"num_tokens", "num_reqs", "max_query_len"}``
-object per line, checked line by line, aggregated with numpy, and priced against a table.
+"""Workload traces (the file format is ``trace_file``: one ``{"num_tokens", "num_reqs",
+"max_query_len"}`` object per step, or per ``count`` steps) checked against a plan, aggregated with
+numpy, and priced against a table.
 
 A step's route is ``step_route``: the plain dispatch of one rank with no LoRA adapter (the trace
 records neither DP peers nor adapters); a step that wants to micro-batch uses its ubatched graph
@@ -9,147 +10,30 @@ a step that runs eager pads nothing and is counted as an eager step instead.
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from ..errors import GraphplanError
-from ..records import RuntimeMode
+from ..records import RuntimeMode, is_uniform_decode
 from ..table import DispatchTable
+from .trace_file import KEYS, MAX_TRACE_BYTES, Trace, TraceError, load_trace
 
-KEYS = ("num_tokens", "num_reqs", "max_query_len")
-MAX_TRACE_BYTES = 1 << 30
-# Digit-free shapes of canonical lines (json.dumps with default and compact separators).
-_SHAPES = {
-    json.dumps(dict.fromkeys(KEYS, "")).replace('""', "").encode(),
-    json.dumps(dict.fromkeys(KEYS, ""), separators=(",", ":")).replace('""', "").encode(),
-}
-
-
-class TraceError(GraphplanError):
-    """A trace file cannot be read, or a line is not a valid step for the plan."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class Trace:
-    source: str
-    num_tokens: np.ndarray
-    """[steps] int64."""
-    num_reqs: np.ndarray
-    max_query_len: np.ndarray
-    line: np.ndarray
-    """[steps] 1-based line number of each step in the file (blank lines are skipped)."""
-
-    @property
-    def steps(self) -> int:
-        return len(self.num_tokens)
-
-
-_DIGITS_ONLY = bytes(c if 48 <= c <= 57 else 32 for c in range(256))  # non-digits -> spaces
-
-
-def _fast_parse(raw: bytes):
-    """Lines of one canonical shape only, parsed by numpy in one pass; None sends the file to the
-    JSON path (which explains whatever is wrong)."""
-    first = raw[: raw.find(b"\n")] if b"\n" in raw else raw
-    shape = first.translate(None, b"0123456789")
-    if shape not in _SHAPES:
-        return None
-    bare = raw.translate(None, b"0123456789")
-    lines = bare.count(b"\n")
-    if bare == (shape + b"\n") * lines or bare == (shape + b"\n") * lines + shape:
-        line_no = np.arange(1, lines + (not raw.endswith(b"\n")) + 1)
-    else:
-        rest = bare.replace(shape + b"\n", b"")  # blank lines, or a bad line somewhere
-        if (
-            rest.replace(b"\n", b"") not in (b"", shape)
-            or rest
-            and not rest.endswith((shape, b"\n"))
-        ):
-            return None
-        a = np.frombuffer(raw, dtype=np.uint8)
-        bounds = np.concatenate(([-1], np.flatnonzero(a == 10), [len(a)]))
-        line_no = np.flatnonzero(np.diff(bounds) > 1) + 1  # number the non-blank lines
-    text = raw.translate(_DIGITS_ONLY)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a number numpy cannot read: let the JSON path explain
-        try:
-            values = np.fromstring(text, dtype=np.int64, sep=" ")
-        except (ValueError, Warning):
-            return None
-    digits = np.floor(np.log10(np.maximum(values, 1))).astype(np.int64) + 1
-    if len(values) != 3 * len(line_no) or int(digits.sum()) != len(raw) - len(bare):
-        return None  # an empty value, a leading zero, or a number too large for int64
-    return values.reshape(-1, 3), line_no
-
-
-def _slow_parse(text: str, source: str):
-    rows, line_no = [], []
-    for i, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            step = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(
-                f"{source}:{i}: not JSON ({e.msg} at column {e.colno}); each line is "
-                '{"num_tokens": N, "num_reqs": R, "max_query_len": L}'
-            ) from None
-        if not isinstance(step, dict):
-            raise TraceError(f"{source}:{i}: expected a JSON object, got {type(step).__name__}")
-        row = []
-        for key in KEYS:
-            v = step.get(key)
-            if key not in step:
-                raise TraceError(
-                    f"{source}:{i}: missing '{key}' (each line needs "
-                    f"{', '.join(KEYS)}; extra keys are ignored)"
-                )
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TraceError(f"{source}:{i}: {key}: expected an integer, got {v!r}"[:300])
-            if abs(v) >= 1 << 62:
-                raise TraceError(f"{source}:{i}: {key}: {v} is out of range"[:300])
-            row.append(v)
-        rows.append(row)
-        line_no.append(i)
-    return np.array(rows, dtype=np.int64).reshape(-1, 3), np.array(line_no, dtype=np.int64)
-
-
-def load_trace(path: str | os.PathLike) -> Trace:
-    """Read and shape-check a JSONL trace. Errors name the line; values are checked against a
-    plan's limits by ``check_trace``."""
-    p, source = Path(path), str(path)
-    from ..limits import read_regular_file  # regular files only, size first
-
-    raw = read_regular_file(
-        p,
-        MAX_TRACE_BYTES,
-        "trace",
-        "give the trace .jsonl file; sample a larger trace",
-        error=TraceError,
-    )
-    parsed = _fast_parse(raw)
-    if parsed is None:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[: e.start].count(b"\n") + 1
-            raise TraceError(f"{source}:{line}: not UTF-8 (save the trace as UTF-8)") from None
-        parsed = _slow_parse(text, source)
-    values, line_no = parsed
-    if len(values) == 0:
-        raise TraceError(f"{source}: no steps; a trace has one JSON object per line")
-    return Trace(
-        source=source,
-        num_tokens=values[:, 0].copy(),
-        num_reqs=values[:, 1].copy(),
-        max_query_len=values[:, 2].copy(),
-        line=line_no,
-    )
+__all__ = [
+    "KEYS",
+    "MAX_TRACE_BYTES",
+    "Trace",
+    "TraceError",
+    "load_trace",
+    "check_trace",
+    "fit_trace",
+    "aggregate",
+    "Workload",
+    "padding",
+    "Padding",
+    "step_route",
+    "LeftOut",
+    "left_out",
+]
 
 
 def check_trace(trace: Trace, table: DispatchTable) -> None:
@@ -190,6 +74,55 @@ QUERY_LEN_PROBE = 16
 decode_query_len a trace was recorded with (a longer uniform batch is a prefill)."""
 
 
+def _over_limits(trace: Trace, table: DispatchTable) -> list[tuple]:
+    """(mask, key, values, scheduler limit name, limit) per scheduler limit a trace can exceed."""
+    n, r = trace.num_tokens, trace.num_reqs
+    return [
+        (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
+        (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs),
+    ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeftOut:
+    """The steps of a trace a plan's scheduler never runs, which pricing leaves out."""
+
+    steps: int
+    """Every step of the trace."""
+    left_out: int
+    """Steps left out (one over both limits counts once)."""
+    reasons: tuple[tuple[str, int], ...]
+    """(why, steps) per scheduler limit, e.g. ("num_reqs above scheduler.max_num_seqs=128", 5)."""
+
+    def __str__(self) -> str:
+        if not self.left_out:
+            return f"all {self.steps} steps priced"
+        why = ", ".join(f"{k} with {why}" for why, k in self.reasons)
+        return (
+            f"{self.left_out} of {self.steps} steps left out ({why}): this plan's scheduler "
+            "never runs them"
+        )
+
+
+def left_out(trace: Trace, table: DispatchTable) -> LeftOut:
+    """Which steps ``fit_trace`` leaves out, and why, counted over the whole trace (a row that
+    stands for ``count`` steps counts ``count`` times)."""
+    limits = _over_limits(trace, table)
+    over = np.zeros(len(trace.num_tokens), dtype=bool)
+    for bad, *_ in limits:
+        over |= bad
+    c = trace.count
+    return LeftOut(
+        steps=trace.steps,
+        left_out=int(c[over].sum()),
+        reasons=tuple(
+            (f"{key} above scheduler.{limit}={value}", int(c[bad].sum()))
+            for bad, key, _, limit, value in limits
+            if bad.any()
+        ),
+    )
+
+
 def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
     """The steps of ``trace`` the plan's scheduler could produce, and warnings about the rest.
 
@@ -198,19 +131,16 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
     another query length than the plan's decode_query_len gets a warning (its decode steps route
     as mixed batches). What is left must pass ``check_trace``; a trace with nothing left is an
     error."""
-    n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
-    name, warnings_ = table.plan.get("name", "plan"), []
+    n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
+    name, warnings_, total = table.plan.get("name", "plan"), [], trace.steps
     over = np.zeros(len(n), dtype=bool)
-    for bad, key, got, limit, value in (
-        (n > table.max_tokens, "num_tokens", n, "max_num_batched_tokens", table.max_tokens),
-        (r > table.max_num_seqs, "num_reqs", r, "max_num_seqs", table.max_num_seqs),
-    ):
+    for bad, key, got, limit, value in _over_limits(trace, table):
         if bad.any():
-            i, more = int(np.argmax(bad)), int(bad.sum()) - 1
+            i, more = int(np.argmax(bad)), int(c[bad].sum()) - int(c[np.argmax(bad)])
             warnings_.append(
                 f"{trace.source}:{trace.line[i]}: {key} {int(got[i])} exceeds scheduler.{limit}="
                 f"{value} of plan {name}"
-                + (f", as do {more} more of {len(n)} steps" if more else "")
+                + (f", as do {more} more of {total} steps" if more else "")
                 + "; left out: this plan's scheduler "
                 "never runs such steps (record the trace with the plan's scheduler limits)"
             )
@@ -225,11 +155,15 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
             num_reqs=r[keep],
             max_query_len=m[keep],
             line=trace.line[keep],
+            count=c[keep],
+            header=trace.header,
         )
-        n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
+        n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
     check_trace(trace, table)
-    uniform = (m * r == n) & (m <= QUERY_LEN_PROBE)
-    lens, counts = np.unique(m[uniform], return_counts=True)
+    # uniform batches at their own query length (a decode at whatever q the trace had)
+    uniform = is_uniform_decode(n, r, m, m) & (m <= QUERY_LEN_PROBE)
+    lens, where = np.unique(m[uniform], return_inverse=True)
+    counts = np.bincount(where.ravel(), weights=c[uniform], minlength=len(lens)).astype(np.int64)
     if len(lens):
         common = int(lens[np.argmax(counts)])
         at_q = int(counts[lens == table.q].sum())
@@ -258,6 +192,8 @@ class Workload:
     reqs: np.ndarray
     query_len: np.ndarray
     """[groups] one observed (num_reqs, max_query_len) of the group, to route it."""
+    header: dict | None = None
+    """The workload file's header (where the steps came from), if it had one."""
 
     @property
     def steps(self) -> int:
@@ -266,15 +202,17 @@ class Workload:
 
 def aggregate(trace: Trace, q: int) -> Workload:
     n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
-    uniform = (m == q) & (n == q * r)
+    uniform = is_uniform_decode(n, r, m, q)
     key = n * 2 + (~uniform)
-    keys, first, count = np.unique(key, return_index=True, return_counts=True)
+    keys, first, where = np.unique(key, return_index=True, return_inverse=True)
+    count = np.bincount(where.ravel(), weights=trace.count, minlength=len(keys))
     return Workload(
         tokens=keys // 2,
         uniform=(keys % 2) == 0,
-        count=count.astype(np.int64),
+        count=np.rint(count).astype(np.int64),  # exact: sums stay below 2**53 (MAX_STEPS)
         reqs=r[first],
         query_len=m[first],
+        header=trace.header,
     )
 
 

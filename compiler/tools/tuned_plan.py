@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import yaml
 
 from ..errors import GraphplanError
+from ..plan_or_table import is_table_path
+from ..table import DispatchTable
 
 HEADER_MARK = "# Tuned by `plan optimize`"
 
@@ -15,9 +18,7 @@ HEADER_MARK = "# Tuned by `plan optimize`"
 def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     """The plan as its author wrote it (rendered, overrides applied, no defaults filled) and its
     leading comment lines. A compiled ``table.json`` gives its plan with defaults filled."""
-    if path.endswith(".json"):
-        from ..table import DispatchTable
-
+    if is_table_path(path):
         return copy.deepcopy(DispatchTable.load(path).plan), []
     from ..load import read_plan
 
@@ -70,3 +71,47 @@ def check_tuned(text: str, sizes) -> None:
             f"internal: the tuned plan resolves to {list(table.capture_sizes)}, "
             f"not the chosen sizes {list(sizes)}; please report this"
         )
+
+
+PREDICTION_MARK = "#   prediction: "
+"""A header line of the tuned plan holding, as JSON, what ``plan optimize`` predicted and for
+which engine: ``plan export`` reads it back (and picks the engine when --engine is not given)."""
+MAX_PREDICTION_CHARS = 4096
+
+
+def prediction_line(data: dict) -> str:
+    return PREDICTION_MARK + json.dumps(data, sort_keys=True, separators=(", ", ": "))
+
+
+def read_prediction(text: str) -> dict | None:
+    """The prediction of a tuned plan's header (its leading comment lines), checked; None when
+    the plan has none or it is not one this graphplan wrote."""
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            return None
+        if line.startswith(PREDICTION_MARK) and len(line) <= MAX_PREDICTION_CHARS:
+            try:
+                data = json.loads(line[len(PREDICTION_MARK) :])
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            ok = (
+                isinstance(data, dict)
+                and data.get("engine") in (None, "vllm", "sglang", "graphplan")
+                and all(
+                    isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)
+                    for k in ("per_step_before", "per_step_after", "reduction_pct")
+                )
+                and isinstance(data.get("sizes"), list)
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in data["sizes"])
+            )
+            return data if ok else None
+    return None
+
+
+def prediction_text(data: dict) -> str:
+    """One sentence: the saving ``plan optimize`` predicted."""
+    return (
+        f"predicted by plan optimize on {str(data.get('workload', 'its workload'))[:200]}: "
+        f"padding {data['per_step_before']:.3f} -> {data['per_step_after']:.3f} tokens per step "
+        f"({0.0 - data['reduction_pct']:+.1f} % padded tokens)"
+    )

@@ -17,10 +17,25 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "graphplan.models.hf needs transformers and safetensors: pip install 'graphplan[hf]'"
     ) from e
 
+from ..paged_kv import KVCacheSizeError
 from .adapter import PagedCausalLM, PagedConfig
 from .attention import ATTN_IMPLEMENTATION
-from .load import ModelLoadError, UnsupportedModelError, check_supported, load_config, load_model
-from .paged_kv import KVCacheSizeError
+from .errors import (
+    CheckpointMismatchError,
+    ModelConfigError,
+    ModelLoadError,
+    ModelMemoryError,
+    RemoteCodeError,
+    UnsupportedModelError,
+)
+from .load import (
+    check_checkpoint,
+    check_supported,
+    eos_token_ids,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
 
 __all__ = [
     "PagedCausalLM",
@@ -28,8 +43,15 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "ModelLoadError",
     "UnsupportedModelError",
+    "RemoteCodeError",
+    "ModelConfigError",
+    "CheckpointMismatchError",
+    "ModelMemoryError",
     "KVCacheSizeError",
+    "check_checkpoint",
     "check_supported",
     "load_config",
     "load_model",
+    "load_tokenizer",
+    "eos_token_ids",
 ]

@@ -20,21 +20,35 @@ allocating blocks as sequences grow.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.piecewise.breakable import current_step
 
+from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
-from .load import load_model
-from .paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
+from .load import eos_token_ids, load_config, load_model, load_tokenizer
+
+
+def kv_shape(config, dtype: torch.dtype, block_size: int) -> KVCacheShape:
+    """What one token of ``config``'s model costs in the cache."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVCacheShape(
+        layers=config.num_hidden_layers,
+        kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_size=block_size,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PagedConfig:
-    """What the server and batcher need to know (the names match models/tiny_llama's config)."""
+    """What the server and batcher need to know (a ``graphplan.models.ModelLimits``; the names match ``TinyLlamaConfig``)."""
 
     vocab_size: int
     max_model_len: int
@@ -46,7 +60,9 @@ class PagedConfig:
 
 
 class PagedCausalLM(torch.nn.Module):
-    """Owns the transformers model (``hf``), the paged KV cache and the block tables."""
+    """Owns the transformers model (``hf``), the paged KV cache and the block tables; a
+    ``graphplan.models.Model``. ``source`` is the checkpoint directory it was loaded from (its
+    tokenizer and end-of-sequence ids), or None."""
 
     def __init__(
         self,
@@ -57,24 +73,19 @@ class PagedCausalLM(torch.nn.Module):
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
         kv_memory_fraction: float | None = None,
+        source: str | os.PathLike | None = None,
     ):
         super().__init__()
+        self.source = source
         register()
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # transformers' public switch
         self.hf = hf_model
         c = hf_model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         param = next(hf_model.parameters())
-        shape = KVCacheShape(
-            layers=c.num_hidden_layers,
-            kv_heads=c.num_key_value_heads,
-            head_dim=head_dim,
-            dtype=param.dtype,
-            block_size=block_size,
-        )
+        shape = kv_shape(c, param.dtype, block_size)
         limit = getattr(c, "max_position_embeddings", None)
         if limit and max_model_len > limit:
-            from .paged_kv import KVCacheSizeError
+            from ..paged_kv import KVCacheSizeError
 
             raise KVCacheSizeError(
                 f"max_model_len={max_model_len} is above the model's "
@@ -113,18 +124,56 @@ class PagedCausalLM(torch.nn.Module):
         dtype=torch.float32,
         device="cpu",
         seed: int = 0,
-        **cache,
+        random_weights: bool = False,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        kv_memory_fraction: float | None = None,
     ) -> "PagedCausalLM":
-        """From a local model directory (or its config.json alone: random weights from ``seed``)."""
+        """From a local model directory's checkpoint (``load.load_model``: checked before
+        anything is allocated, the weights and this KV cache against the free memory); with
+        ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``."""
         register()
+        config = load_config(source)
+        shape = kv_shape(config, dtype, block_size)
+        tokens = kv_cache_tokens
+        if tokens is None:  # the pool's least: one max_model_len sequence (blocks on demand)
+            tokens = shape.blocks_per_seq(max_model_len) * block_size
         hf = load_model(
-            source, dtype=dtype, device=device, seed=seed, attn_implementation=ATTN_IMPLEMENTATION
+            source,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            random_weights=random_weights,
+            reserve_bytes=(tokens // block_size + 1) * block_size * shape.bytes_per_token,
         )
-        return cls(hf, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **cache)
+        return cls(
+            hf,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            source=source if isinstance(source, (str, os.PathLike)) else None,
+            block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_memory_fraction=kv_memory_fraction,
+        )
 
     @property
     def device(self) -> torch.device:
         return self.cache.kv.device
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]`` (``paged_kv``)."""
+        return self.cache.kv
+
+    @cached_property
+    def tokenizer(self):
+        """The source directory's tokenizer (read on first use), or None without one."""
+        return None if self.source is None else load_tokenizer(self.source)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's end-of-sequence ids (``load.eos_token_ids``)."""
+        return eos_token_ids(self.source if self.source is not None else self.hf.config)
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
         if current_step() is not None:  # a piecewise capture or replay: attention runs eagerly
@@ -162,6 +211,11 @@ class PagedCausalLM(torch.nn.Module):
             seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
         )
+
+    @property
+    def kv_pool(self) -> BlockTables:
+        """The blocks a batcher admits and preempts by (``server.batching.BlockPool``)."""
+        return self.tables
 
     def release(self, seat: int) -> None:
         """Give a finished sequence's blocks back now (a new sequence on the seat also does)."""

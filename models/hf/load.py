@@ -1,54 +1,86 @@
-"""Load a stock transformers causal LM for the paged adapter, with no network access: a local
-directory's ``config.json`` + ``*.safetensors``, or a ``config.json`` alone with random weights
-drawn from a seed. What the adapter cannot run is refused here, before any weight is read."""
+"""Load a stock transformers causal LM for the paged adapter from a local directory, trusting none
+of it and running none of its code:
+
+1. ``config.json`` (a regular file, size-bounded) is refused if it asks for the repository's own
+   code (``auto_map``), names an unsupported type, or holds a value no real model has (``config_check``);
+2. the model is built on the meta device (no memory) to list the tensors it needs; the weight
+   files' headers must hold exactly those (``weights.match``: missing, unexpected, wrong shape or
+   dtype are named), tied weights counted once;
+3. the weights plus the caller's KV cache are checked against the device's free memory;
+4. only then is the model allocated (uninitialised, in ``dtype`` on ``device``) and every tensor
+   copied from the checkpoint. Random weights from a seed only when asked (``random_weights``).
+
+No network, no stdin: nothing here calls transformers' ``from_pretrained``."""
 
 from __future__ import annotations
 
 import copy
-import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphplan.compiler.errors import GraphplanError
+from .config_check import check_memory, check_values
+from .errors import ModelConfigError, ModelLoadError, UnsupportedModelError
+from .files import model_dir, read_json_object, refuse_remote_code
+from .weights import CheckpointReader, find_weights, match, no_weights_message
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 # rope types whose frequencies are fixed at load (dynamic/longrope change with the sequence length)
 STATIC_ROPE = ("default", "linear", "llama3")
+# older checkpoints saved the rotary frequencies; the model recomputes them from the config
+RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class UnsupportedModelError(GraphplanError):
-    """The checkpoint uses an architecture or attention feature the paged adapter cannot run."""
+def read_config(directory: Path) -> dict:
+    """config.json's raw values, checked: no remote code, a supported type, bounded shape."""
+    raw = read_json_object(directory, "config.json")
+    if raw is None:
+        raise ModelLoadError(
+            f"{directory}: no config.json there; give a local model directory (config.json, "
+            "model.safetensors or its shards, tokenizer files)"
+        )
+    _check_values(raw, directory / "config.json")
+    return raw
 
 
-class ModelLoadError(GraphplanError):
-    """The model directory is missing or unreadable."""
+def _check_values(values: dict, where) -> None:
+    refuse_remote_code(where, values)
+    model_type = values.get("model_type")
+    if model_type not in SUPPORTED:
+        archs = values.get("architectures")
+        archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        raise UnsupportedModelError(
+            f"{where}: model type {_show(model_type)} ({', '.join(archs) or 'no architectures'}) "
+            "is not supported by graphplan's paged adapter; supported: "
+            f"{', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())}"
+        )
+    check_values(values, where)
 
 
-def _offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never reach for the Hub
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def load_config(source):
-    """A ``PretrainedConfig`` from a directory or a ``config.json`` path (or one passed through)."""
-    from transformers import AutoConfig, PretrainedConfig
+    """A checked ``PretrainedConfig`` from a directory or its ``config.json`` path (or a copy of
+    one passed in, checked the same way)."""
+    import transformers
 
-    if isinstance(source, PretrainedConfig):  # a copy: the model's attention setting is its own
-        return copy.deepcopy(source)
-    _offline()
-    path = Path(source)
-    if path.is_file():
-        path = path.parent
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(
-            f"{source}: no config.json there; give a local model directory "
-            "(config.json, optional *.safetensors and tokenizer files)"
-        )
+    if isinstance(source, transformers.PretrainedConfig):  # a copy: its attention is its own
+        config = copy.deepcopy(source)
+        _check_values(config.to_dict(), f"{type(config).__name__}")
+        return config
+    directory = model_dir(source)
+    raw = read_config(directory)
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+        return getattr(transformers, CONFIGS[raw["model_type"]]).from_dict(raw)
+    except Exception as e:  # transformers' field validation raises several kinds
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelConfigError(f"{directory / 'config.json'}: {first}") from None
 
 
 def check_supported(config) -> None:
@@ -89,8 +121,90 @@ def check_supported(config) -> None:
         )
 
 
-def _has_weights(path: Path) -> bool:
-    return any(path.glob("*.safetensors"))
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpoint:
+    """What ``check_checkpoint`` found: everything ``load_model`` needs before it allocates."""
+
+    config: object
+    """The checked ``PretrainedConfig``."""
+    where: str
+    """The directory (or the config's class name) for messages."""
+    expected: dict[str, tuple[int, ...]]
+    """Every tensor the model needs (tied aliases left out), name -> shape."""
+    params: int
+    weight_bytes: int
+    """Parameters and buffers in the load dtype."""
+    reader: CheckpointReader | None
+    """None: random weights were asked for."""
+
+
+def check_checkpoint(
+    source, *, dtype: torch.dtype = torch.float32, random_weights: bool = False
+) -> Checkpoint:
+    """Everything ``load_model`` checks before it allocates: the config, the architecture and
+    the weight files' tensors (from their headers), with nothing allocated or executed."""
+    import transformers
+
+    config = load_config(source)
+    check_supported(config)
+    directory = None if isinstance(source, transformers.PretrainedConfig) else model_dir(source)
+    meta = _build(config, dtype, torch.device("meta"), "eager")
+    aliases, seen = {}, {}
+    for name, p in meta.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # a tied weight: the checkpoint holds it once, under the first name
+            aliases[name] = seen[id(p)]
+        else:
+            seen[id(p)] = name
+    expected = {n: tuple(t.shape) for n, t in meta.state_dict().items() if n not in aliases}
+    tensors = [*meta.parameters(), *meta.buffers()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    reader = None
+    if not random_weights:
+        if directory is None:
+            raise ModelLoadError(
+                f"a {type(config).__name__} object carries no weights: give the checkpoint's "
+                "directory, or pass random_weights=True for weights drawn from the seed"
+            )
+        weights = find_weights(directory)
+        if weights is None:
+            raise ModelLoadError(no_weights_message(directory))
+        reader = CheckpointReader(weights)
+        match(expected, aliases, reader.infos, where=weights.where, ignored=RECOMPUTED.search)
+        _check_ties(reader, aliases, weights.where)
+    return Checkpoint(
+        config=config,
+        where=str(directory or type(config).__name__),
+        expected=expected,
+        params=sum(p.numel() for p in meta.parameters()),
+        weight_bytes=weight_bytes,
+        reader=reader,
+    )
+
+
+def _check_ties(reader: CheckpointReader, aliases: dict[str, str], where) -> None:
+    from .errors import CheckpointMismatchError
+
+    for alias, source in aliases.items():
+        if alias in reader.infos and not torch.equal(reader.get(alias), reader.get(source)):
+            raise CheckpointMismatchError(
+                f"{where}: {alias} differs from {source}, but config.json's "
+                f"tie_word_embeddings is true, so {source} would serve as both: set "
+                "tie_word_embeddings to false"
+            )
+
+
+def _build(config, dtype: torch.dtype, device: torch.device, attn_implementation: str):
+    """The model class of ``config``, uninitialised (weights are copied in or drawn after)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(config)  # from_config writes its dtype and attention into it
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False
+        )
+    model.tie_weights()  # init_weights ties them, and no_init_weights skips it
+    return model
 
 
 def load_model(
@@ -100,46 +214,44 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     attn_implementation: str,
+    random_weights: bool = False,
+    reserve_bytes: int = 0,
 ):
-    """The model in eval mode, no grads, on ``device`` in ``dtype``. Weights from the directory's
-    safetensors when it has any, else random from ``seed`` (``init_random``)."""
-    from transformers import AutoModelForCausalLM
-
+    """The model in eval mode, no grads, on ``device`` in ``dtype``, every tensor from the
+    directory's checkpoint; with ``random_weights``, drawn from ``seed`` (``init_random``)
+    instead. ``reserve_bytes``: what the caller allocates next (its KV cache), counted in the
+    memory check."""
     from .attention import ATTN_IMPLEMENTATION, register
 
     if attn_implementation == ATTN_IMPLEMENTATION:
         register()
-    config = load_config(source)
-    check_supported(config)
-    path = None if not isinstance(source, (str, os.PathLike)) else Path(source)
-    if path is not None and path.is_file():
-        path = path.parent
-    if path is not None and _has_weights(path):
-        _offline()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path),
-                config=config,
-                local_files_only=True,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-            )
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{path}: cannot load the weights: {e}") from None
-    else:
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
-        init_random(model, seed)
-        model = model.to(dtype)
-    return model.to(device).eval().requires_grad_(False)
+    ckpt = check_checkpoint(source, dtype=dtype, random_weights=random_weights)
+    check_memory(
+        weights=ckpt.weight_bytes,
+        params=ckpt.params,
+        kv=max(reserve_bytes, 0),
+        dtype=dtype,
+        device=device,
+        config=ckpt.config,
+        where=ckpt.where,
+    )
+    model = _build(ckpt.config, dtype, torch.device(device), attn_implementation)
+    with torch.no_grad():
+        if ckpt.reader is None:
+            init_random(model, seed)
+        else:
+            targets = model.state_dict()
+            for name in ckpt.expected:
+                targets[name].copy_(ckpt.reader.get(name))
+    return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
 def init_random(model, seed: int) -> None:
     """Same weights for a seed on any device and dtype: drawn in float32 on the CPU in parameter
-    order. Norm weights 1; embeddings std 1 (so the context, not only the last token, moves the
-    argmax); every other weight and bias std 0.02. A tied head shares the embedding."""
+    order, then rounded to the parameter's dtype. Norm weights 1; embeddings std 1 (so the
+    context, not only the last token, moves the argmax); every other weight and bias std 0.02.
+    A tied head shares the embedding."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     embed = model.get_input_embeddings().weight
     for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
@@ -148,3 +260,35 @@ def init_random(model, seed: int) -> None:
         else:
             std = 1.0 if p is embed else 0.02
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def eos_token_ids(source) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` first, then
+    ``config.json``'s (``source``: a directory or ``config.json`` path, or a ``PretrainedConfig``),
+    each checked to be token ids of the vocabulary. Read from the files alone (regular files
+    only), so the server knows them before the weights load."""
+    import transformers
+
+    from .config_check import token_ids
+    from .files import read_json_object
+
+    if isinstance(source, transformers.PretrainedConfig):
+        eos = getattr(source, "eos_token_id", None)
+        return token_ids(eos, "eos_token_id", type(source).__name__, source.vocab_size)
+    directory = model_dir(source)
+    config = read_config(directory)
+    where, eos = directory / "generation_config.json", None
+    generation = read_json_object(directory, "generation_config.json") or {}
+    eos = generation.get("eos_token_id")
+    if eos is None:
+        where, eos = directory / "config.json", config.get("eos_token_id")
+    return token_ids(eos, "eos_token_id", where, config["vocab_size"])
+
+
+def load_tokenizer(source):
+    """The checkpoint directory's tokenizer, or None when it has no tokenizer files (ids-only
+    serving); its files are checked first and every failure is a ModelLoadError naming them.
+    Local files only, no repository code (``tokenizer_files``)."""
+    from .tokenizer_files import load
+
+    return load(model_dir(source))

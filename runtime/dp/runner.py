@@ -9,6 +9,10 @@ synced mode at the agreed size -> one of
 - eager at the agreed size (a mode or size the runner has no graph for; peers run the same size);
 - eager at the batch's own size (synced mode NONE, no ubatch), through ``runner.execute``.
 
+Every eager step runs what a single-rank eager step runs: the runner's ``eager_model`` (the model
+as written, also with ``compile`` on), whole through ``GraphRunner.run_eager`` or micro-batch by
+micro-batch.
+
 A rank with no work calls ``step(None)`` and runs a dummy batch built from the runner's
 StaticInput pad values (what graphs are captured on) at ``DPDecision.dummy_tokens``.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from graphplan.compiler.errors import BatchError
+from graphplan.compiler.records import decode_token_range, is_uniform_decode, padded_num_reqs
 
 from ..buffers import as_tuple, real_rows
 from .agreement import DPCoordinator, DPDecision, DPError, contribution
@@ -66,10 +71,10 @@ def _shape_text(n: int, num_reqs, max_query_len, num_active_loras) -> str:
 def dummy_shape(tokens: int, q: int, max_num_seqs: int) -> tuple[int, int]:
     """(num_reqs, max_query_len) of an idle rank's dummy batch: uniform decode when it can be
     (so FULL decode graphs replay), else as many requests as allowed."""
-    if tokens % q == 0 and tokens // q <= max_num_seqs:
-        return tokens // q, q
-    reqs = min(tokens, max_num_seqs)
-    return reqs, -(-tokens // reqs)
+    if tokens in decode_token_range(q, max_num_seqs):
+        return padded_num_reqs(tokens, max_num_seqs, q), q
+    reqs = padded_num_reqs(tokens, max_num_seqs)
+    return reqs, -(-tokens // reqs)  # the longest request: tokens / reqs, rounded up
 
 
 class DPRunner:
@@ -229,16 +234,14 @@ class DPRunner:
         # no graph, but peers run the agreed size: run it too, eagerly
         runner.record_eager(route)
         padded = pad_inputs(self.specs, inputs, route.padded_tokens, num_reqs or 0)
-        with torch.no_grad():
-            out = runner.model(**padded)
-        return real_rows(out, n)
+        return real_rows(runner.run_eager(padded), n)
 
     def _eager_ubatched(self, route, inputs, n, num_reqs, max_query_len, query_lens):
         runner, table = self.runner, self.table
         runner.record_eager(route)
         reqs = num_reqs or 0
         if query_lens is None:
-            if reqs and max_query_len == table.q and n == table.q * reqs:
+            if reqs and is_uniform_decode(n, reqs, max_query_len, table.q):
                 query_lens = uniform_query_lens(n, table.q)
             elif self._offsets is not None and reqs:
                 query_lens = inputs[self._offsets][: reqs + 1].diff().tolist()
@@ -249,10 +252,11 @@ class DPRunner:
         slices = ubatch_slices(
             query_lens, route.padded_tokens, self.k, max(padded_reqs, len(query_lens))
         )
+        ubatches = [slice_inputs(self.specs, padded, sl) for sl in slices]
+        # the runner's eager model (run_eager's), as the model wrote it: its forward_stages, if
+        # it has them, interleave the micro-batches
         with torch.no_grad(), sm_carveout(self.comm_sms):
-            outs = run_ubatches(
-                runner.model, [slice_inputs(self.specs, padded, sl) for sl in slices], self.streams
-            )
+            outs = run_ubatches(runner.eager_model, ubatches, self.streams)
         parts = [as_tuple(o) for o in outs]
         full = tuple(torch.cat(cols) for cols in zip(*parts))
         return real_rows(full if len(full) > 1 else full[0], n)

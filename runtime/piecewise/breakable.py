@@ -258,7 +258,9 @@ _CAPTURE_REFUSED = (
     "capture invalidated",
     "capture_invalidated",
 )  # CUDA's and torch's words
-_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+# torch's frames and the whole runtime's (graphs.py raises HostSyncInCapture): the frame named is
+# the model's own line
+_SKIP_FRAMES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 def segment_error(

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
+from graphplan.compiler.records import padded_num_reqs
+
 from ..buffers import as_tuple, real_rows
 from .breakable import SEGMENT_FIX, Intercept, SplitError, Step, segment_error, set_step
 
@@ -167,7 +169,7 @@ class BreakableGraphs:
 
     def _forward(self, views: dict, tokens: int, capture: bool) -> _Run:
         run = self.run = _Run(tokens=tokens, capture=capture, views=views)
-        set_step(Step(tokens, tokens, min(tokens, self.max_reqs)))
+        set_step(Step(tokens, tokens, padded_num_reqs(tokens, self.max_reqs)))
         try:
             with self.intercept, torch.no_grad():
                 if capture:
@@ -302,7 +304,7 @@ class BreakableGraphs:
     # -- replay -----------------------------------------------------------------------------
     def replay(self, tokens: int, inputs: dict[str, torch.Tensor], n: int, reqs: int):
         b = self.buffers
-        b.load(inputs, n, reqs, tokens, min(tokens, self.max_reqs))  # graph rows stay padded
+        b.load(inputs, n, reqs, tokens, padded_num_reqs(tokens, self.max_reqs))  # rows stay padded
         size = self.sizes[tokens]
         views = b.views(tokens, reqs) if size.needs_views else None
         set_step(Step(n, tokens, reqs))

@@ -2,9 +2,10 @@
 padding block that padded rows write to and nothing real ever reads.
 
 Model-agnostic and free of transformers: ``KVCacheShape`` says what one token costs, ``size_blocks``
-turns a token budget or a memory fraction into a block count (and refuses one that cannot hold
-``max_num_seqs`` sequences of ``max_model_len`` tokens), ``PagedKVCache`` owns the tensor and
-``BlockTables`` hands blocks to seats as their sequences grow.
+turns a token budget or a memory fraction into a block count (and refuses one that cannot hold a
+single ``max_model_len`` sequence), ``PagedKVCache`` owns the tensor and ``BlockTables`` hands
+blocks to seats as their sequences grow and takes them back when they finish (the server's batcher
+admits and preempts requests by its free count: ``server/batching.py``).
 
 Layout: ``kv [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``; block ``num_blocks``
 is the padding block, so the padding slot is ``num_blocks * block_size``. A token's slot is
@@ -47,12 +48,24 @@ class KVCacheShape:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory (CUDA), or available host memory (CPU)."""
+    """Free device memory on CUDA; on the CPU, what the kernel can hand out without swapping
+    (/proc/meminfo's MemAvailable, which counts reclaimable page cache), else the free pages."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+HEADROOM = 0.10
+"""Share of the free memory left beside a default-sized CUDA pool: graphs, activations, sampling."""
 
 
 def size_blocks(
@@ -64,12 +77,16 @@ def size_blocks(
     memory_fraction: float | None = None,
     device: torch.device | str = "cpu",
 ) -> int:
-    """Blocks for a token budget, or for ``memory_fraction`` of the free memory; neither: exactly
-    enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens. Raises KVCacheSizeError when
-    the result holds fewer."""
+    """The pool's block count: for a token budget, or ``memory_fraction`` of the free memory (a
+    ``gpu_memory_utilization``-style knob, taken after the weights are loaded); neither: enough
+    for ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at what fits in the free
+    memory less ``HEADROOM``. Blocks are handed out on demand (``BlockTables``), so the pool need
+    not hold every seat at its longest; it must hold one ``max_model_len`` sequence, so that every
+    request can finish (the batcher preempts others for it). Raises KVCacheSizeError otherwise."""
     if tokens is not None and memory_fraction is not None:
         raise KVCacheSizeError("give a KV-cache token budget or a memory fraction, not both")
-    need = max_num_seqs * shape.blocks_per_seq(max_model_len)
+    one_seq = shape.blocks_per_seq(max_model_len)
+    per_block = shape.bytes_per_token * shape.block_size
     if tokens is not None:
         blocks, source = tokens // shape.block_size, f"a budget of {tokens} tokens"
     elif memory_fraction is not None:
@@ -78,18 +95,20 @@ def size_blocks(
                 f"KV-cache memory fraction must be in (0, 1], not {memory_fraction}"
             )
         free = free_memory_bytes(torch.device(device))
-        per_block = shape.bytes_per_token * shape.block_size
         blocks = int(free * memory_fraction) // per_block - 1  # one block is the padding block
         source = f"memory fraction {memory_fraction:g} of {free / GiB:.2f} GiB free"
     else:
-        return need
-    if blocks < need:
-        want = need * shape.block_size
+        free = free_memory_bytes(torch.device(device))
+        fit = int(free * (1 - HEADROOM)) // per_block - 1
+        blocks = min(max_num_seqs * one_seq, fit)
+        source = f"{1 - HEADROOM:g} of the {free / GiB:.2f} GiB free"
+    if blocks < one_seq:
+        want = one_seq * shape.block_size
         raise KVCacheSizeError(
             f"KV cache from {source} has {max(blocks, 0)} blocks of {shape.block_size} tokens; "
-            f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} need {need} "
-            f"blocks ({want} tokens, {want * shape.bytes_per_token / GiB:.3f} GiB): raise the "
-            "budget, or lower scheduler.max_num_seqs or max_model_len"
+            f"one sequence of max_model_len={max_model_len} needs {one_seq} blocks ({want} "
+            f"tokens, {want * shape.bytes_per_token / GiB:.3f} GiB): raise the budget, or lower "
+            "max_model_len"
         )
     return blocks
 

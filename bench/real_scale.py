@@ -1,0 +1,389 @@
+"""Decode at real scale: a Llama-3-8B-shaped (or 1B) transformers model under graphplan's FULL
+decode graphs, against the floor measured in the same process. GPU only (``--device cpu`` with
+``--shape tiny`` checks the program).
+
+    python bench/real_scale.py --out bench/results/real_scale.md            # 8B, the issue's grid
+    python bench/real_scale.py --shape 1b --batches 1,8 --contexts 1024     # a quick run
+    python bench/real_scale.py --device cpu --shape tiny --quick            # CPU smoke run
+
+The model is ``LlamaForCausalLM`` built from its config (random bf16 weights, no download). For each
+max_model_len, context and batch it prints:
+- **step**: ``GraphRunner.step`` (copy in, replay, slice out) of a FULL decode graph, every request
+  at ``context`` tokens (their blocks are reserved; the KV contents do not change the time);
+- **floor**: every linear layer of the model as ``F.linear`` on ``batch`` rows plus, per layer,
+  ``F.scaled_dot_product_attention(enable_gqa=True)`` of one query over contiguous K/V of
+  ``context`` tokens, all captured in one CUDA graph. K/V buffers are distinct per layer, except
+  when one layer's K/V is over 256 MiB (five times the H100's L2): then two buffers alternate,
+  which reads the same bytes from HBM and keeps the floor within memory;
+- the ratio step / floor, tokens/s (batch / step), capture time of the plan's decode graphs, and
+  the KV pool (blocks, GiB);
+- **hf**: transformers' own decode step with a static cache under
+  ``torch.compile(mode="reduce-overhead")`` at the same batch (``--hf-batches``; context 1024 only,
+  its compile takes a minute per batch).
+A configuration that does not fit (the KV pool or the floor's K/V) is reported, not skipped
+silently. Bars (issue 25, H100): batch 1 ctx 1024 <= 1.10x, batch 64 ctx 1024 <= 1.15x at both
+max_model_len, batch 64 ctx 8192 <= 1.25x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from graphplan.compiler import GraphplanError, compile_plan
+from graphplan.models.hf import ATTN_IMPLEMENTATION, KVCacheSizeError, PagedCausalLM, load_model
+from graphplan.runtime import GraphRunner
+
+from timing import graph_time_per_call, publish, sync, time_per_call
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA3 = dict(
+    vocab_size=128256,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+SHAPES = {
+    "8b": dict(
+        LLAMA3,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        tie_word_embeddings=False,
+    ),
+    "1b": dict(
+        LLAMA3,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        tie_word_embeddings=True,
+        head_dim=64,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+    ),
+}
+BARS = {(1, 1024): 1.10, (64, 1024): 1.15, (64, 8192): 1.25}
+GiB = 1 << 30
+REUSE_KV_ABOVE = 256 << 20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--contexts", default="1024,8192")
+    p.add_argument("--max-model-lens", default="4096,32768")
+    p.add_argument("--hf-batches", default="1,8", help="'' skips transformers' baseline")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-fraction",
+        type=float,
+        default=0.85,
+        help="CUDA: the KV pool's share of the memory free after the weights",
+    )
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hf-only", type=int, help=argparse.SUPPRESS)  # the baseline's child
+    p.add_argument("--quick", action="store_true", help="few iterations; tiny sizes on the CPU")
+    p.add_argument("--out", help="also write the report here (markdown)")
+    a = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    a.batches, a.contexts, a.max_model_lens = (
+        ints(a.batches),
+        ints(a.contexts),
+        ints(a.max_model_lens),
+    )
+    a.hf_batches = ints(a.hf_batches)
+    if a.quick:
+        a.iters, a.repeats = 3, 2
+    if a.device == "cpu" and a.shape != "tiny":
+        p.error("the CPU runs only --shape tiny (the 1B and 8B shapes are GPU sizes)")
+    return a
+
+
+def build_model(a, device):
+    from transformers import LlamaConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = LlamaConfig(**SHAPES[a.shape])
+    t0 = time.perf_counter()
+    hf = load_model(
+        cfg,
+        dtype=dtype,
+        device=device,
+        seed=0,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        random_weights=True,
+    )
+    return hf, time.perf_counter() - t0
+
+
+def decode_plan(batches: list[int], max_len: int) -> dict:
+    top = max(batches)
+    return {
+        "version": 1,
+        "name": f"real-scale-{max_len}",
+        "scheduler": {"max_num_seqs": top, "max_num_batched_tokens": max(top, 2048)},
+        "cudagraph": {
+            "mode": "FULL_DECODE_ONLY",
+            "attention_support": "ALWAYS",
+            "capture_sizes": sorted(batches),
+        },
+    }
+
+
+def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
+    """Every (context, batch) of one max_model_len through one runner (one capture)."""
+    top = max(a.batches)
+    if device.type == "cuda":  # the pool a server would have: most of what the weights leave
+        pool = {"kv_memory_fraction": a.kv_fraction}
+    else:
+        pool = {"kv_cache_tokens": max(top * (max(a.contexts) + a.block_size), max_len)}
+    try:
+        model = PagedCausalLM(
+            hf, max_num_seqs=top, max_model_len=max_len, block_size=a.block_size, **pool
+        )
+    except GraphplanError as e:
+        rows.append({"max_len": max_len, "note": f"KV pool refused: {e}"})
+        return
+    table = compile_plan(decode_plan(a.batches, max_len))
+    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False)
+    sync(device)
+    t0 = time.perf_counter()
+    runner.capture()
+    sync(device)
+    capture_s = time.perf_counter() - t0
+    pool_gib = model.cache.nbytes() / GiB
+    for ctx in a.contexts:
+        if ctx >= max_len:
+            continue
+        for b in a.batches:
+            try:
+                batch = model.make_batch([(seat, ctx, [1 + seat]) for seat in range(b)])
+            except KVCacheSizeError:
+                need = b * (ctx + 1) * model.cache.shape.bytes_per_token / GiB
+                note = f"context {ctx} x batch {b} ({need:.1f} GiB of KV) does not fit the pool"
+                rows.append({"max_len": max_len, "note": note})
+                continue
+            with torch.no_grad():
+                t = time_per_call(lambda: runner.step(batch, b, 1), device, a.iters, a.repeats)
+            rows.append(
+                {
+                    "max_len": max_len,
+                    "ctx": ctx,
+                    "batch": b,
+                    "step": t,
+                    "capture_s": capture_s,
+                    "blocks": model.cfg.num_blocks,
+                    "pool_gib": pool_gib,
+                }
+            )
+    runner.release()  # its graphs; the model's pool goes when the caller collects
+
+
+def floor_step(hf, a, device, batch: int, ctx: int) -> float | str:
+    """All GEMMs and SDPA decode of one step, captured in one graph (see the module docstring)."""
+    c = hf.config
+    layers, kvh, qh = c.num_hidden_layers, c.num_key_value_heads, c.num_attention_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // qh
+    dtype = next(hf.parameters()).dtype
+    weights = [m.weight for m in hf.modules() if isinstance(m, torch.nn.Linear)]
+    per_layer = 2 * batch * kvh * ctx * hd * dtype.itemsize
+    n_buf = layers if per_layer <= REUSE_KV_ABOVE else 2
+    if device.type == "cuda" and n_buf * per_layer > torch.cuda.mem_get_info(device)[0] - 2 * GiB:
+        return f"floor K/V ({n_buf * per_layer / GiB:.1f} GiB) does not fit"
+    xs = {
+        k: torch.randn(batch, k, device=device, dtype=dtype) for k in {w.shape[1] for w in weights}
+    }
+    kv = [torch.randn(2, batch, kvh, ctx, hd, device=device, dtype=dtype) for _ in range(n_buf)]
+    q = torch.randn(batch, qh, 1, hd, device=device, dtype=dtype)
+
+    def body():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+        for i in range(layers):
+            k, v = kv[i % n_buf]
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    with torch.no_grad():
+        return graph_time_per_call(body, device, a.iters, a.repeats)
+
+
+def hf_compiled_step(hf, a, device, batch: int, ctx: int) -> float | str:
+    """transformers' own decode step: ``generate`` with ``cache_implementation="static"``, which
+    compiles the decode forward (its ``compile_config``). The step is the difference between two
+    generations of ``ctx``-token prompts, 64 and 16 new tokens each, over the 48 tokens between
+    (the prefill and the first token cancel out)."""
+    hf.set_attn_implementation("sdpa")
+    try:
+        prompt = torch.randint(1, hf.config.vocab_size, (batch, ctx), device=device)
+
+        def gen(n: int) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                hf.generate(
+                    prompt,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    cache_implementation="static",
+                    pad_token_id=0,
+                )
+            sync(device)
+            return time.perf_counter() - t0
+
+        gen(64)  # compiles
+        gen(16)
+        short = min(gen(16) for _ in range(max(1, a.repeats // 2)))
+        long = min(gen(64) for _ in range(max(1, a.repeats // 2)))
+        return (long - short) / 48
+    except Exception as e:  # a baseline that fails is reported, not fatal
+        return f"failed: {type(e).__name__}: {str(e)[:120]}"
+    finally:
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def ms(x) -> str:
+    return f"{x * 1e3:.2f}" if isinstance(x, float) else "-"
+
+
+def report(a, device, load_s, rows, floors, hfs) -> tuple[str, bool]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    lines = [
+        f"# real_scale ({a.shape}), {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"command: `python bench/real_scale.py {shlex.join(sys.argv[1:])}`",
+        f"torch {torch.__version__}; model built in {load_s:.1f} s; times are ms per step",
+        "",
+        "| max_model_len | context | batch | step | floor | step/floor | bar | tokens/s | hf static+compile | capture s | KV blocks | KV GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ok = True
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['max_len']} | | | {r['note']} | | | | | | | | |")
+            ok = False
+            continue
+        f = floors.get((r["batch"], r["ctx"]))
+        ratio = r["step"] / f if isinstance(f, float) else None
+        bar = BARS.get((r["batch"], r["ctx"]))
+        verdict = "" if bar is None or ratio is None else ("met" if ratio <= bar else "MISSED")
+        ok &= verdict != "MISSED"
+        h = hfs.get((r["batch"], r["ctx"]))
+        lines.append(
+            f"| {r['max_len']} | {r['ctx']} | {r['batch']} | {ms(r['step'])} | "
+            f"{ms(f) if isinstance(f, float) else f or '-'} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {f'<= {bar}x {verdict}' if bar else ''} | "
+            f"{r['batch'] / r['step']:.0f} | {ms(h) if isinstance(h, float) else h or '-'} | "
+            f"{r['capture_s']:.2f} | {r['blocks']} | {r['pool_gib']:.2f} |"
+        )
+    by_len = {}
+    for r in rows:
+        if "step" in r and r["batch"] == max(a.batches):
+            by_len.setdefault(r["ctx"], {})[r["max_len"]] = r["step"]
+    for ctx, steps in sorted(by_len.items()):
+        if len(steps) > 1:
+            growth = max(steps.values()) / min(steps.values()) - 1
+            ok &= growth <= 0.05
+            lines.append(
+                f"\nbatch {max(a.batches)}, context {ctx}: step grows {growth:+.1%} from "
+                f"max_model_len {min(steps)} to {max(steps)} (bar: within 5%)"
+            )
+    return "\n".join(lines) + "\n", ok
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    hf, load_s = build_model(a, device)
+    rows, floors, hfs = [], {}, {}
+    if a.hf_only is not None:
+        a.max_model_lens, a.contexts = [], []
+    for max_len in a.max_model_lens:
+        graphplan_steps(hf, a, device, max_len, rows)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for ctx in a.contexts:
+        for b in a.batches:
+            floors[(b, ctx)] = floor_step(hf, a, device, b, ctx)
+    if a.hf_only is not None:  # the child of hf_baselines: one number on stdout
+        print(f"HF_STEP {hf_compiled_step(hf, a, device, a.hf_only, 1024)}")
+        return 0
+    text, ok = report(a, device, load_s, rows, floors, hfs)
+    publish(text, a.out)  # graphplan and the floor, whatever the baseline does next
+    if a.hf_batches and 1024 in a.contexts:
+        del hf
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hfs = hf_baselines(a)
+        text, ok = report(a, device, load_s, rows, floors, hfs)
+        publish(text, a.out)
+    return 0 if ok or device.type != "cuda" else 2
+
+
+def hf_baselines(a) -> dict:
+    """transformers' compiled static-cache step per batch, each in a child process: a failure
+    there (a device-side assert poisons its CUDA context) costs only its own number."""
+    import subprocess
+
+    out = {}
+    for b in a.hf_batches:
+        argv = [
+            sys.executable,
+            __file__,
+            "--device",
+            a.device,
+            "--shape",
+            a.shape,
+            "--batches",
+            str(b),
+            "--contexts",
+            "1024",
+            "--max-model-lens",
+            "",
+            "--hf-only",
+            str(b),
+            "--iters",
+            str(a.iters),
+            "--repeats",
+            str(a.repeats),
+        ]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+        if a.out:  # the child's log beside the report: a failed baseline says why in full
+            Path(f"{a.out}.hf{b}.log").write_text(run.stdout + run.stderr)
+        line = next((ln for ln in run.stdout.splitlines() if ln.startswith("HF_STEP ")), None)
+        if line is None:
+            err = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            out[(b, 1024)] = f"failed: {err[:100]}"
+        else:
+            value = line.split(" ", 1)[1]
+            out[(b, 1024)] = float(value) if value[0].isdigit() else value
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""What sampling inside the step costs (server/sampling.py), against the greedy argmax the server
+does today and against a conventional torch sampler (sort for top-k/top-p, softmax, torch's RNG:
+not reproducible per request), each timed as a replayed CUDA graph on a GPU.
+
+    python bench/sampling_bench.py --out bench/results/sampling_bench.md   # GPU: Llama-3 vocab
+    python bench/sampling_bench.py --device cpu --smoke                    # tiny sizes
+
+Rows: ``argmax`` (the baseline), ``torch_reference`` (sort + softmax + exponential_ + argmax),
+``sampler`` (Sampler.sample, penalties off, no logprobs: penalty-free requests), ``sampler_full``
+(penalties on, 20 logprobs), and two parts of the sampler: ``sort`` (the per-row threshold's sort)
+and ``noise`` (the counter-based Gumbel noise). Every sampler row mixes greedy and sampled requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import shlex
+import sys
+
+import torch
+
+from graphplan.server.sampling import Sampler, gumbel_noise, seed_key, vocab_keys
+from graphplan.server.sampling_params import SamplingParams
+
+from machine import machine
+from timing import graph_time_per_call, publish
+
+MIX = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+    SamplingParams(temperature=1.0, top_k=50, seed=2),
+    SamplingParams(temperature=0.7, min_p=0.05, top_p=0.9),
+]
+PENALISED = SamplingParams(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.1, seed=3)
+
+
+def reference(logits: torch.Tensor) -> torch.Tensor:
+    """A conventional batched sampler: top-p by sort, one softmax, torch's exponential RNG."""
+    x = logits.float() / 0.8
+    ordered, index = x.sort(dim=-1)
+    probs = ordered.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) <= 0.05
+    x = x.scatter(1, index, ordered.masked_fill(drop, float("-inf")))
+    probs = x.softmax(dim=-1)
+    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def sampler_for(rows: int, vocab: int, device, full: bool) -> Sampler:
+    s = Sampler(
+        rows,
+        vocab,
+        device=device,
+        max_logprobs=20 if full else 0,
+        penalties=full,
+        rng=random.Random(0),
+    )
+    for slot in range(rows):
+        params = PENALISED if full and slot % 4 == 3 else MIX[slot % len(MIX)]
+        s.set_row(slot, params, prompt_ids=list(range(slot, slot + 64)))
+    s.update(list(range(rows)), [slot * 7 % vocab for slot in range(rows)])
+    return s
+
+
+def measure(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
+    logits = torch.randn(rows, vocab, device=device).bfloat16() * 3
+    lean, full = sampler_for(rows, vocab, device, False), sampler_for(rows, vocab, device, True)
+    slots = lean.load_slots(list(range(rows)))
+    full_slots = full.load_slots(list(range(rows)))
+    scaled = logits.float()
+    keys = torch.tensor([seed_key(r) for r in range(rows)], device=device)
+    steps, token_keys = torch.zeros_like(keys), vocab_keys(vocab, device)
+    cases = {
+        "argmax": lambda: logits.argmax(dim=-1),
+        "torch_reference": lambda: reference(logits),
+        "sampler": lambda: lean.sample(logits, slots),
+        "sampler_full": lambda: full.sample(logits, full_slots),
+        "sort": lambda: scaled.sort(dim=-1),
+        "noise": lambda: gumbel_noise(keys, steps, token_keys),
+    }
+    return {name: graph_time_per_call(fn, device, iters) * 1e6 for name, fn in cases.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--vocab", type=int, default=128256, help="Llama 3's vocabulary")
+    ap.add_argument("--rows", default="1,8,64,256", help="requests sampled per step")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the program")
+    ap.add_argument("--out", help="also write the markdown result here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    vocab, rows = args.vocab, [int(r) for r in args.rows.split(",")]
+    if args.smoke:
+        vocab, rows, args.iters = 1000, [1, 4], 3
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"## Sampling cost per step, vocab {vocab}, {device.type}",
+        "",
+        f"{now}, {where}; `python bench/sampling_bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+        "| rows | argmax us | torch_reference us | sampler us | sampler_full us | sort us "
+        "| noise us | sampler / argmax | sampler / torch_reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = measure(r, vocab, device, args.iters)
+        lines.append(
+            f"| {r} | {t['argmax']:.1f} | {t['torch_reference']:.1f} | {t['sampler']:.1f} "
+            f"| {t['sampler_full']:.1f} | {t['sort']:.1f} | {t['noise']:.1f} "
+            f"| {t['sampler'] / t['argmax']:.1f}x | {t['sampler'] / t['torch_reference']:.2f}x |"
+        )
+    publish("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

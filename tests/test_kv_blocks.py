@@ -1,0 +1,233 @@
+"""KV blocks on demand (server/batching.py with models/paged_kv.py's BlockTables): admission waits
+for blocks, a decode that cannot grow preempts the newest requests, which recompute later; every
+request finishes with the tokens it would have had with room for all, and every block comes back.
+
+The "model" here is a pure function of each request's whole sequence, so a recomputed request must
+produce the same tokens: a preemption that lost or duplicated a token would change them."""
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from graphplan.models.paged_kv import BlockTables
+from graphplan.server.batching import ContinuousBatcher
+
+VOCAB = 97
+
+
+def next_token(sequence) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(sequence)) + len(sequence)) % VOCAB + 1
+
+
+def run(prompts, max_new, *, blocks, block_size=4, seqs=4, budget=16, max_len=64, arrivals=None):
+    """Drive the batcher as the engine does: reserve each step's blocks in the pool (what
+    ``make_batch`` does), feed back ``next_token`` of the sequence so far. Returns the outputs,
+    the batcher, and the most blocks ever in use."""
+    pool = BlockTables(
+        num_blocks=blocks,
+        block_size=block_size,
+        num_seats=seqs,
+        max_blocks_per_seq=-(-max_len // block_size),
+    )
+    b = ContinuousBatcher(
+        max_num_seqs=seqs,
+        token_budget=budget,
+        max_model_len=max_len,
+        num_cache_rows=seqs,
+        kv_pool=pool,
+    )
+    seq = {}  # request -> tokens in its cache, as the model would see them
+    arrivals = arrivals or [0] * len(prompts)
+    step, added, peak = 0, 0, 0
+    while added < len(prompts) or b.has_work():
+        while added < len(prompts) and arrivals[added] <= step:
+            b.add(added, prompts[added], max_new)
+            added += 1
+        batch = b.schedule()
+        step += 1
+        if batch is None:
+            assert added < len(prompts) or not b.has_work(), "work left but nothing scheduled"
+            continue
+        tokens = []
+        for rid, (row, start, toks), sample in zip(
+            batch.request_ids, batch.reqs, batch.sample_rows
+        ):
+            pool.reserve(row, start, len(toks))  # raises if the batcher over-committed
+            seq[rid] = seq.get(rid, [])[:start] + list(toks)
+            tokens.append(next_token(seq[rid]) if sample >= 0 else None)
+        peak = max(peak, blocks - pool.num_free())
+        b.commit_tokens(batch, tokens)
+    return [b.finished[i] for i in range(len(prompts))], b, pool, peak
+
+
+def reference(prompt, max_new):
+    out, s = [], list(prompt)
+    for _ in range(max_new):
+        out.append(next_token(s))
+        s.append(out[-1])
+    return out
+
+
+def test_a_pool_of_one_sequence_serves_every_request_by_preempting_and_recomputing():
+    prompts = [[1 + i] * (8 + 3 * i) for i in range(4)]
+    out, b, pool, peak = run(prompts, 20, blocks=16, max_len=48)  # 16 blocks = one 64-token seq
+    assert out == [reference(p, 20) for p in prompts]
+    assert b.num_preemptions > 0 and peak <= 16
+    assert pool.num_free() == 16  # every block came back
+
+
+def test_with_room_for_every_seat_nothing_is_preempted():
+    prompts = [[3] * 10 for _ in range(4)]
+    out, b, _, _ = run(prompts, 12, blocks=4 * 16, max_len=64)
+    assert out == [reference(p, 12) for p in prompts] and b.num_preemptions == 0
+
+
+def test_admission_waits_for_blocks_in_arrival_order_and_a_decode_preempts_the_newest():
+    pool = BlockTables(num_blocks=8, block_size=4, num_seats=4, max_blocks_per_seq=8)
+    b = ContinuousBatcher(
+        max_num_seqs=4,
+        token_budget=64,
+        max_model_len=32,
+        num_cache_rows=4,
+        kv_pool=pool,
+        watermark=0.0,
+    )
+    b.add("a", [1] * 24, 4)  # 6 blocks
+    b.add("b", [2] * 12, 4)  # 3 blocks: its first chunk is cut to the 2 blocks left
+    s = b.schedule()
+    assert s.request_ids == ("a", "b") and [len(t) for _, _, t in s.reqs] == [24, 8]
+    for row, start, toks in s.reqs:
+        pool.reserve(row, start, len(toks))
+    b.commit_tokens(s, [5, None])
+    b.add("c", [3] * 4, 2)
+    # a's decode needs a 7th block and none is free: b, the newest, is preempted (its 2 blocks
+    # and row go back), then readmitted first in line with what is left; c waits behind it
+    s = b.schedule()
+    assert b.num_preemptions == 1 and s.request_ids == ("a", "b")
+    assert s.reqs == ((0, 24, (5,)), (2, 0, (2, 2, 2, 2)))
+
+
+def test_an_aborted_or_finished_request_gives_its_blocks_back():
+    pool = BlockTables(num_blocks=8, block_size=4, num_seats=2, max_blocks_per_seq=8)
+    b = ContinuousBatcher(
+        max_num_seqs=2,
+        token_budget=32,
+        max_model_len=32,
+        num_cache_rows=2,
+        kv_pool=pool,
+        watermark=0.0,
+    )
+    b.add("a", [1] * 9, 1)
+    b.add("b", [2] * 5, 8)
+    s = b.schedule()
+    for row, start, toks in s.reqs:
+        pool.reserve(row, start, len(toks))
+    assert pool.num_free() == 8 - 3 - 2
+    b.commit_tokens(s, [7, 8])  # a finishes (max 1 token)
+    assert pool.num_free() == 8 - 2
+    b.abort("b")
+    assert pool.num_free() == 8 and not b.has_work()
+
+
+@settings(max_examples=150, deadline=None)
+@example(  # a decode preempts itself after earlier picks took blocks: they still count
+    lens=[18, 1], max_new=16, extra_blocks=0, budget=17, seqs=2, block_size=1, spacing=0
+)
+@given(
+    lens=st.lists(st.integers(1, 30), min_size=1, max_size=7),
+    max_new=st.integers(1, 16),
+    extra_blocks=st.integers(0, 24),
+    budget=st.integers(1, 24),
+    seqs=st.integers(1, 4),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    spacing=st.integers(0, 3),
+)
+def test_every_request_finishes_with_its_reference_tokens_whatever_the_pool(
+    lens, max_new, extra_blocks, budget, seqs, block_size, spacing
+):
+    max_len = 48
+    one_seq = -(-max_len // block_size)
+    prompts = [[(7 * i + j) % VOCAB + 1 for j in range(n)] for i, n in enumerate(lens)]
+    out, b, pool, peak = run(
+        prompts,
+        max_new,
+        blocks=one_seq + extra_blocks,
+        block_size=block_size,
+        seqs=seqs,
+        budget=budget,
+        max_len=max_len,
+        arrivals=[i * spacing for i in range(len(prompts))],
+    )
+    assert out == [reference(p, max_new) for p in prompts]
+    assert peak <= one_seq + extra_blocks and pool.num_free() == one_seq + extra_blocks
+
+
+def test_a_request_longer_than_max_model_len_is_refused_at_add():
+    pool = BlockTables(num_blocks=4, block_size=4, num_seats=1, max_blocks_per_seq=4)
+    b = ContinuousBatcher(
+        max_num_seqs=1, token_budget=8, max_model_len=16, num_cache_rows=1, kv_pool=pool
+    )
+    with pytest.raises(ValueError, match="exceed max_model_len 16"):
+        b.add("x", [1] * 10, 7)
+
+
+def test_the_real_scale_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path):
+    """bench/real_scale.py --shape tiny: every (max_model_len, context, batch) row has a step, a
+    floor and a ratio (the bars are enforced on CUDA only)."""
+    import real_scale
+
+    out = tmp_path / "rs.md"
+    argv = [
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--quick",
+        "--batches",
+        "1,2",
+        "--contexts",
+        "16,40",
+        "--max-model-lens",
+        "64,128",
+        "--hf-batches",
+        "",
+        "--out",
+        str(out),
+    ]
+    assert real_scale.main(argv) == 0
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and "x |" in ln]
+    assert len(rows) == 2 * 2 * 2, out.read_text()
+    assert "step grows" in out.read_text()
+
+
+def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_path):
+    """bench/offline_throughput.py at tiny size: every request gets all its tokens through the
+    engine loop (chunked prefill, FULL and piecewise replays, KV blocks on demand)."""
+    import offline_throughput
+
+    plan = tmp_path / "p.yaml"
+    plan.write_text(
+        "version: 1\nname: tiny-offline\n"
+        "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 64}\n"
+        "cudagraph: {mode: FULL_AND_PIECEWISE, attention_support: ALWAYS, splitting_ops: "
+        "[attention], capture_sizes: [1, 2, 4, 8, 16, 32, 64]}\n"
+    )
+    out = tmp_path / "o.md"
+    argv = [
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--requests",
+        "12",
+        "--max-len",
+        "40",
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+    ]
+    assert offline_throughput.main(argv) == 0
+    text = out.read_text()
+    assert "every request finished with all its tokens: True" in text
+    assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
