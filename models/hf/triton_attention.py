@@ -24,6 +24,10 @@ float32; bf16/fp16 operands on the tensor cores, fp32 ones in IEEE float32.
   number of query blocks; a program finds its request by a binary search over
   ``query_start_loc[r] // BLOCK_Q + r``.
 
+One compiled variant of each kernel serves every token and request count of a layout (heads,
+head_dim, block size, table width, dtype): the counts are runtime arguments, never specialised
+(``VARYING``), and ``warm_up`` compiles and loads the variant before any capture.
+
 Learned from (designs only, no code copied): vLLM ``vllm/v1/attention/ops/
 triton_unified_attention.py`` (kernel_unified_attention_2d/3d and reduce_segments: query blocks x
 the group's heads as one tile; the ``T // BLOCK_Q + R`` grid and its binary search; segments of
@@ -47,14 +51,20 @@ PROGRAMS_PER_SM = 8
 partial results to combine)."""
 MAX_SPLITS = 64
 """Most KV splits of one token (the grid's third dimension is at most this)."""
+BLOCK_R = 128
+"""Requests summed per step of the split length's loop over ``seq_lens``."""
 NUM_WARPS = 4
 NUM_STAGES = 2
+VARYING = ["num_reqs", "target", "max_keys", "stride_qt", "stride_qh", "stride_ot", "stride_oh"]
+"""Integer arguments that differ between batch shapes: not specialised (Triton compiles a variant
+per value 1 and per divisibility by 16), so one compiled kernel serves every graph of a model and
+nothing compiles or loads a module while a CUDA graph is being captured (see ``warm_up``)."""
 
 
 @triton.jit
 def _token_context(qsl_ptr, seq_lens_ptr, t, num_reqs, max_keys):
     """(request, keys it sees) of token row t; a padded row: (num_reqs, 0)."""
-    lo: tl.int32 = 0
+    lo = 0
     hi = num_reqs + 1
     while lo < hi:  # the largest r in [0, R] with query_start_loc[r] <= t
         mid = (lo + hi) // 2
@@ -70,14 +80,16 @@ def _token_context(qsl_ptr, seq_lens_ptr, t, num_reqs, max_keys):
 
 
 @triton.jit
-def _split_len(seq_lens_ptr, num_reqs, ctx, target, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _split_len(seq_lens_ptr, num_reqs, ctx, target, num_splits, BLOCK_N: tl.constexpr,
                BLOCK_R: tl.constexpr):  # fmt: skip
     """Keys per split: the batch's total context over ``target`` programs, at least a tile, and
-    enough that ``ctx`` needs at most SPLITS splits."""
-    r = tl.arange(0, BLOCK_R)
-    total = tl.sum(tl.load(seq_lens_ptr + r, mask=r < num_reqs, other=0), 0)
-    want = tl.maximum(tl.cdiv(total, target), tl.cdiv(ctx, SPLITS))
-    return tl.maximum(tl.cdiv(want, BLOCK_N), 1) * BLOCK_N
+    enough that ``ctx`` needs at most ``num_splits`` splits."""
+    total = 0
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        total += tl.sum(tl.load(seq_lens_ptr + r, mask=r < num_reqs, other=0), 0)
+    want = tl.maximum((total + target - 1) // target, (ctx + num_splits - 1) // num_splits)
+    return tl.maximum((want + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
 
 
 @triton.jit
@@ -98,19 +110,19 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n, n_ok, kv_off, d_ok, a
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_ptr, v_ptr, tables_ptr,
                    seq_lens_ptr, qsl_ptr, qk_scale, num_reqs, target, max_keys, stride_qt,
                    stride_qh, stride_ot, stride_oh, stride_slot, stride_table,
                    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     r, ctx = _token_context(qsl_ptr, seq_lens_ptr, t, num_reqs, max_keys)
-    chunk = _split_len(seq_lens_ptr, num_reqs, ctx, target, SPLITS, BLOCK_N, BLOCK_R)
+    chunk = _split_len(seq_lens_ptr, num_reqs, ctx, target, num_splits, BLOCK_N, BLOCK_R)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -137,30 +149,30 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_ptr, v_ptr, tab
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n, n_ok, kvh * D + d,
                                      d_ok, n_ok[None, :], qk_scale, stride_slot, PAGE,
                                      PRECISION)  # fmt: skip
-    if tl.cdiv(ctx, chunk) == 1:
+    if ctx <= chunk:  # one split: the output itself
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
     else:
-        part = (t * H + head).to(tl.int64) * SPLITS + split
+        part = (t * H + head).to(tl.int64) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc / l_i[:, None], mask=rows)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING + ["num_splits"])
 def _combine_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, num_reqs, target,
-                    max_keys, stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr,
+                    max_keys, num_splits, stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                     BLOCK_R: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)
     _, ctx = _token_context(qsl_ptr, seq_lens_ptr, t, num_reqs, max_keys)
-    chunk = _split_len(seq_lens_ptr, num_reqs, ctx, target, SPLITS, BLOCK_N, BLOCK_R)
-    n_splits = tl.cdiv(ctx, chunk)
+    chunk = _split_len(seq_lens_ptr, num_reqs, ctx, target, num_splits, BLOCK_N, BLOCK_R)
+    n_splits = (ctx + chunk - 1) // chunk
     if n_splits <= 1:
         return
     s = tl.arange(0, SPLITS)
     s_ok = s < n_splits
     d = tl.arange(0, BLOCK_D)
-    part = (t * H + h).to(tl.int64) * SPLITS + s
+    part = (t * H + h).to(tl.int64) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(part_out_ptr + part[:, None] * D + d[None, :],
@@ -170,7 +182,7 @@ def _combine_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, 
              mask=d < D)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
                     num_reqs, max_keys, stride_qt, stride_qh, stride_ot, stride_oh, stride_slot,
                     stride_table, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -178,7 +190,7 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    lo: tl.int32 = 0
+    lo = 0
     hi = num_reqs
     while lo < hi:  # the largest r < R whose first query block index is <= pid
         mid = (lo + hi) // 2
@@ -258,26 +270,25 @@ def decode(q, cache, block_tables, seq_lens, query_start_loc, scale, *, splits=N
     """Split-KV paged attention, one program per (token, K/V head, split); see the module doc."""
     num_tokens, num_heads, kv_heads, max_keys, common = _layout(q, cache, block_tables)
     num_reqs = block_tables.shape[0]
-    splits = splits or num_splits(num_tokens, kv_heads, q.device)
+    splits = min(splits or num_splits(num_tokens, kv_heads, q.device), MAX_SPLITS)
     per_sm = programs_per_sm or PROGRAMS_PER_SM
     target = max(1, per_sm * _multiprocessors(q.device) // kv_heads)
     block_n = block_n or (64 if common["BLOCK_D"] <= 128 else 32)
     out = q.new_empty(num_tokens, num_heads, q.shape[2])
     part_out = q.new_empty(num_tokens, num_heads, splits, q.shape[2], dtype=torch.float32)
     part_lse = q.new_empty(num_tokens, num_heads, splits, dtype=torch.float32)
-    block_r = triton.next_power_of_2(num_reqs)
     _decode_kernel[(num_tokens, kv_heads, splits)](
         out, part_out, part_lse, q, cache[0], cache[1], block_tables, seq_lens, query_start_loc,
         scale * LOG2E, num_reqs, target, max_keys, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), cache.stride(2), block_tables.stride(0), H=num_heads,
-        BLOCK_G=max(16, triton.next_power_of_2(common["G"])), BLOCK_N=block_n, SPLITS=splits,
-        BLOCK_R=block_r, num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES, **common,
+        BLOCK_G=max(16, triton.next_power_of_2(common["G"])), BLOCK_N=block_n, BLOCK_R=BLOCK_R,
+        num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES, **common,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, num_reqs, target, max_keys,
+            out, part_out, part_lse, seq_lens, query_start_loc, num_reqs, target, max_keys, splits,
             out.stride(0), out.stride(1), H=num_heads, D=common["D"], BLOCK_D=common["BLOCK_D"],
-            BLOCK_N=block_n, SPLITS=splits, BLOCK_R=block_r, num_warps=NUM_WARPS,
+            BLOCK_N=block_n, SPLITS=MAX_SPLITS, BLOCK_R=BLOCK_R, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 
@@ -301,9 +312,44 @@ def prefill(q, cache, block_tables, seq_lens, query_start_loc, scale, *, block_m
     return out
 
 
+_WARM: set[tuple] = set()
+"""The layouts ``warm_up`` has compiled and loaded both kernels for."""
+
+
+def _layout_key(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor) -> tuple:
+    """What selects the compiled kernels: everything else is a runtime argument (``VARYING``)."""
+    return (q.device, q.dtype, q.shape[1:], cache.shape[2:], block_tables.shape[1])
+
+
+def warm_up(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """Compile and load the kernels that serve ``q``'s and ``cache``'s layout (any token and
+    request count), by running both on a two-request batch of this layout. A CUDA graph capture
+    must not be the first call of a layout: loading a compiled module is not permitted while a
+    stream is capturing. ``paged_attention`` does this by itself on its first (eager) call."""
+    _, num_heads, head_dim = q.shape
+    page, kv_heads = cache.shape[2], cache.shape[3]
+    tiny = q.new_zeros(2, 3, page, kv_heads, head_dim)  # blocks 0, 1 and the padding block
+    tables = torch.full((2, block_tables.shape[1]), 2, dtype=torch.int32, device=q.device)
+    tables[:, 0] = torch.arange(2, dtype=torch.int32, device=q.device)
+    seq_lens = torch.tensor([1, 2], dtype=torch.int32, device=q.device)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device)
+    rows = q.new_zeros(3, num_heads, head_dim)
+    decode(rows[:2], tiny, tables, seq_lens, starts, 1.0)
+    prefill(rows, tiny, tables, seq_lens, starts + torch.tensor([0, 0, 1], device=q.device), 1.0)
+    _WARM.add(_layout_key(q, cache, block_tables))
+
+
 def paged_attention(q, cache, block_tables, seq_lens, query_start_loc, scale):
     """``decode`` when the batch has a row per request (T == R: uniform decode, padded or not),
     else ``prefill``; both are right for any batch, the choice is speed (static per shape)."""
+    if _layout_key(q, cache, block_tables) not in _WARM:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "paged attention: the first call for this layout is inside a CUDA graph capture, "
+                "where Triton cannot load its kernels; run one eager step first (the runner's "
+                "warm-up does), or call triton_attention.warm_up before capturing"
+            )
+        warm_up(q, cache, block_tables)
     if q.shape[0] == block_tables.shape[0]:
         return decode(q, cache, block_tables, seq_lens, query_start_loc, scale)
     return prefill(q, cache, block_tables, seq_lens, query_start_loc, scale)
