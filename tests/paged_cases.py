@@ -65,33 +65,38 @@ def make_case(
     """Request r has ``seq_lens[r]`` tokens in the cache, its last ``q_lens[r]`` being this step's
     query rows; ``pad_tokens`` rows and ``pad_reqs`` requests of padding follow (a graph's batch)."""
     assert len(seq_lens) == len(q_lens) and all(0 < n <= s for s, n in zip(seq_lens, q_lens))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the block order
+    data = torch.Generator(device=device).manual_seed(seed)  # K, V and q, drawn where they live
     need = [-(-s // page) for s in seq_lens]
     num_blocks = num_blocks or sum(need) + 3
     max_blocks = max_blocks or max(need) + 1
     assert num_blocks >= sum(need) and max_blocks >= max(need)
-    cache = torch.full((2, num_blocks + 1, page, kv_heads, head_dim), math.nan, dtype=dtype)
+    shape = (2, num_blocks + 1, page, kv_heads, head_dim)
+    cache = torch.full(shape, math.nan, dtype=dtype, device=device)
     tables = torch.full((len(seq_lens) + pad_reqs, max_blocks), num_blocks, dtype=torch.int32)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     keys, values = [], []
     for r, s in enumerate(seq_lens):
         blocks = [free.pop() for _ in range(need[r])]
         tables[r, : need[r]] = torch.tensor(blocks, dtype=torch.int32)
-        k, v = (torch.randn(s, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-        pos = torch.arange(s)
-        where = torch.tensor(blocks)[pos // page], pos % page
+        k, v = (
+            torch.randn(s, kv_heads, head_dim, generator=data, device=device).to(dtype)
+            for _ in range(2)
+        )
+        pos = torch.arange(s, device=device)
+        where = torch.tensor(blocks, device=device)[pos // page], pos % page
         cache[0][where], cache[1][where] = k, v
         keys.append(k)
         values.append(v)
     num_tokens = sum(q_lens) + pad_tokens
-    q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=data, device=device)
     offsets = [0]
     for n in q_lens:
         offsets.append(offsets[-1] + n)
     offsets += [offsets[-1]] * pad_reqs
     return Case(
-        q=q.to(device),
-        cache=cache.to(device),
+        q=q.to(dtype),
+        cache=cache,
         block_tables=tables.to(device),
         seq_lens=torch.tensor(list(seq_lens) + [0] * pad_reqs, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=device),
@@ -103,18 +108,26 @@ def make_case(
 
 def dense_reference(case: Case) -> torch.Tensor:
     """[T, H, D] float64 on the CPU: per request, causal SDPA over its dense K/V; padded rows 0."""
-    q = case.q.detach().cpu().double()
+    return sdpa_reference(case, torch.float64, "cpu")
+
+
+def sdpa_reference(case: Case, dtype: torch.dtype, device) -> torch.Tensor:
+    """[T, H, D] in ``dtype`` on ``device``: per request, causal SDPA over its contiguous K/V (the
+    case's own copy, not the paged cache); padded rows 0."""
+    q = case.q.detach().to(device, dtype)
     out = torch.zeros_like(q)
     starts = case.query_start_loc.tolist()
     for r, (k, v) in enumerate(zip(case.keys, case.values)):
         a, b = starts[r], starts[r + 1]
         s = k.shape[0]
-        pos = torch.arange(s - (b - a), s)
-        allowed = torch.arange(s)[None, :] <= pos[:, None]
+        pos = torch.arange(s - (b - a), s, device=device)
+        allowed = torch.arange(s, device=device)[None, :] <= pos[:, None]
+        if b - a == 1:  # a decode row sees every key: no mask, so SDPA may pick a fused kernel
+            allowed = None
         o = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1)[None],
-            k.double().transpose(0, 1)[None],
-            v.double().transpose(0, 1)[None],
+            k.to(device, dtype).transpose(0, 1)[None],
+            v.to(device, dtype).transpose(0, 1)[None],
             attn_mask=allowed,
             scale=case.scale,
             enable_gqa=True,
@@ -125,7 +138,7 @@ def dense_reference(case: Case) -> torch.Tensor:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| (NaN anywhere: inf)."""
-    out = out.detach().cpu().double()
+    out, ref = (x.detach().cpu().double() for x in (out, ref))
     if not torch.isfinite(out).all():
         return math.inf
     return float((out - ref).norm() / ref.norm())

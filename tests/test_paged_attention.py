@@ -162,9 +162,8 @@ def test_the_compiled_path_sees_one_opaque_op_with_a_consistent_fake():
 
 # -- the adapter against transformers' own forward -----------------------------------------------
 # A small Llama saved with save_pretrained, loaded back by PagedCausalLM and by transformers:
-# random weights with the attention's projections scaled up (q, k x8: peaked scores; v, o x10: a
-# large share of the residual), so that the context moves the logits (one token changed 20
-# positions back moves every later position's logits by ~0.1 of 0.6 and half their argmaxes).
+# random weights with the attention's projections scaled up (hf_models.sharpen_attention), so
+# that the context, not only the last token, moves the logits.
 # Request 3 is a filler whose blocks go back to the pool after the first step; the pool holds
 # exactly the blocks the three requests need, so the filler's (lowest) blocks are handed out last
 # and the block tables end up out of order as well as non-contiguous.
@@ -186,16 +185,12 @@ SCHEDULE = [
 def llama_dir(tmp_path_factory):
     from graphplan.models.hf import load_model
 
-    from hf_models import small_config
+    from hf_models import sharpen_attention, small_config
 
     path = tmp_path_factory.mktemp("llama")
     config = small_config("llama", layers=2, heads=4, kv_heads=2)
     model = load_model(config, seed=5, attn_implementation="eager", random_weights=True)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj, scale in (("q_proj", 8), ("k_proj", 8), ("v_proj", 10), ("o_proj", 10)):
-                getattr(layer.self_attn, proj).weight.mul_(scale)
-    model.save_pretrained(path)
+    sharpen_attention(model).save_pretrained(path)
     return path
 
 
@@ -304,6 +299,23 @@ def test_greedy_tokens_equal_transformers_generate_with_a_pool_that_preempts(
             attention_mask=torch.ones(1, len(p), dtype=torch.long),
         )[0, len(p) :]
         assert batcher.finished[i] == want.tolist(), f"prompt {i}"
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_attention_benchmarks_layouts_hold_the_same_attention():
+    """bench/paged_attention_bench.py (GPU-only) times each method in its own layout; on the CPU,
+    in float32, each layout must give the same output as the contiguous floor: the paged pool
+    (through the torch path), the old gather over max_model_len slots and FlexAttention's block
+    mask (its eager reference), with a context that ends inside a block."""
+    import paged_attention_bench as bench
+
+    gen = torch.Generator().manual_seed(0)
+    for batch, ctx, mml in [(3, 200, 512), (1, 1, 256)]:
+        d = bench.build(batch, ctx, mml, gen, dtype=torch.float32)
+        floor = bench.run_floor(d, ctx, mml)()
+        paged = attend_torch(d["q"], d["pool"], d["tables"], d["seq_lens"], d["qsl"], 128**-0.5)
+        for out in (paged, bench.run_gather(d, ctx, mml)(), bench.run_flex(d, ctx, mml, False)()):
+            torch.testing.assert_close(out, floor, atol=1e-5, rtol=1e-5)
 
 
 # -- the Triton kernels under the interpreter ----------------------------------------------------

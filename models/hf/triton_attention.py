@@ -232,6 +232,10 @@ def _prefill_kernel(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_
     tl.store(out_ptr + o_rows[:, None] + d[None, :], out, mask=rows)
 
 
+JIT_KERNELS = (_decode_kernel, _combine_kernel, _prefill_kernel)
+"""The jitted kernels (a GPU test counts their compiled variants: one per layout)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
