@@ -86,7 +86,9 @@ def test_a_slot_the_cache_writes_is_the_slot_its_block_table_reads(block_size, g
     """Property (paged_kv.BlockTables): the slot make_batch writes a position to is
     ``row[p // block_size] * block_size + p % block_size``, the address the kernels read, and no
     two live positions share a slot."""
-    tables = BlockTables(num_blocks=200, block_size=block_size, num_seats=4, max_blocks_per_seq=80)
+    tables = BlockTables(
+        num_blocks=4 * 80, block_size=block_size, num_seats=4, max_blocks_per_seq=80
+    )
     length = [0] * 4
     for seat, n in grows:
         if length[seat] + n > 80 * block_size:
