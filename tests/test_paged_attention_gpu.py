@@ -162,8 +162,9 @@ def test_a_captured_call_replayed_with_new_lengths_and_tables_equals_the_eager_c
 def test_one_compiled_variant_serves_every_batch_shape_so_capture_compiles_nothing(kernels):
     """After one eager call of a layout (here blocks of 32, tables of 37 blocks: no other test's),
     graphs of other token and request counts are captured without an eager call of their own,
-    and each kernel has exactly one new compiled variant: loading one while capturing would not
-    be permitted, and compiling per shape would make capture slow."""
+    and each kernel has at most one new compiled variant (none for a kernel whose variant does not
+    depend on the block size, such as the split combiner, compiled by an earlier test): loading one
+    while capturing would not be permitted, and compiling per shape would make capture slow."""
     layout = dict(EIGHT_B, page=32)
     device = torch.cuda.current_device()
     try:
@@ -191,7 +192,7 @@ def test_one_compiled_variant_serves_every_batch_shape_so_capture_compiles_nothi
         assert torch.equal(out, kernels.paged_attention(*case.inputs())), f"shape {seed}"
     for kernel, seen in zip(kernels.JIT_KERNELS, before):
         new = set(kernel.device_caches[device][0]) - seen
-        assert len(new) == 1, f"{kernel.fn.__name__}: {len(new)} compiled variants"
+        assert len(new) <= 1, f"{kernel.fn.__name__}: {len(new)} compiled variants"
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
