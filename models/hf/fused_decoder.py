@@ -184,15 +184,16 @@ class FusedDecoder:
     graphplan)`` -> logits ``[T, vocab]`` in the model's dtype."""
 
     def __init__(self, hf, layers: list[FusedLayer], max_positions: int):
-        base, first = hf.model, layers[0].attn
+        base = hf.model
         self.config = hf.config
         self.layers = layers
         self.embed = base.embed_tokens.weight
         self.norm, self.eps = base.norm.weight, float(base.norm.variance_epsilon)
         self.lm_head, self.lm_head_bias = hf.lm_head.weight, hf.lm_head.bias
-        self.head_dim = first.head_dim
-        self.q_heads = first.q_proj.out_features // first.head_dim
-        self.kv_heads = first.k_proj.out_features // first.head_dim
+        c = self.config
+        self.head_dim: int = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.q_heads: int = c.num_attention_heads
+        self.kv_heads: int = c.num_key_value_heads or self.q_heads
         rope = base.rotary_emb
         self.cos, self.sin = rotary_tables(
             rope.inv_freq, float(rope.attention_scaling), max_positions, self.embed.dtype

@@ -48,9 +48,11 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP's ``act_fn(gate_proj(x)) * up_proj(x)`` on ``[T, 2I]`` gate|up."""
+    """LlamaMLP's ``act_fn(gate_proj(x)) * up_proj(x)`` on ``[T, 2I]`` gate|up. The gate half is
+    made contiguous first, as gate_proj's own output is: torch's CPU SiLU rounds a strided input
+    differently (the last bit)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate.contiguous()) * up
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
