@@ -378,3 +378,12 @@ def test_a_compiled_runner_traces_transformers_forward_of_a_fused_model(saved, f
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(got[i], reference_logits(ref, seq), **TOL)
     assert compiled.recompiles == 0
+
+
+def test_the_servers_hf_spec_passes_fused_ops_to_the_model(tmp_path):
+    from graphplan.server.hf_model import HFSpec
+
+    path = save_model(tmp_path, "llama")
+    table = compile_plan(plan())
+    assert HFSpec(model=str(path), max_model_len=32, fused_ops=True).build(table, "cpu").fused_ops
+    assert not HFSpec(model=str(path), max_model_len=32).build(table, "cpu").fused_ops

@@ -32,11 +32,9 @@ def kernels():
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on ``t`` runs the Triton kernel: a CUDA tensor outside a torch.compile trace
     (or any tensor under Triton's interpreter), with triton installed."""
-    if torch.compiler.is_compiling():
-        return False
-    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    return kernels() is not None
+    if t.is_cuda:
+        return not torch.compiler.is_compiling() and kernels() is not None
+    return os.environ.get("TRITON_INTERPRET") == "1" and kernels() is not None
 
 
 # -- references: transformers' eager code ------------------------------------------------------
