@@ -202,26 +202,39 @@ class FusedDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, graphplan) -> torch.Tensor:
         """input_ids, positions ``[T]``; ``graphplan``: the step's paged metadata, handed to every
         attention call as transformers' forward hands it."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        position_ids = positions[None]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
+        step = self.step_inputs(positions, graphplan)
         for layer in self.layers:
-            if residual is None:
-                residual, h = h, rmsnorm(h, layer.input_norm, layer.eps)
-            else:
-                h, residual = add_rmsnorm_(h, residual, layer.input_norm, layer.eps)
-            h = self._attention(layer, h, positions, position_ids, graphplan, attention)
-            h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
-            h = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias))
-            h = F.linear(h, layer.down, layer.down_bias)
+            h, residual = self.layer_forward(layer, h, residual, step)
         if residual is None:  # no layers
             h = rmsnorm(h, self.norm, self.eps)
         else:
             h, _ = add_rmsnorm_(h, residual, self.norm, self.eps)
         return F.linear(h, self.lm_head, self.lm_head_bias)
+
+    def step_inputs(self, positions: torch.Tensor, graphplan) -> tuple:
+        """What every layer of one step reads: (positions, position_ids, graphplan, the attention
+        function transformers' registry holds for the model's attn_implementation)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        return positions, positions[None], graphplan, attention
+
+    def layer_forward(
+        self, layer: FusedLayer, h: torch.Tensor, residual: torch.Tensor | None, step: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: (its input, the residual stream before it; None for the first) ->
+        (its output, the residual stream), the residual add of the output left to the next
+        norm. ``h`` and ``residual`` are updated in place."""
+        if residual is None:
+            residual, h = h, rmsnorm(h, layer.input_norm, layer.eps)
+        else:
+            h, residual = add_rmsnorm_(h, residual, layer.input_norm, layer.eps)
+        h = self._attention(layer, h, *step)
+        h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
+        h = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias))
+        return F.linear(h, layer.down, layer.down_bias), residual
 
     def _attention(self, layer, h, positions, position_ids, graphplan, attention):
         tokens, d = h.shape[0], self.head_dim
