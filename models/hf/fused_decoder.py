@@ -12,13 +12,14 @@ At load (``fuse``), once per decoder layer:
 
 Per step (``FusedDecoder.forward``), per layer: RMSNorm fused with the residual add, one q|k|v
 GEMM, rotary on q and k in place (cos/sin read at each token's position on the device), the
-attention function transformers would call (looked up in its registry by the model's
-``attn_implementation``, called with the same arguments as ``LlamaAttention.forward`` calls it,
-the paged metadata as the ``graphplan`` keyword), the output projection, RMSNorm fused with the
+attention function transformers would call (looked up in its registry under
+``ATTN_IMPLEMENTATION``, the model's ``attn_implementation`` once the adapter has set it, and
+called with the same arguments as ``LlamaAttention.forward`` calls it, the paged metadata as the
+``graphplan`` keyword), the output projection, RMSNorm fused with the
 residual add, one gate|up GEMM, SiLU(gate) x up, the down projection (``fused_ops``).
 
 Anything else (another architecture, a non-SiLU MLP, LoRA-wrapped or otherwise non-``Linear``
-projections, an attention implementation other than graphplan's) is not fused: ``why_not_fused``
+projections) is not fused: ``why_not_fused``
 says why, and the adapter keeps transformers' forward.
 """
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention import ATTN_IMPLEMENTATION
 from .fused_ops import add_rmsnorm_, rmsnorm, rotary_, rotary_tables, silu_mul
 
 LAYERS = {
@@ -64,15 +66,11 @@ class FusedLayer:
 
 def why_not_fused(hf) -> str | None:
     """None when ``fuse`` applies to ``hf``, else the reason it does not."""
-    from .attention import ATTN_IMPLEMENTATION
-
     name = type(hf).__name__
     if name not in LAYERS:
         return f"{name} is not a Llama-family model ({', '.join(LAYERS)})"
     layer_cls, attn_cls, mlp_cls, norm_cls = LAYERS[name]
     config = hf.config
-    if config._attn_implementation != ATTN_IMPLEMENTATION:
-        return f"attention implementation {config._attn_implementation!r}, not graphplan's"
     if hf.training:
         return "the model is in training mode"
     if getattr(config, "hidden_act", None) != "silu":
@@ -215,10 +213,10 @@ class FusedDecoder:
 
     def step_inputs(self, positions: torch.Tensor, graphplan) -> tuple:
         """What every layer of one step reads: (positions, position_ids, graphplan, the attention
-        function transformers' registry holds for the model's attn_implementation)."""
+        function transformers' registry holds under ATTN_IMPLEMENTATION)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]
         return positions, positions[None], graphplan, attention
 
     def layer_forward(
