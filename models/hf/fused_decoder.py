@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import ATTN_IMPLEMENTATION
-from .fused_ops import add_rmsnorm_, rmsnorm, rotary_, rotary_tables, silu_mul
+from .fused_ops import add_rmsnorm_, rmsnorm, rotary_, rotary_tables, silu_mul, use_triton
 
 LAYERS = {
     "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
@@ -174,7 +174,9 @@ def fuse(hf, max_positions: int) -> "FusedDecoder":
         )
         if layers[-1].qkv.is_cuda:  # the originals' blocks back to the device, for the next cat
             torch.cuda.empty_cache()
-    return FusedDecoder(hf, layers, max_positions)
+    fused = FusedDecoder(hf, layers, max_positions)
+    fused.warm_up()
+    return fused
 
 
 class FusedDecoder:
@@ -196,6 +198,23 @@ class FusedDecoder:
         self.cos, self.sin = rotary_tables(
             rope.inv_freq, float(rope.attention_scaling), max_positions, self.embed.dtype
         )
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile the Triton kernels for this model's widths and dtype now, one token through
+        each op: loading a kernel is not permitted while a CUDA graph is being captured, so their
+        first call must not be in one. (Token counts are not compiled in: one compile serves every
+        batch size.)"""
+        if not self.layers or not use_triton(self.embed):
+            return
+        layer, like = self.layers[0], self.embed
+        x = like.new_zeros(1, like.shape[1])
+        rmsnorm(x, layer.input_norm, layer.eps)
+        add_rmsnorm_(x, x.clone(), layer.input_norm, layer.eps)
+        silu_mul(like.new_zeros(1, layer.gate_up.shape[0]))
+        positions = torch.zeros(1, dtype=torch.long, device=like.device)
+        qkv = like.new_zeros(1, layer.qkv.shape[0])
+        rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, graphplan) -> torch.Tensor:
         """input_ids, positions ``[T]``; ``graphplan``: the step's paged metadata, handed to every
