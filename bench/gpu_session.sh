@@ -40,7 +40,7 @@ for step in "$@"; do
     hfserver)  timeout 580 python bench/hf_server_bench.py --device cuda --out "$OUT/hf_server_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -15 ;;
     ondemand)  timeout 400 python bench/ondemand_bench.py --out "$OUT/ondemand_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     realscale) timeout 560 python bench/real_scale.py --out "$OUT/real_scale.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
-    fused)     timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_ops_gpu.py 2>&1 | tee "$OUT/fused_ops_gpu_tests.log" | tail -30; timeout 330 python bench/fused_ops_bench.py --out "$OUT/fused_ops_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -60 ;;
+    fused)     timeout 220 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_ops_gpu.py 2>&1 | tee "$OUT/fused_ops_gpu_tests.log" | tail -30; timeout 330 python bench/fused_ops_bench.py --out "$OUT/fused_ops_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -60 ;;
     realscale1b) timeout 300 python bench/real_scale.py --shape 1b --hf-batches 1 --out "$OUT/real_scale_1b.md" 2>&1 | tail -25 ;;
     *)         echo "unknown step $step" ;;
   esac
