@@ -373,6 +373,8 @@ def hf_baselines(a) -> dict:
             str(a.repeats),
         ]
         run = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+        if a.out:  # the child's log beside the report: a failed baseline says why in full
+            Path(f"{a.out}.hf{b}.log").write_text(run.stdout + run.stderr)
         line = next((ln for ln in run.stdout.splitlines() if ln.startswith("HF_STEP ")), None)
         if line is None:
             err = (run.stderr.strip().splitlines() or ["no output"])[-1]

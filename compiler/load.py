@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -34,7 +35,9 @@ class LoadedPlan:
         return replace(d, file=self.file, line=line, col=col)
 
 
-def _fail(file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0):
+def _fail(
+    file: str, code: str, message: str, hint: str = "", line: int = 0, col: int = 0
+) -> NoReturn:
     raise PlanError(
         [
             Diagnostic(
@@ -93,7 +96,7 @@ def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
         walk["total"] += 1
         walk["open"].add(id(node))
         if isinstance(node, yaml.MappingNode):
-            seen = {}
+            seen: dict[str, int] = {}  # key -> its line
             for k, v in node.value:
                 if not isinstance(k, yaml.ScalarNode):
                     _fail(
@@ -321,6 +324,8 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     """Load and validate a plan from a path or a dict (overrides: template variables for a
     ``.j2`` plan, dotted keys for a plain one)."""
     overrides = dict(overrides or {})
+    data: object
+    positions: dict  # plan path -> (line, col)
     if isinstance(source, dict):
         check_overrides(overrides, "<plan>")
         check_value(source, "<plan>")

@@ -20,6 +20,7 @@ class _Named:
     (``f"{mode:d}"``) still formats an int member's value, and ``repr`` is Enum's."""
 
     __slots__ = ()
+    name: str  # given by the Enum each member class also derives from
 
     def __str__(self) -> str:
         return self.name

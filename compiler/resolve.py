@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .errors import Diagnostic, PlanError
@@ -146,7 +148,7 @@ def graph_keys(
             continue
         for s in decode_sizes:
             ubatched = ub.enabled and s >= ub.decode_token_threshold
-            key = dict(
+            key = BatchDescriptor(
                 num_tokens=s,
                 num_reqs=padded_num_reqs(s, seqs, q),
                 uniform=True,
@@ -154,13 +156,13 @@ def graph_keys(
                 num_active_loras=lora,
             )
             if mode.separate_routine and (ub.plain_twins or not ubatched):
-                out.append(("full_decode", RuntimeMode.FULL, BatchDescriptor(**key)))
+                out.append(("full_decode", RuntimeMode.FULL, key))
             if ubatched:
                 out.append(
                     (
                         "full_decode_ubatched",
                         RuntimeMode.FULL,
-                        BatchDescriptor(**key, num_ubatches=ub.num_ubatches),
+                        replace(key, num_ubatches=ub.num_ubatches),
                     )
                 )
     return out

@@ -37,7 +37,16 @@ class Route:
         "context",
     )
 
-    def __init__(self, mode, graph_id, padded_tokens, padded_reqs, wants_ubatch, why, context):
+    def __init__(
+        self,
+        mode: RuntimeMode,
+        graph_id: int,
+        padded_tokens: int,
+        padded_reqs: int | None,
+        wants_ubatch: bool,
+        why: Why,
+        context: tuple,
+    ) -> None:
         self.mode: RuntimeMode = mode
         self.graph_id: int = graph_id
         """Index into ``table.graphs`` (capture order), -1 when eager."""

@@ -149,7 +149,7 @@ def requested_sizes(cs: CaptureSizesSpec, sched: SchedulerSpec) -> list[tuple[in
             )
         return [(s, f"{_PATH}[{i}]") for i, s in enumerate(cs.sizes)]
     if cs.kind == "ranges":
-        out = []
+        out: list[tuple[int, str]] = []
         for j, r in enumerate(cs.ranges):
             where = f"{_PATH}.ranges[{j}]"
             if r.to < r.start:
@@ -259,7 +259,8 @@ def resolve_sizes(
 
 def _merge_preset(diags: list[Diagnostic], preset: str, q: int) -> list[Diagnostic]:
     """One diagnostic per code for a preset's generated sizes (the user wrote none of them)."""
-    out, by_code = [], {}
+    out: list[Diagnostic] = []
+    by_code: dict[str, list[Diagnostic]] = {}
     for d in diags:
         by_code.setdefault(d.code, []).append(d)
     for code, group in by_code.items():

@@ -113,7 +113,7 @@ class DispatchTable:
         # [row][lora case][size index] -> outcome: every answer routing can give, each row built
         # on its first use (_build_row); the size index -1 is "above the largest size"
         self._outcomes: list = [None] * 16
-        self.route = self._make_route()
+        self.__dict__["route"] = self._make_route()  # the closure shadows the method ``route``
 
     def __getstate__(self) -> dict:  # pickle / copy: the closure and the rows are rebuilt
         return {k: v for k, v in self.__dict__.items() if k not in ("route", "_outcomes")}
@@ -121,7 +121,7 @@ class DispatchTable:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._outcomes = [None] * 16
-        self.route = self._make_route()
+        self.__dict__["route"] = self._make_route()
 
     def _build_row(self, row: int) -> list:
         """The outcomes of row ``row`` = allow * 4 + ubatched * 2 + uniform (allow: 0 for None,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Generator
+from typing import cast
 
 import jinja2
 
@@ -126,7 +128,8 @@ def render(text: str, variables: dict, file: str) -> str:
                 raise _error(file, "template-unused-variable", message, hint=hint)
             template = env.template_class.from_code(env, env.compile(tree), env.make_globals(None))
             out, size = [], 0
-            gen = template.generate(**variables)
+            # jinja2 annotates generate() as an Iterator; it is a generator (closed below)
+            gen = cast(Generator[str, None, None], template.generate(**variables))
             for chunk in gen:
                 size += len(chunk)
                 why = (

@@ -278,16 +278,16 @@ def guard_tree(tree: nodes.Template, file: str) -> nodes.Template:
             None,
             lineno=node.lineno,
         )
-    for node in list(tree.find_all(nodes.Concat)):
+    for concat in list(tree.find_all(nodes.Concat)):
         guarded = nodes.Call(
             nodes.ImportedName(f"{__name__}.concat"),
-            list(node.nodes),
+            list(concat.nodes),
             [],
             None,
             None,
-            lineno=node.lineno,
+            lineno=concat.lineno,
         )
-        _replace(tree, node, guarded)
+        _replace(tree, concat, guarded)
     return tree
 
 

@@ -61,6 +61,9 @@ class CommMLP(nn.Module):
         lo, hi = self.rank * shard, (self.rank + 1) * shard
         embed, up, down = _weights(vocab, hidden, intermediate, layers, seed)
         kw = dict(device=device, dtype=dtype)
+        self.embed: torch.Tensor  # buffers, declared for type checkers
+        self.up: torch.Tensor
+        self.down: torch.Tensor
         self.register_buffer("embed", embed.to(**kw))
         self.register_buffer("up", up[:, :, lo:hi].contiguous().to(**kw))  # [L, H, I/W]
         self.register_buffer("down", down[:, lo:hi, :].contiguous().to(**kw))  # [L, I/W, H]

@@ -43,7 +43,7 @@ class StaticInput:
     @property
     def fill(self) -> int | float:
         """The constant a row gets when there is no real row to repeat (``"last"``: 0)."""
-        return 0 if self.pad == "last" else self.pad
+        return 0 if isinstance(self.pad, str) else self.pad  # the one string is "last"
 
 
 def as_tuple(out) -> tuple:
@@ -146,7 +146,7 @@ class StaticBuffers:
                 continue
             clean = self._clean[s.name]
             if clean > k:
-                buf[k:clean].fill_(s.pad)
+                buf[k:clean].fill_(s.fill)
             self._clean[s.name] = k
         if dsts:
             # torch._foreach_copy_: the multi-tensor copy torch's optimizers and cudagraph trees

@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,12 @@ from graphplan.compiler.records import RuntimeMode, padded_num_reqs
 
 from .buffers import as_tuple
 from .compiled.model import CompiledModel
+
+if TYPE_CHECKING:
+    from graphplan.compiler.table import DispatchTable
+
+    from .buffers import StaticBuffers
+    from .piecewise.graphs import BreakableGraphs
 
 log = logging.getLogger("graphplan.runtime")
 GiB = 1 << 30
@@ -36,7 +43,7 @@ class Captured:
     """Static output buffers at the largest captured size (FULL graphs copy into them)."""
     single_output: bool
     """The model returns one tensor (not a tuple)."""
-    piecewise: object | None
+    piecewise: BreakableGraphs | None
     """runtime.piecewise.graphs.BreakableGraphs when PIECEWISE graphs were captured."""
     summary: dict
     """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
@@ -46,16 +53,18 @@ class Captured:
 class CaptureJob:
     """What to capture and with what: the runner's model, table and static buffers."""
 
-    model: object
-    table: object
-    buffers: object
-    backend: object
+    model: Any
+    """The step callable (a model, a CompiledModel, a DP wrapper): called with the views."""
+    table: DispatchTable
+    buffers: StaticBuffers
+    backend: Any
+    """A graph backend (runtime/graphs.py): CudaGraphs, CpuGraphStandIn, a tape."""
     warmups: int = 1
     rank: int = 0
     progress: bool = True
     splitting_ops: dict = field(default_factory=dict)
     """Plan op name -> the op, function or module it binds (runtime/piecewise/breakable.py)."""
-    ubatch_body: object = None
+    ubatch_body: Any = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
     warmup_each: bool = False
     """Warm up before every FULL graph, not only before the first (slower; for models with
@@ -63,7 +72,7 @@ class CaptureJob:
     measure_each: bool = False
     """Measure every graph's memory (memory calibration); otherwise the first two (the
     estimate's inputs) and the whole capture, which costs no per-graph synchronisation."""
-    piecewise_model: object = None
+    piecewise_model: Any = None
     """What PIECEWISE graphs run; None: ``model``. The compiled path passes the uncompiled model
     here: the run-time split's capture-time hooks would change what the compiled code was guarded
     on (runtime/compiled/model.py)."""
@@ -144,6 +153,7 @@ def _full_body(job: CaptureJob, done: "Captured", key, views: dict, tokens: int)
         body = job.ubatch_body(key, views, tokens, done.outputs)
         body()
         return body
+    assert done.outputs is not None  # the first warm-up above made them
     return _graph_fn(job.model, done.outputs, views, tokens)
 
 
@@ -192,6 +202,8 @@ def capture_graphs(
                 key = table.graphs[gid].key
                 views, tokens = _graph_views(job, key)
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
+                    assert done.piecewise is not None  # made above when any graph is PIECEWISE
+                    took: int | None
                     done.graphs[gid], took = done.piecewise.capture(views, tokens)
                 else:
                     body = _full_body(job, done, key, views, tokens)
@@ -241,6 +253,7 @@ def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
     views, tokens = _graph_views(job, g.key)
     with torch.no_grad():
         if g.mode is RuntimeMode.PIECEWISE:
+            assert done.piecewise is not None  # refused above
             done.graphs[gid], _ = done.piecewise.capture(views, tokens)
         else:
             done.graphs[gid] = job.backend.capture(_full_body(job, done, g.key, views, tokens))

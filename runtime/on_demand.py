@@ -41,7 +41,7 @@ class OnDemandQueue:
         self.seconds = 0.0
         self.uncaptured = len(self.later)
 
-    def missing(self, gid: int) -> str:
+    def missing(self, gid: int) -> str | None:
         """A step needed graph ``gid``, which is not captured: queue it; the eager reason (None
         for a graph this runner does not capture at all, e.g. of a mode left out, or -1)."""
         if gid not in self.later:

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -21,11 +21,14 @@ from graphplan.compiler.records import RuntimeMode, padded_num_reqs
 from graphplan.compiler.table import DispatchTable
 
 from .buffers import StaticBuffers, StaticInput
-from .capture import CaptureError, CaptureJob, capture_graphs, capture_one, graph_rows
+from .capture import Captured, CaptureError, CaptureJob, capture_graphs, capture_one, graph_rows
 from .compiled.model import compiled_model
 from .graphs import graph_backend
 from .metrics import RunnerStats
 from .on_demand import OnDemandQueue, start_graph_ids
+
+if TYPE_CHECKING:
+    from .piecewise.graphs import BreakableGraphs
 
 __all__ = ["GraphRunner", "CaptureError", "RunnerStateError"]
 
@@ -123,16 +126,14 @@ class GraphRunner:
         self._single_output = True
         # (key, views, tokens, outputs) -> the body a ubatched (num_ubatches > 1) graph records;
         # set by runtime.dp.runner.DPRunner. Without it ubatched graphs are not captured.
-        self.ubatch_body = None
-        self._piecewise = (
-            None  # runtime.piecewise.graphs.BreakableGraphs once PIECEWISE is captured
-        )
+        self.ubatch_body: Callable[..., Any] | None = None
+        self._piecewise: BreakableGraphs | None = None  # once PIECEWISE graphs are captured
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
         self.on_demand = table.settings.on_demand if on_demand is None else bool(on_demand)
         self._demand: OnDemandQueue | None = None  # graphs still to capture, with on_demand
         self._job: CaptureJob | None = None
-        self._done = None  # the Captured record that on-demand captures add to
+        self._done: Captured | None = None  # the record that on-demand captures add to
 
     # -- capture ----------------------------------------------------------------------------
     def capture(
@@ -172,15 +173,16 @@ class GraphRunner:
             measure_each=measure_each,
             piecewise_model=self.eager_model,
         )
-        modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
+        wanted_modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
         if self.on_demand and only is None:
             only = start_graph_ids(self.table)
-        done = capture_graphs(job, modes, only)
+        done = capture_graphs(job, wanted_modes, only)
         if self.on_demand:
             wanted = [
                 g.id
                 for g in self.table.graphs
-                if g.mode in modes and (g.key.num_ubatches == 1 or self.ubatch_body is not None)
+                if g.mode in wanted_modes
+                and (g.key.num_ubatches == 1 or self.ubatch_body is not None)
             ]
             self._demand = OnDemandQueue({g for g in wanted if done.graphs[g] is not None}, wanted)
         self._job, self._done = job, done
@@ -201,6 +203,7 @@ class GraphRunner:
         also = None
         if small is not None and small.num_tokens < tokens:
             also = self.buffers.views(*graph_rows(small, self.table.max_num_seqs))
+        assert self.compiled is not None  # called only with compile on
         self.compiled.warm_up(
             self.buffers.views(tokens, reqs), token_input=self.buffers.token_input, also=also
         )
@@ -248,9 +251,11 @@ class GraphRunner:
         )
         graph.replay()
         self._stats.replayed(gid, route.padded_tokens - n)
+        outs = self._outputs
+        assert outs is not None  # a FULL graph is captured only after its static outputs
         if self._single_output:
-            return self._outputs[0][:n]
-        return tuple(o[:n] for o in self._outputs)
+            return outs[0][:n]
+        return tuple(o[:n] for o in outs)
 
     def run_eager(self, inputs: dict[str, torch.Tensor]):
         """The eager path every eager step takes, single-rank or DP (runtime/dp/runner.py): the
@@ -267,6 +272,7 @@ class GraphRunner:
         if self._demand is None or not self._demand.waiting:
             return None
         gid = self._demand.next()
+        assert self._job is not None and self._done is not None  # set with _demand by capture()
         t0 = time.perf_counter()
         try:
             capture_one(self._job, self._done, gid)

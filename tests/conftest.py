@@ -18,6 +18,8 @@ _NEEDS = {
         "test_openai_server.py",
         "test_fused_ops.py",
         "test_fused_ops_gpu.py",
+        "test_paged_attention.py",
+        "test_paged_attention_gpu.py",
     ],
     "openai": ["test_openai_server.py"],
 }

@@ -66,16 +66,29 @@ def small_config(
     return cfg
 
 
-def reference_model(paged):
-    """The same weights under transformers' own eager attention, no graphplan in the way."""
+def reference_model(paged, attn: str = "eager"):
+    """The same weights under transformers' own attention (``attn``: "eager" or "sdpa"), no
+    graphplan in the way."""
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(paged.hf.config)
     ref = AutoModelForCausalLM.from_config(
-        cfg, attn_implementation="eager", dtype=paged.cache.kv.dtype
+        cfg, attn_implementation=attn, dtype=paged.cache.kv.dtype
     )
     ref.load_state_dict(paged.hf.state_dict())
     return ref.to(paged.device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sharpen_attention(hf_model, qk: float = 8.0, vo: float = 10.0):
+    """Scale every layer's attention projections (q, k by ``qk``: peaked scores; v, o by ``vo``: a
+    large share of the residual), so that random weights give logits the context moves (a token
+    20 positions back moves later logits by ~0.1 of 0.6 and half their argmaxes), not only the
+    last token: a kernel that drops or misplaces keys then fails."""
+    for layer in hf_model.model.layers:
+        for proj, scale in (("q_proj", qk), ("k_proj", qk), ("v_proj", vo), ("o_proj", vo)):
+            getattr(layer.self_attn, proj).weight.mul_(scale)
+    return hf_model
 
 
 @torch.no_grad()
@@ -85,11 +98,13 @@ def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
     return ref(input_ids=ids, use_cache=False).logits[0].float()
 
 
-def bf16_errors(model, got: list, seqs: list) -> list[tuple[float, float, float, float]]:
+def bf16_errors(
+    model, got: list, seqs: list, attn: str = "eager"
+) -> list[tuple[float, float, float, float]]:
     """Per request, against transformers' float32 forward of the same bf16-rounded weights:
     (graphplan's max |logit error|, transformers' own bf16 error, the bound: twice that or 2% of
-    the largest logit, the largest logit)."""
-    ref16, ref32 = reference_model(model), reference_model(model).float()
+    the largest logit, the largest logit). ``attn``: transformers' attention for both forwards."""
+    ref16, ref32 = reference_model(model, attn), reference_model(model, attn).float()
     out = []
     for logits, seq in zip(got, seqs):
         truth = reference_logits(ref32, seq)

@@ -273,7 +273,7 @@ def outside_trace(before, after, top: int) -> dict:
     not), and where eager starts."""
     from ..tools.summary import coverage
 
-    worst = {}
+    worst: dict[str, dict[str, dict | None]] = {}  # "routine mode" -> side -> worst padding
     for side, t in (("before", before), ("after", after)):
         for c in coverage(t):
             row = worst.setdefault(f"{c.routine} {c.mode}", {"before": None, "after": None})

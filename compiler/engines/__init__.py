@@ -9,6 +9,7 @@ where it came from. Torch-free; engine versions and sources: docs/engines.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 
 from ..errors import Diagnostic, PlanError
 from . import flags as F
@@ -16,21 +17,25 @@ from . import flags as F
 ENGINES = ("vllm", "sglang", "trtllm")
 
 
-def adapter(engine: str):
+def adapter(engine: str) -> ModuleType:
     if engine == "vllm":
-        from . import vllm as mod
-    elif engine == "sglang":
-        from . import sglang as mod
-    elif engine == "trtllm":
-        from . import trtllm as mod
-    else:
-        raise F.input_error(
-            "<engine>",
-            "unknown-engine",
-            f"{engine!r} is not an engine graphplan speaks",
-            "one of vllm, sglang, trtllm",
-        )
-    return mod
+        from . import vllm
+
+        return vllm
+    if engine == "sglang":
+        from . import sglang
+
+        return sglang
+    if engine == "trtllm":
+        from . import trtllm
+
+        return trtllm
+    raise F.input_error(
+        "<engine>",
+        "unknown-engine",
+        f"{engine!r} is not an engine graphplan speaks",
+        "one of vllm, sglang, trtllm",
+    )
 
 
 def _checked_version(mod, engine: str, version: str | None) -> str:
@@ -127,6 +132,7 @@ def import_plan(
         settings, notes = mod.read_config(config, version, allow_unknown)
         source = config
     else:
+        assert log is not None  # exactly one source was given
         if not hasattr(mod, "read_log"):
             raise F.input_error(
                 log,

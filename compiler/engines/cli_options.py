@@ -60,6 +60,14 @@ def load(engine: str, label: str) -> Options | None:
     return Options(engine, label, data["release"], dict(data["options"]))
 
 
+def load_release(engine: str, label: str) -> Options:
+    """The option table of a release graphplan reads: every label in an adapter's VERSIONS has
+    its data file (tests/test_engines_inputs.py checks)."""
+    options = load(engine, label)
+    assert options is not None, f"no flags_data/{engine}-{label}.json"
+    return options
+
+
 def resolve(word: str, options: Options) -> Resolved:
     """The option ``word`` (the part before any ``=``) names, by argparse's prefix rules."""
     table = options.arity

@@ -5,6 +5,7 @@ it came from, or which default was assumed), written out as YAML with one commen
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from ..errors import Diagnostic, did_you_mean
 from .flags import NOTE, input_error
@@ -36,16 +37,30 @@ ORDER = (
 class Draft:
     """A plan being imported: every path in ORDER gets a value and the reason for it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values: dict[str, object] = {}
         self.why: dict[str, str] = {}
         self.notes: list[Diagnostic] = []
-        self.pending = None
+        self.pending: Any = None
+        """Engine inputs a value still waits on (e.g. sizes need the final scheduler values);
+        each adapter reads back what it stored."""
         self.put("version", 1, "graphplan plan format")
-        """Engine inputs a value still waits on (e.g. sizes need the final scheduler values)."""
 
     def put(self, path: str, value, why: str) -> None:
         self.values[path], self.why[path] = value, why
+
+    def count(self, path: str) -> int:
+        """The value at ``path`` as a whole number >= 1 (a scheduler limit that capture sizes are
+        derived from); a ``--set`` of anything else is refused here, before any arithmetic."""
+        value = self.values[path]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise input_error(
+                "<plan>",
+                "bad-value",
+                f"{path}: expected an integer >= 1, got {value!r} (from {self.why[path]})",
+                f"give --set {path}=N with a whole number N >= 1",
+            )
+        return value
 
     def assume(self, path: str, value, why: str) -> None:
         if path not in self.values:

@@ -124,9 +124,10 @@ def read_args(
                     col,
                 )
         else:
-            values = O.take_values(arity, words, i + 1)
-            if isinstance(values, str):
-                raise input_error(file, "missing-value", f"{where}: {values}", "", 1, col)
+            taken = O.take_values(arity, words, i + 1)
+            if isinstance(taken, str):
+                raise input_error(file, "missing-value", f"{where}: {taken}", "", 1, col)
+            values = taken
             if arity == 0 and i + 1 < len(words) and words[i + 1].lower() in _BOOL_WORDS:
                 values = [words[i + 1]]
         if arity == 0 and values:  # vLLM before 0.10 read '--flag False'; argparse does not

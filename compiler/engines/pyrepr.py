@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NoReturn
 
 MAX_DEPTH = 64
 MAX_CHARS = 1 << 20
@@ -76,7 +77,7 @@ class _Reader:
             raise ReprError(f"{len(text)} characters is too long to be a config", 0)
         self.s, self.i, self.depth = text, pos, 0
 
-    def fail(self, message: str):
+    def fail(self, message: str) -> NoReturn:
         raise ReprError(message, self.i)
 
     def ws(self) -> None:
@@ -146,7 +147,7 @@ class _Reader:
     def _string(self) -> str:
         quote, start = self.s[self.i], self.i
         self.i += 1
-        buf = []
+        buf: list[str] = []
         while self.i < len(self.s):
             ch = self.s[self.i]
             if ch == quote:

@@ -159,12 +159,12 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
     """Flags -> settings; every option of the release (``flags_data/sglang-<version>.json``) is
     read, abbreviations as SGLang's argparse parser reads them."""
     from . import flag_reader
-    from .cli_options import load
+    from .cli_options import load_release
 
     return flag_reader.read_args(
         F.tokens_of(words),
         FLAGS,
-        load(ENGINE, version),
+        load_release(ENGINE, version),
         REMOVED.get(version, {}),
         ENGINE,
         file,
@@ -175,12 +175,12 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
 def read_config(path: str, version: str, allow_unknown: bool):
     """A YAML/JSON of ServerArgs fields or flag names (``cuda_graph_max_bs: 256``)."""
     from . import flag_reader
-    from .cli_options import load
+    from .cli_options import load_release
 
     return flag_reader.read_config(
         path,
         FLAGS,
-        load(ENGINE, version),
+        load_release(ENGINE, version),
         REMOVED.get(version, {}),
         ENGINE,
         allow_unknown,
@@ -191,12 +191,9 @@ def read_config(path: str, version: str, allow_unknown: bool):
 def to_draft(settings: dict, version: str) -> Draft:
     d, get = Draft(), settings.get
     d.put("name", "sglang-import", "plan name (change with --set name=...)")
-    if get("max_running_requests"):
-        d.put(
-            "scheduler.max_num_seqs",
-            get("max_running_requests").value,
-            get("max_running_requests").source,
-        )
+    running = get("max_running_requests")
+    if running:
+        d.put("scheduler.max_num_seqs", running.value, running.source)
     else:
         d.assume(
             "scheduler.max_num_seqs",
@@ -204,14 +201,14 @@ def to_draft(settings: dict, version: str) -> Draft:
             "SGLang sizes max_running_requests from KV-cache "
             "memory: give --set scheduler.max_num_seqs=N",
         )
-    chunk = get("chunked_prefill_size")
+    chunk, prefill = get("chunked_prefill_size"), get("max_prefill_tokens")
     if chunk and chunk.value > 0:
         d.put("scheduler.max_num_batched_tokens", chunk.value, chunk.source)
-    elif get("max_prefill_tokens"):
+    elif prefill:
         d.put(
             "scheduler.max_num_batched_tokens",
-            get("max_prefill_tokens").value,
-            get("max_prefill_tokens").source + " (chunked prefill off)",
+            prefill.value,
+            prefill.source + " (chunked prefill off)",
         )
     else:
         d.assume(
@@ -221,15 +218,14 @@ def to_draft(settings: dict, version: str) -> Draft:
             if not chunk
             else "SGLang's max_prefill_tokens default (chunked prefill off)",
         )
-    n = get("speculative_num_draft_tokens")
+    n, algorithm = get("speculative_num_draft_tokens"), get("speculative_algorithm")
     if n:
         d.put("scheduler.decode_query_len", n.value, n.source + " (verify width)")
-    elif get("speculative_algorithm"):
+    elif algorithm:
         d.assume(
             "scheduler.decode_query_len",
             1,
-            f"{get('speculative_algorithm').source} "
-            "without its verify width: give --set scheduler.decode_query_len=N",
+            f"{algorithm.source} without its verify width: give --set scheduler.decode_query_len=N",
         )
     d.assume("scheduler.decode_query_len", 1, "no speculative decoding")
     off = get("disable_cuda_graph")
@@ -296,8 +292,8 @@ def finish_sizes(d: Draft, version: str) -> None:
     from ..spec import SchedulerSpec
 
     get = d.pending.get
-    seqs, q = d.values["scheduler.max_num_seqs"], d.values["scheduler.decode_query_len"]
-    tokens = d.values["scheduler.max_num_batched_tokens"]
+    seqs, q = d.count("scheduler.max_num_seqs"), d.count("scheduler.decode_query_len")
+    tokens = d.count("scheduler.max_num_batched_tokens")
     top = get("cuda_graph_max_bs")
     if get("cuda_graph_bs"):
         bs = sorted(set(get("cuda_graph_bs").value))

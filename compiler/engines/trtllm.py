@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import Diagnostic
 from ..sizes import trtllm_filtered, trtllm_generated
 from . import flags as F
 from . import trtllm_versions as V
@@ -69,7 +70,8 @@ GRAPH_KEYS = {"batch_sizes", "max_batch_size", "enable_padding"}
 
 def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, list]:
     s, lora, par = spec.scheduler, spec.lora, spec.parallel
-    q, diags = s.decode_query_len, []
+    q = s.decode_query_len
+    diags: list[Diagnostic] = []
     out: dict = {"max_batch_size": s.max_num_seqs, "max_num_tokens": s.max_num_batched_tokens}
     mode, bs, pieces = F.engine_routines(
         ENGINE,
@@ -249,8 +251,9 @@ def to_draft(settings: dict, version: str) -> Draft:
         ("max_batch_size", "scheduler.max_num_seqs", 2048),
         ("max_num_tokens", "scheduler.max_num_batched_tokens", 8192),
     ):
-        if get(key):
-            d.put(path, get(key).value, get(key).source)
+        given = get(key)
+        if given:
+            d.put(path, given.value, given.source)
         else:
             d.assume(path, default, f"TensorRT-LLM's default {key}")
     spec = get("speculative_config")
@@ -266,7 +269,8 @@ def to_draft(settings: dict, version: str) -> Draft:
             )
     d.assume("scheduler.decode_query_len", 1, "no speculative_config")
     graph = get("cuda_graph_config")
-    tc = (get("torch_compile_config").value or {}) if get("torch_compile_config") else {}
+    tcc = get("torch_compile_config")
+    tc = (tcc.value or {}) if tcc else {}
     if graph and graph.value is None:
         d.put("cudagraph.mode", "NONE", f"{graph.source}: null")
     elif tc.get("enable_piecewise_cuda_graph"):
@@ -296,7 +300,8 @@ def to_draft(settings: dict, version: str) -> Draft:
         d.put("lora.separate_base", False, "one LoRA graph per batch size")
     else:
         d.assume("lora.enabled", False, "no lora_config")
-    if get("enable_attention_dp") and get("enable_attention_dp").value:
+    attention_dp = get("enable_attention_dp")
+    if attention_dp and attention_dp.value:
         tp = get("tensor_parallel_size")
         d.put(
             "parallel.data_parallel_size",
@@ -316,8 +321,8 @@ def finish_sizes(d: Draft, version: str) -> None:
         d.assume("cudagraph.capture_sizes", [], "CUDA graphs off")
         return
     graph, src, tc = d.pending
-    seqs, q = d.values["scheduler.max_num_seqs"], d.values["scheduler.decode_query_len"]
-    tokens = d.values["scheduler.max_num_batched_tokens"]
+    seqs, q = d.count("scheduler.max_num_seqs"), d.count("scheduler.decode_query_len")
+    tokens = d.count("scheduler.max_num_batched_tokens")
     graph = graph or {}
     padding = bool(graph.get("enable_padding", False))
     if graph.get("batch_sizes"):

@@ -76,6 +76,7 @@ def size_rule(version: str) -> str:
     if version == "main":
         return "step64"
     key = _key(version)
+    assert key is not None  # check_version accepted it
     if key < _FIRST_CEIL:
         return "pow2-floor"
     return "pow2-ceil" if key < _FIRST_STEP64 else "step64"

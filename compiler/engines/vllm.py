@@ -222,14 +222,14 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
 def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
     """Flags -> settings, after the rewriting vLLM's FlexibleArgumentParser does first."""
     from . import flag_reader
-    from .cli_options import load
+    from .cli_options import load_release
     from .vllm_args import flexible
 
     words, folded = flexible(F.tokens_of(words), version)
     settings, notes = flag_reader.read_args(
         words,
         FLAGS,
-        load(ENGINE, version),
+        load_release(ENGINE, version),
         REMOVED.get(version, {}),
         ENGINE,
         file,
@@ -245,12 +245,12 @@ def read_args(words, version: str, allow_unknown: bool, file: str = "<args>"):
 def read_config(path: str, version: str, allow_unknown: bool):
     """``vllm serve --config`` YAML: keys are flag names (``max-num-seqs: 128``)."""
     from . import flag_reader
-    from .cli_options import load
+    from .cli_options import load_release
 
     return flag_reader.read_config(
         path,
         FLAGS,
-        load(ENGINE, version),
+        load_release(ENGINE, version),
         REMOVED.get(version, {}),
         ENGINE,
         allow_unknown,

@@ -18,7 +18,10 @@ MAX_DOTTED_DEPTH = 16
 def flexible(words: list[str], version: str) -> tuple[list[str], str]:
     """(rewritten words, the dotted arguments that were folded into a JSON option, as text)."""
     words = _optimization(words, version)
-    out, dicts, folded, i = [], {}, [], 0
+    out: list[str] = []
+    dicts: dict[str, dict] = {}  # --base.a.b=v -> {base: {a: {b: v}}}
+    folded: list[str] = []
+    i = 0
     while i < len(words):
         word = words[i]
         head = word.split("=", 1)[0]
@@ -56,8 +59,8 @@ def flexible(words: list[str], version: str) -> tuple[list[str], str]:
         else:
             node[leaf] = parsed
         folded.append(shown)
-    for base, value in dicts.items():
-        out += [base, json.dumps(value)]
+    for base, tree in dicts.items():
+        out += [base, json.dumps(tree)]
     return out, " ".join(folded)
 
 

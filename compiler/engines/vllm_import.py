@@ -49,8 +49,9 @@ def to_draft(settings: dict, version: str) -> Draft:
         d.put("scheduler.decode_query_len", q, f"1 + num_speculative_tokens ({spec.source})")
     else:
         d.assume("scheduler.decode_query_len", 1, "no speculative decoding")
-    cc = dict(get("compilation_config").value) if get("compilation_config") else {}
-    cc_src = get("compilation_config").source if cc else ""
+    compilation = get("compilation_config")
+    cc = dict(compilation.value) if compilation else {}
+    cc_src = compilation.source if compilation and cc else ""
     _mode(d, settings, cc, cc_src)
     d.assume(
         "cudagraph.attention_support",
@@ -177,8 +178,8 @@ def finish_sizes(d: Draft, version: str) -> None:
     if "cudagraph.capture_sizes" in d.values:
         return
     cc, src, settings = d.pending
-    seqs = d.values["scheduler.max_num_seqs"]
-    tokens, q = d.values["scheduler.max_num_batched_tokens"], d.values["scheduler.decode_query_len"]
+    seqs = d.count("scheduler.max_num_seqs")
+    tokens, q = d.count("scheduler.max_num_batched_tokens"), d.count("scheduler.decode_query_len")
     top_in = cc.get("max_cudagraph_capture_size")
     explicit = cc.get("cudagraph_capture_sizes")
     where = f"compilation_config ({src})"

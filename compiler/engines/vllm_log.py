@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from ..errors import Diagnostic
 from . import flags as F
 from . import pyrepr
 
@@ -53,7 +54,9 @@ SHOWN = 12  # ignored names listed in a note before "and N more"
 def read_log(text: str, file: str = "<log>") -> tuple[dict, str | None, list]:
     """(settings, vLLM version seen in the log or None, notes)."""
     settings: dict = {}
-    version, seen, notes = None, [], []
+    version: str | None = None
+    seen: list[str] = []
+    notes: list[Diagnostic] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if NON_DEFAULT in line:
             start = line.index(NON_DEFAULT) + len(NON_DEFAULT)

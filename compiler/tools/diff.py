@@ -108,8 +108,8 @@ def diff_tables(a: DispatchTable, b: DispatchTable) -> TableDiff:
         (r, m, pad_a.get((r, m)), pad_b.get((r, m))) for r, m in sorted(set(pad_a) | set(pad_b))
     )
     return TableDiff(
-        added=tuple(sorted(gb - ga, key=order.get)),
-        removed=tuple(sorted(ga - gb, key=order.get)),
+        added=tuple(sorted(gb - ga, key=order.__getitem__)),
+        removed=tuple(sorted(ga - gb, key=order.__getitem__)),
         changes=tuple(_changes(a, b, "decode") + _changes(a, b, "mixed")),
         padding=padding,
         same_fingerprint=a.fingerprint == b.fingerprint,

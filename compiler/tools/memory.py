@@ -36,6 +36,8 @@ model; outputs say so). The profile's file format (what the runtime's calibratio
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..profile_format import (
@@ -66,7 +68,7 @@ __all__ = [
 
 MIB = 1024 * 1024
 
-DEFAULT_PROFILE = {
+DEFAULT_PROFILE: dict[str, Any] = {  # a profile as check_profile returns it (JSON values)
     "format": FORMAT,
     "version": VERSION,
     "model_fingerprint": "default:8b-class-bf16",
@@ -167,9 +169,10 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
     modes share one pool, so ``total_bytes`` is not their sum.
     """
     default = profile is None
-    prof = (
-        DEFAULT_PROFILE if default else check_profile(profile, profile.get("source", "<profile>"))
-    )
+    if profile is None:
+        prof = DEFAULT_PROFILE
+    else:
+        prof = check_profile(profile, profile.get("source", "<profile>"))
     per_mode: dict[str, dict] = {}
     for g in table.graphs:
         m = per_mode.setdefault(g.mode.name, {"graphs": 0, "largest_tokens": 0})

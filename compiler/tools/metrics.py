@@ -300,7 +300,7 @@ def _from_histogram(scrapes, family: str, split, opts: Options, notes: list):
             )
         merged[routine] = (edges, [a + b for a, b in zip(prev[1], counts)] if prev else counts)
     left = {"above_steps": 0, "above_tokens": 0, "zero_token_steps": 0}
-    rows = []
+    rows: list[tuple[int, int, int, int]] = []  # (num_tokens, num_reqs, max_query_len, count)
     for routine, (edges, counts) in sorted(merged.items(), key=lambda kv: str(kv[0])):
         n, c = _spread(edges, counts, opts, left)
         r, m = _shape(n, opts, routine if routine in ("decode", "mixed") else None)
@@ -321,7 +321,9 @@ def merged_groups(keys, split) -> set:
 
 
 def _from_gauge(scrapes, name: str, opts: Options, notes: list):
-    rows, keys, q = [], set(), opts.decode_query_len
+    rows: list[tuple[int, int, int, int]] = []  # (num_tokens, num_reqs, max_query_len, count)
+    keys: set[tuple[tuple[str, str], ...]] = set()  # the series' labels
+    q = opts.decode_query_len
     for sc in scrapes:
         samples = {s.labels: s for s in sc.samples.get(name, [])}
         if not samples:
@@ -348,7 +350,8 @@ def _from_gauge(scrapes, name: str, opts: Options, notes: list):
 def workload_from_scrapes(scrapes: list[Scrape], opts: Options, sources=()) -> MetricsWorkload:
     """The workload the scrapes show (oldest first); see the module docstring."""
     engine = detect_engine(scrapes, opts.engine)
-    spec, notes = ENGINE_METRICS[engine], []
+    spec = ENGINE_METRICS[engine]
+    notes: list[str] = []
     got = None
     if spec.tokens:
         got = _from_histogram(scrapes, spec.tokens, spec.split, opts, notes)

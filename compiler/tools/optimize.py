@@ -270,17 +270,21 @@ def optimize(
             )
         if per_graph_s > 0:
             limits["--budget-capture-seconds"] = int((capture_budget - base) / per_graph_s + 1e-9)
-    why = min(limits, key=limits.get)
+    why = min(limits, key=limits.__getitem__)
     budget = limits[why]
     units = budget // n_cases
     need = min_units(weight, lo, units)
     if need is None:
-        least = min_units(weight, lo, 1 << 62) * n_cases
+        least = min_units(weight, lo, 1 << 62)
         raise OptimizeError(
             f"{why} allows {budget} graphs; the largest size {top}"
             + (", the pinned sizes" if pins else "")
-            + " and keeping every "
-            f"step on its best graph need at least {least} (raise it)"
+            + " and keeping every step on its best graph "
+            + (
+                f"need at least {least * n_cases} (raise it)"
+                if least is not None
+                else "need more graphs than any budget allows"
+            )
         )
     best, costs = solve_with_curve(cand, weight, lo, W, S, units, (curve_graphs or 0) // n_cases)
     cost, _, chosen = best

@@ -8,6 +8,7 @@ Every chart maps data to pixels with ``x_px = x0 + x / x_max * (x1 - x0)`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 W, H = 720, 260
 X0, X1, Y0, Y1 = 64, W - 20, 18, H - 44
@@ -60,7 +61,7 @@ def frame(x_max: float, y_max: float, x_label: str, y_label: str) -> dict:
     }
 
 
-def sawtooth(sizes, step: int, x_max: int) -> list[tuple[int, int]]:
+def sawtooth(sizes, step: int, x_max: float) -> list[tuple[int, int]]:
     """Padding tokens against num_tokens for batches of step, 2*step, ... tokens: the vertices of
     the curve (first batch of each size's segment, and the size itself)."""
     pts, prev = [], 0
@@ -107,7 +108,7 @@ def padding_chart(sizes, step: int, limit: int, worst: tuple[int, int], beyond: 
     return f
 
 
-def bar_chart(bars: list[tuple[str, float, str]], y_label: str) -> dict:
+def bar_chart(bars: Sequence[tuple[str, float, str]], y_label: str) -> dict:
     """Vertical bars: (label, value, css class)."""
     f = frame(max(len(bars), 1), nice_max(max([v for _, v, _ in bars] + [1]) * 1.1), "", y_label)
     slot = (f["x1"] - f["x0"]) / max(len(bars), 1)

@@ -77,7 +77,9 @@ def _row_minima_dense(rows: np.ndarray, value, ncols: int) -> tuple[np.ndarray, 
     return v[np.arange(len(rows)), arg], arg
 
 
-def _layers(sizes, weight, lo, W, S, budget: int, dense: bool):
+def _layers(
+    sizes, weight, lo, W, S, budget: int, dense: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """(f, arg, w, big) of the problem: ``f[k, j]`` least cost of a chain ending at j within k
     units (>= big: none), ``arg`` its predecessor; None when there is nothing to choose."""
     c = np.concatenate(([0], np.asarray(sizes, dtype=np.int64)))
@@ -106,7 +108,9 @@ def _layers(sizes, weight, lo, W, S, budget: int, dense: bool):
     return f, arg, w, big
 
 
-def _chain(f, arg, w, big, budget: int):
+def _chain(
+    f: np.ndarray, arg: np.ndarray, w: np.ndarray, big: int, budget: int
+) -> tuple[int, int, list[int]] | None:
     D = f.shape[1] - 1
     if f[budget, D] >= big:
         return None

@@ -111,7 +111,7 @@ def left_out(trace: Trace, table: DispatchTable) -> LeftOut:
     over = np.zeros(len(trace.num_tokens), dtype=bool)
     for bad, *_ in limits:
         over |= bad
-    c = trace.count
+    c = trace.counts
     return LeftOut(
         steps=trace.steps,
         left_out=int(c[over].sum()),
@@ -131,7 +131,7 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
     another query length than the plan's decode_query_len gets a warning (its decode steps route
     as mixed batches). What is left must pass ``check_trace``; a trace with nothing left is an
     error."""
-    n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
+    n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.counts
     name, warnings_, total = table.plan.get("name", "plan"), [], trace.steps
     over = np.zeros(len(n), dtype=bool)
     for bad, key, got, limit, value in _over_limits(trace, table):
@@ -158,7 +158,7 @@ def fit_trace(trace: Trace, table: DispatchTable) -> tuple[Trace, list[str]]:
             count=c[keep],
             header=trace.header,
         )
-        n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.count
+        n, r, m, c = trace.num_tokens, trace.num_reqs, trace.max_query_len, trace.counts
     check_trace(trace, table)
     # uniform batches at their own query length (a decode at whatever q the trace had)
     uniform = is_uniform_decode(n, r, m, m) & (m <= QUERY_LEN_PROBE)
@@ -205,7 +205,7 @@ def aggregate(trace: Trace, q: int) -> Workload:
     uniform = is_uniform_decode(n, r, m, q)
     key = n * 2 + (~uniform)
     keys, first, where = np.unique(key, return_index=True, return_inverse=True)
-    count = np.bincount(where.ravel(), weights=trace.count, minlength=len(keys))
+    count = np.bincount(where.ravel(), weights=trace.counts, minlength=len(keys))
     return Workload(
         tokens=keys // 2,
         uniform=(keys % 2) == 0,

@@ -64,8 +64,14 @@ class Trace:
             object.__setattr__(self, "count", np.ones(len(self.num_tokens), dtype=np.int64))
 
     @property
+    def counts(self) -> np.ndarray:
+        """[rows] steps each row stands for: ``count``, or all 1 when None was given."""
+        assert self.count is not None  # __post_init__ fills it
+        return self.count
+
+    @property
     def steps(self) -> int:
-        return int(self.count.sum())
+        return int(self.counts.sum())
 
 
 _DIGITS_ONLY = bytes(c if 48 <= c <= 57 else 32 for c in range(256))  # non-digits -> spaces

@@ -23,6 +23,7 @@ def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     from ..load import read_plan
 
     text, data, _ = read_plan(Path(path), overrides)
+    assert isinstance(data, dict)  # the caller compiled this plan first (cli.inputs.load_any)
     comments = []
     for line in text.splitlines():
         if not line.startswith("#"):

@@ -1,24 +1,38 @@
 """The attention function transformers calls for an adapted model: write the step's K/V into the
-paged cache, then attend each token over its own sequence's blocks.
+paged cache, then attend each token over its own request's blocks, reading only the keys up to its
+own position (never ``max_model_len`` slots).
 
 Registered once with ``transformers.AttentionInterface`` under ``ATTN_IMPLEMENTATION``; the model's
 attention modules call it as ``fn(module, query, key, value, attention_mask, scaling=...,
 dropout=..., **kwargs)`` with query ``[1, H, T, D]``, key/value ``[1, KvH, T, D]`` (rotary and any
 q/k norms already applied) and expect ``(out [1, T, H, D], weights)``. The per-step metadata
 arrives as the ``graphplan`` keyword (a ``PagedBatch``), which the model's forward hands down to
-every attention call. Shapes depend only on the token and request counts and nothing reads a value
-back to the host, so a step can be captured in a CUDA graph.
+every attention call.
+
+Where a token's keys are: request r owns token rows ``query_start_loc[r] .. query_start_loc[r + 1]
+- 1``, the last at position ``seq_lens[r] - 1``; its keys are the slots of its block table at
+positions 0..seq_lens[r] - 1, each row seeing those at positions <= its own. Rows past
+``query_start_loc[R]`` (padded tokens) belong to no request and get zeros.
+
+- CUDA: the Triton kernels of ``triton_attention.py`` (split-KV decode when T == R, the varlen
+  prefill kernel otherwise). Their grids depend only on (T, R) and they read every length and
+  offset on the device, so a step can be captured in a CUDA graph and replayed with new metadata.
+- Elsewhere (the CPU; CUDA without Triton, eagerly only): ``attend_torch``, one SDPA call per
+  request over its own ``seq_lens[r]`` keys, with the offsets read on the host.
+- Under ``torch.compile`` both run as one opaque custom op, ``graphplan::paged_attend``: dynamo
+  neither traces the kernels' launches nor the host reads of the CPU path.
 
 Piecewise graphs (the run-time split, ``runtime/piecewise/graphs.py``): the registered function is
 the ``attention`` split point, so it runs eagerly between the graph segments. The forward then
 hands it a ``StepInputs`` (the runner's static input buffers, nothing derived from them) and the
 first attention call of each step builds the ``PagedBatch`` from what the buffers hold now and from
-``breakable.current_step()`` (the real token and request counts): nothing of the step is baked in
-at capture, and prefill chunks attend over their real lengths.
+``breakable.current_step()`` (the real request count): nothing of the step is baked in at capture.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -27,59 +41,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from graphplan.runtime.piecewise.breakable import current_step, split_point
 
 ATTN_IMPLEMENTATION = "graphplan_paged"
-FUSED_MIN_ROWS = 128
-"""Above this many query rows, gathered attention runs as one fused SDPA kernel (256-token mixed
-steps of the HF Llama: 3.11x eager instead of 1.99x, H100); at or below it the einsum form,
-which was faster for decode batches of up to 64 rows (same H100 runs)."""
-GATHER_BUDGET = 1 << 26
-"""Largest K (and V) gather, in elements, that an eager step with prefill chunks still attends
-in one batched kernel (128 MiB in bf16); above it each prefill chunk attends over its own
-sequence (a loop over requests, with host reads of the offsets)."""
-PREFILL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA kernels for prefill chunks. Not cuDNN: it builds an execution plan per new shape (~29 ms
-of host time per call on an H100, measured), and every prompt length is a new shape."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillSpan:
-    """One request with more than one query token in an eager batch."""
-
-    start: int
-    end: int
-    """Its token rows [start, end) in the batch."""
-    slots: torch.Tensor
-    """[S] int64: the flat slots of its positions 0..S-1 (S = its sequence length)."""
-    allowed: torch.Tensor
-    """[end - start, S] bool: causal by position."""
+SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA kernels of the torch path on CUDA. Not cuDNN: it builds an execution plan per new shape
+(~29 ms of host time per call on an H100, measured), and every prompt length is a new shape."""
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True, slots=True)
 class PagedBatch:
-    """One step's view of the cache, computed once per forward (not per layer).
-
-    Graph-safe path (every batch inside a graph, and uniform decode): every token gathers its own
-    sequence's slots, ``key_slots [T, L]`` with L = max_blocks_per_seq x block_size. Eager batches
-    with prefill chunks gather only for their single-token rows (``rows``) and attend each
-    multi-token request over its own S slots (``prefill``), so memory and work follow the real
-    sequence lengths rather than T x L."""
+    """One step's view of the cache and its metadata, made once per forward (every layer reads
+    it). Shapes depend only on the token count T and the request count R."""
 
     kv: torch.Tensor
     """[layers, 2, blocks + 1, block_size, KvH, D]: written in place."""
     slot_mapping: torch.Tensor
     """[T] int64: where each token's K/V goes (padded tokens: the padding slot)."""
-    key_slots: torch.Tensor
-    """[T', L] int64: the flat slot of each position 0..L-1 of the row's own sequence."""
-    future: torch.Tensor
-    """[T', L] bool: positions after the row's own (stale or unwritten slots): masked."""
-    rows: torch.Tensor | None = None
-    """[T'] token rows that ``key_slots`` covers; None: all T rows."""
-    prefill: tuple[PrefillSpan, ...] = ()
-    padded: bool = False
-    """Some token rows belong to no request (their output is zeros)."""
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    block_tables: torch.Tensor
+    """[R, max_blocks_per_seq] int32 (padded entries: the padding block)."""
+    seq_lens: torch.Tensor
+    """[R] int32: each request's length after this step (padded requests: 0)."""
+    query_start_loc: torch.Tensor
+    """[R + 1] int32: its first token row (padded requests repeat the last offset)."""
 
 
 def make_paged_batch(
@@ -91,51 +73,10 @@ def make_paged_batch(
     query_start_loc: torch.Tensor,
 ) -> PagedBatch:
     """positions/slot_mapping [T], block_tables [R, B] (padded with the padding block), seq_lens
-    [R], query_start_loc [R + 1] (padded requests repeat the last offset, so they are empty)."""
-    block_size = kv.shape[3]
-    num_tokens, num_reqs = positions.shape[0], block_tables.shape[0]
-    device = positions.device
-    span = torch.arange(block_tables.shape[1] * block_size, device=device)  # [L]
-    gathered = num_tokens * span.numel() * kv.shape[-2] * kv.shape[-1]  # elements of K gathered
-    if num_tokens == num_reqs or _capturing() or gathered <= GATHER_BUDGET:
-        # no host reads (a graph may record this), one kernel per layer for every request
-        token = torch.arange(num_tokens, device=device, dtype=query_start_loc.dtype)
-        # request of each token; padded tokens past the last offset land on the last row
-        # (offsets <= token) - 1, over every offset: no slice of query_start_loc, which torch
-        # 2.11's inductor cannot lower with a size-oblivious dynamic length
-        req = torch.searchsorted(query_start_loc.contiguous(), token, right=True) - 1
-        req = req.clamp_(min=0, max=num_reqs - 1)  # [T]
-        blocks = block_tables.long()[req]  # [T, B]
-        key_slots = blocks[:, span // block_size] * block_size + span % block_size  # [T, L]
-        return PagedBatch(kv, slot_mapping, key_slots, span[None, :] > positions[:, None])
-    # eager with prefill chunks: host offsets are free here (nothing is being recorded); tokens past
-    # the last offset (a padded piecewise step) belong to no request and get zeros
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    single, single_reqs, spans = [], [], []
-    for r in range(num_reqs):
-        a, b = starts[r], starts[r + 1]
-        if b - a == 1:
-            single.append(a)
-            single_reqs.append(r)
-        elif b - a > 1:
-            n_blocks = -(-lens[r] // block_size)
-            base = block_tables[r, :n_blocks].long()[:, None] * block_size  # [nb, 1]
-            slots = (base + span[:block_size]).flatten()[: lens[r]]  # [S]
-            allowed = span[None, : lens[r]] <= positions[a:b, None]  # [n, S]
-            spans.append(PrefillSpan(a, b, slots, allowed))
-    rows = torch.tensor(single, dtype=torch.long, device=device)
-    blocks = block_tables.long()[torch.tensor(single_reqs, dtype=torch.long, device=device)]
-    key_slots = blocks[:, span // block_size] * block_size + span % block_size  # [T', L]
-    future = span[None, :] > positions[rows][:, None]
-    return PagedBatch(
-        kv,
-        slot_mapping,
-        key_slots,
-        future,
-        rows,
-        tuple(spans),
-        padded=starts[num_reqs] < num_tokens,
-    )
+    [R], query_start_loc [R + 1] (padded requests repeat the last offset, so they are empty).
+    ``positions`` is not read: a token's position follows from seq_lens and query_start_loc."""
+    del positions
+    return PagedBatch(kv, slot_mapping, block_tables, seq_lens, query_start_loc)
 
 
 @dataclass(eq=False)
@@ -174,25 +115,65 @@ class StepInputs:
         return made
 
 
-def _gathered(q, cache, key_slots, future, scaling):
-    """q [T', KvH, G, D] over each row's gathered slots -> [T', KvH, G, D]."""
-    keys, values = cache[0][key_slots], cache[1][key_slots]  # [T', L, KvH, D]
-    # one fused kernel for many rows (tokens x K/V heads as the batch); not in compiled code, where
-    # inductor fuses the masked softmax itself and a branch on the token count would be a guard
-    # on it (recompiling at sizes the warm-up did not take)
-    if not torch.compiler.is_compiling() and q.shape[0] > FUSED_MIN_ROWS:
-        with sdpa_kernel(PREFILL_BACKENDS):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q,
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=~future[:, None, None, :],
-                scale=scaling,
+def attend_torch(q, cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+    """q [T, H, D] over cache [2, blocks + 1, block_size, KvH, D] -> [T, H, D]: per request, one
+    SDPA call over its own ``seq_lens[r]`` keys (offsets read on the host: eager steps only)."""
+    num_tokens, num_heads, head_dim = q.shape
+    page = cache.shape[2]
+    keys, values = cache[0].flatten(0, 1), cache[1].flatten(0, 1)  # [slots, KvH, D]
+    out = q.new_zeros(num_tokens, num_heads, head_dim)  # padded rows stay zero
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    span = torch.arange(page, device=q.device)
+    for r in range(block_tables.shape[0]):
+        a, b, length = starts[r], starts[r + 1], lens[r]
+        if b <= a:
+            continue
+        blocks = block_tables[r, : -(-length // page)].long()
+        slots = (blocks[:, None] * page + span).flatten()[:length]  # [S]
+        keys_at = torch.arange(length, device=q.device)
+        allowed = keys_at[None, :] <= keys_at[length - (b - a) :, None]  # [n, S]: causal
+        with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1)[None],  # [1, H, n, D]
+                keys[slots].transpose(0, 1)[None],  # [1, KvH, S, D]
+                values[slots].transpose(0, 1)[None],
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=True,
             )
-    scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * scaling  # [T', KvH, G, L]
-    scores = scores.masked_fill(future[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.einsum("tkgl,tlkd->tkgd", probs, values)
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend(q, cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+    if q.is_cuda and HAVE_TRITON:
+        from .triton_attention import paged_attention as triton_paged_attention
+
+        return triton_paged_attention(q, cache, block_tables, seq_lens, query_start_loc, scale)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "paged attention in a CUDA graph needs Triton (it ships with torch's CUDA wheels): "
+            "install triton, or run this plan's steps eagerly"
+        )
+    return attend_torch(q, cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+@torch.library.custom_op("graphplan::paged_attend", mutates_args=())
+def paged_attend(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``_attend`` as one op that torch.compile does not look into."""
+    return _attend(q, cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+@paged_attend.register_fake
+def _(q, cache, block_tables, seq_lens, query_start_loc, scale):
+    return q.new_empty(q.shape)
 
 
 def paged_attention(
@@ -217,29 +198,15 @@ def paged_attention(
     if scaling is None:
         scaling = head_dim**-0.5
     b = graphplan.batch() if isinstance(graphplan, StepInputs) else graphplan
-    cache = b.kv[module.layer_idx].view(2, -1, kv_heads, head_dim)  # [2, slots, KvH, D]
-    cache[0].index_copy_(0, b.slot_mapping, key[0].transpose(0, 1))
-    cache[1].index_copy_(0, b.slot_mapping, value[0].transpose(0, 1))
-    q = query[0].transpose(0, 1).reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim)
-    if b.rows is None:
-        out = _gathered(q, cache, b.key_slots, b.future, scaling)
-        return out.reshape(1, num_tokens, num_heads, head_dim), None
-    out = (q.new_zeros if b.padded else q.new_empty)(num_tokens, num_heads, head_dim)
-    if b.rows.numel():
-        out[b.rows] = _gathered(q[b.rows], cache, b.key_slots, b.future, scaling).reshape(
-            -1, num_heads, head_dim
-        )
-    with sdpa_kernel(PREFILL_BACKENDS):
-        for p in b.prefill:  # [1, heads, n or S, D] per request; K/V heads shared by query groups
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, p.start : p.end],
-                cache[0][p.slots].transpose(0, 1)[None],
-                cache[1][p.slots].transpose(0, 1)[None],
-                attn_mask=p.allowed,
-                scale=scaling,
-                enable_gqa=True,
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1)
+    cache = b.kv[module.layer_idx]  # [2, blocks + 1, block_size, KvH, D]
+    flat = cache.view(2, -1, kv_heads, head_dim)  # [2, slots, KvH, D]
+    flat[0].index_copy_(0, b.slot_mapping, key[0].transpose(0, 1))
+    flat[1].index_copy_(0, b.slot_mapping, value[0].transpose(0, 1))
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    attend = paged_attend if torch.compiler.is_compiling() else _attend
+    out = attend(q, cache, b.block_tables, b.seq_lens, b.query_start_loc, float(scaling))
     return out[None], None
 
 

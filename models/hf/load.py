@@ -18,6 +18,7 @@ import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,7 +113,7 @@ def check_supported(config) -> None:
             "runs only full_attention layers"
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = "default"
+    rope_type: Any = "default"
     if isinstance(rope, dict):
         rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
@@ -149,7 +150,8 @@ def check_checkpoint(
     check_supported(config)
     directory = None if isinstance(source, transformers.PretrainedConfig) else model_dir(source)
     meta = _build(config, dtype, torch.device("meta"), "eager")
-    aliases, seen = {}, {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
     for name, p in meta.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # a tied weight: the checkpoint holds it once, under the first name
             aliases[name] = seen[id(p)]

@@ -214,7 +214,7 @@ class CompiledModel:
         *,
         token_input: str | None = None,
         also: dict | None = None,
-    ) -> tuple:
+    ) -> tuple | None:
         """Compile at these inputs' sizes (use the largest), dimension 0 of each input and output
         marked dynamic. ``outputs``: where the compiled code writes (see ``run_into``); by
         default tensors shaped like the model's output, found by one eager run.
@@ -319,6 +319,7 @@ class CompiledModel:
         return outputs[0] if self._single else outputs
 
     def _empty(self, rows: int) -> tuple:
+        assert self._like is not None  # set by the warm-up
         return tuple(
             torch.empty((rows, *shape), dtype=dtype, device=device)
             for dtype, device, shape in self._like

@@ -163,7 +163,7 @@ def split(gm: fx.GraphModule, min_layers: int = 3) -> tuple[set, list[list]] | N
             lists[o[0]] = lists.get(o[0], 0) + 1
     if not lists:
         return None
-    name = max(lists, key=lists.get)
+    name = max(lists, key=lambda n: lists[n])
     index = [o[1] if o is not None and o[0] == name else None for o in owners]
     order = [i for i in index if i is not None]
     if order != sorted(order):
@@ -173,8 +173,9 @@ def split(gm: fx.GraphModule, min_layers: int = 3) -> tuple[set, list[list]] | N
         return None
     last_matmul: dict = {}  # (layer, child module) -> position of its last matmul
     for pos, node in enumerate(body):
-        if index[pos] is not None and _is_matmul(node):
-            last_matmul[(index[pos], owners[pos][2])] = pos
+        owner = owners[pos]
+        if index[pos] is not None and owner is not None and _is_matmul(node):
+            last_matmul[(index[pos], owner[2])] = pos
     cuts = sorted({pos + 1 for pos in last_matmul.values()})
     bounds = [0, *cuts, len(body)]
     regions = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -189,7 +190,7 @@ def _meta(values: list) -> tuple:
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
             storages.setdefault(_memory(v), []).append(i)
-    out = []
+    out: list[tuple] = []
     for v in values:
         if isinstance(v, torch.Tensor):
             shared = storages[_memory(v)]
@@ -269,7 +270,7 @@ def _extract(gm, nodes: list) -> tuple[fx.GraphModule, list, list]:
                 inputs.append(a)
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     graph = fx.Graph()
-    env = {}
+    env: dict = {}
     for i, a in enumerate(inputs):
         env[a] = graph.placeholder(f"input_{i}")
         env[a].meta = dict(a.meta)
@@ -298,7 +299,7 @@ def compile_regions(gm: fx.GraphModule, compile, min_layers: int = 3) -> Regions
         attrs[f"_graphplan_region_{r}"] = done[key]
         calls[nodes[-1]] = (f"_graphplan_region_{r}", inputs, outputs)
     graph = fx.Graph()
-    env = {}
+    env: dict = {}
     for node in gm.graph.nodes:
         if node in outside:
             env[node] = graph.node_copy(node, env.__getitem__)

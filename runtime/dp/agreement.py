@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -164,6 +165,7 @@ class DPCoordinator:
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.step_no = 0
         self.sync_seconds = 0.0
+        self.group: Any  # a torch.distributed ProcessGroup (None: a group of one)
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.group, self.rank, self.size, self.device = None, 0, 1, torch.device("cpu")
         else:
@@ -213,8 +215,8 @@ class DPCoordinator:
             exchange = "p2p" if self.size <= P2P_MAX_RANKS else "all_gather"
         # NCCL all-reduces; so does a group of one (its own column is the matrix)
         self.exchange = "all_reduce" if self.device.type == "cuda" or self.size == 1 else exchange
-        self._peers = (
-            [r for r in range(self.size) if r != self.rank] if self.exchange == "p2p" else None
+        self._peers: list[int] = (
+            [r for r in range(self.size) if r != self.rank] if self.exchange == "p2p" else []
         )
         self._inflight: tuple | None = None  # the works of a started, unfinished exchange
         self._t0 = 0.0
@@ -316,7 +318,8 @@ class DPCoordinator:
             self._np[:, self.rank] = col
         else:
             self._col.numpy()[:] = col
-        g, works = self.group, ()
+        g = self.group
+        works: tuple = ()
         try:
             if self.size == 1:
                 pass

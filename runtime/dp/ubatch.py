@@ -211,6 +211,7 @@ def run_ubatches(model, ubatch_inputs: list[dict], streams: UbatchStreams | None
                     continue
                 send[i] = req.fn(*req.args)
         return out
+    assert streams is not None  # cuda above
     caller = torch.cuda.current_stream(streams.device)
     compute, comm = streams.compute, streams.comm
     fork = caller.record_event()

@@ -34,6 +34,7 @@ either is a ``SplitError`` naming the op, where it sits and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -54,9 +55,9 @@ class _Run:
     graphs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     signature: list = field(default_factory=list)  # (op, argument shapes) per call
-    segment: object = None
+    segment: Any = None  # the backend's open segment while capturing
     in_op: bool = False
-    result: object = None
+    result: Any = None
 
 
 class _OpCall:
@@ -73,6 +74,7 @@ class _OpCall:
     def run(self, views: dict | None) -> None:
         args, kwargs = self.args, self.kwargs
         if self.inputs:
+            assert views is not None  # an op with static inputs is run with the views
             leaves = list(self.leaves)
             for j, name in self.inputs:
                 leaves[j] = views[name]

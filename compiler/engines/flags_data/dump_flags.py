@@ -33,7 +33,7 @@ SWITCHES = (
 )
 
 
-def arity(action: argparse.Action):
+def arity(action: argparse.Action) -> int | str:
     """0 (a switch), 1, an int N, or argparse's '?', '*', '+'."""
     if isinstance(action, SWITCHES):
         return 0
@@ -78,7 +78,8 @@ SOURCES = {
 
 def main(engine: str, label: str, path: str) -> None:
     parser = vllm_parser() if engine == "vllm" else sglang_parser()
-    options, deprecated = {}, []
+    options: dict[str, int | str] = {}
+    deprecated: list[str] = []
     for action in parser._actions:
         for opt in action.option_strings:
             options[opt] = arity(action)
