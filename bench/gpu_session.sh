@@ -40,6 +40,7 @@ for step in "$@"; do
     hfserver)  timeout 580 python bench/hf_server_bench.py --device cuda --out "$OUT/hf_server_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -15 ;;
     ondemand)  timeout 400 python bench/ondemand_bench.py --out "$OUT/ondemand_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     realscale) timeout 560 python bench/real_scale.py --out "$OUT/real_scale.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
+    fused)     timeout 220 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_ops_gpu.py 2>&1 | tee "$OUT/fused_ops_gpu_tests.log" | tail -30; timeout 330 python bench/fused_ops_bench.py --out "$OUT/fused_ops_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -60 ;;
     paged)     timeout 230 python -m pytest -q -s -m gpu -p no:cacheprovider --durations=10 tests/test_paged_attention_gpu.py 2>&1 | tee "$OUT/paged_gpu_tests.log" | grep -v "^- \|^  - " | tail -30
                timeout 150 python bench/paged_attention_bench.py --methods triton,gather,floor --out "$OUT/paged_attention_bench.md" 2>"$OUT/paged_attention_bench.err" | tail -16 ;;
     pagedflex) timeout 150 python bench/paged_attention_bench.py --methods floor,triton,flex --max-model-lens 32768 --iters 30 --out "$OUT/paged_attention_flex.md" 2>"$OUT/paged_attention_flex.err" | tail -12 ;;

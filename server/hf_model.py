@@ -35,6 +35,8 @@ class HFSpec:
     """The ``model`` clients name on /v1 (default: the directory's name)."""
     compile: str = ""
     """torch.compile backend of the compiled path (``--compile``); "" runs the model as written."""
+    fused_ops: bool | None = None
+    """Llama-family models: the fused decoder (``PagedCausalLM``'s ``fused_ops``); None: on CUDA."""
 
     @property
     def name(self) -> str:
@@ -106,6 +108,7 @@ class HFSpec:
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             kv_memory_fraction=self.kv_memory_fraction,
+            fused_ops=self.fused_ops,
         )
 
 

@@ -16,6 +16,8 @@ _NEEDS = {
         "test_hf_piecewise.py",
         "test_hf_piecewise_gpu.py",
         "test_openai_server.py",
+        "test_fused_ops.py",
+        "test_fused_ops_gpu.py",
         "test_paged_attention.py",
         "test_paged_attention_gpu.py",
     ],

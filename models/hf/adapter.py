@@ -20,6 +20,7 @@ allocating blocks as sequences grow.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,7 +32,10 @@ from graphplan.runtime.piecewise.breakable import current_step
 
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
+from .fused_decoder import FusedDecoder, fuse, why_not_fused
 from .load import eos_token_ids, load_config, load_model, load_tokenizer
+
+log = logging.getLogger("graphplan.models")
 
 
 def kv_shape(config, dtype: torch.dtype, block_size: int) -> KVCacheShape:
@@ -62,7 +66,16 @@ class PagedConfig:
 class PagedCausalLM(torch.nn.Module):
     """Owns the transformers model (``hf``), the paged KV cache and the block tables; a
     ``graphplan.models.Model``. ``source`` is the checkpoint directory it was loaded from (its
-    tokenizer and end-of-sequence ids), or None."""
+    tokenizer and end-of-sequence ids), or None.
+
+    ``fused_ops`` (default: on for a model on CUDA): Llama-family models run a fused forward
+    (``fused_decoder``: q/k/v and gate/up weights laid out as one GEMM each at load, RMSNorm with
+    the residual add, rotary in place and SiLU x up as one Triton kernel each), calling the same
+    attention as transformers' forward does. Other models, or True for a model it does not apply
+    to, keep transformers' forward (logged; ``fused_reason`` says why). The ``fused_ops``
+    attribute switches between the two on a fused model (the weights are shared: compare them
+    on one model); set it before a runner captures. Code that torch.compile traces runs
+    transformers' forward (inductor fuses it itself)."""
 
     def __init__(
         self,
@@ -74,6 +87,7 @@ class PagedCausalLM(torch.nn.Module):
         kv_cache_tokens: int | None = None,
         kv_memory_fraction: float | None = None,
         source: str | os.PathLike | None = None,
+        fused_ops: bool | None = None,
     ):
         super().__init__()
         self.source = source
@@ -83,6 +97,16 @@ class PagedCausalLM(torch.nn.Module):
         c = hf_model.config
         param = next(hf_model.parameters())
         shape = kv_shape(c, param.dtype, block_size)
+        self.fused: FusedDecoder | None = None
+        self.fused_reason = "fused_ops=False" if fused_ops is False else why_not_fused(hf_model)
+        if fused_ops is None and param.device.type != "cuda" and self.fused_reason is None:
+            self.fused_reason = "fused_ops defaults to off on the CPU"
+        if self.fused_reason is None:  # before the KV pool: it is sized from what is left
+            positions = shape.blocks_per_seq(max_model_len) * block_size
+            self.fused = fuse(hf_model, positions)
+        elif fused_ops:
+            log.warning("fused_ops: %s; running transformers' forward", self.fused_reason)
+        self._fused_on = self.fused is not None
         limit = getattr(c, "max_position_embeddings", None)
         if limit and max_model_len > limit:
             from ..paged_kv import KVCacheSizeError
@@ -128,6 +152,7 @@ class PagedCausalLM(torch.nn.Module):
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
         kv_memory_fraction: float | None = None,
+        fused_ops: bool | None = None,
     ) -> "PagedCausalLM":
         """From a local model directory's checkpoint (``load.load_model``: checked before
         anything is allocated, the weights and this KV cache against the free memory); with
@@ -155,7 +180,19 @@ class PagedCausalLM(torch.nn.Module):
             block_size=block_size,
             kv_cache_tokens=kv_cache_tokens,
             kv_memory_fraction=kv_memory_fraction,
+            fused_ops=fused_ops,
         )
+
+    @property
+    def fused_ops(self) -> bool:
+        """Whether forward runs the fused decoder (see the class docstring)."""
+        return self._fused_on
+
+    @fused_ops.setter
+    def fused_ops(self, on: bool) -> None:
+        if on and self.fused is None:
+            raise ValueError(f"fused_ops cannot be turned on for this model: {self.fused_reason}")
+        self._fused_on = bool(on)
 
     @property
     def device(self) -> torch.device:
@@ -184,6 +221,8 @@ class PagedCausalLM(torch.nn.Module):
             meta = make_paged_batch(
                 self.cache.kv, positions, slot_mapping, block_tables, seq_lens, query_start_loc
             )
+        if self._fused_on and self.fused is not None and not torch.compiler.is_compiling():
+            return self.fused.forward(input_ids, positions, meta).float()
         out = self.hf(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, graphplan=meta
         )
