@@ -65,3 +65,34 @@ def test_compiled_index_copy_on_the_cache_copies_it_and_write_kv_does_not():
     behaviour (2.11-2.13): if it fails, torch re-inplaces the write itself now."""
     assert cache_sized_buffers(index_copy_form)
     assert cache_sized_buffers(op_form) == []
+
+
+def test_the_adapters_compiled_step_writes_the_cache_through_write_kv(tmp_path):
+    """What torch.compile traces of PagedCausalLM's step holds the cache write as graphplan's op,
+    not index_copy_ (which inductor would turn into copies of each layer's whole K/V, above)."""
+    from graphplan.models.hf import PagedCausalLM, load_model
+
+    from hf_models import small_config
+
+    load_model(
+        small_config("llama"), seed=0, attn_implementation="eager", random_weights=True
+    ).save_pretrained(tmp_path)
+    model = PagedCausalLM.load(tmp_path, max_num_seqs=2, max_model_len=16, block_size=4)
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(
+            str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+        )
+        return gm.forward
+
+    batch = model.make_batch([(0, 0, [1, 2, 3]), (1, 0, [4, 5])])
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=record)(**batch)
+    finally:
+        torch._dynamo.reset()
+    writes = [t for t in targets if "write_kv" in t]
+    assert len(writes) == model.hf.config.num_hidden_layers, targets
+    assert not [t for t in targets if "index_copy" in t]
