@@ -291,7 +291,11 @@ def init_weights(model: TinyLlama, seed: int) -> None:
 
 def make_batch(model: TinyLlama, reqs: list[tuple[int, int, list[int]]]) -> dict[str, torch.Tensor]:
     """reqs: (cache_row, start_pos, token_ids) per request -> forward's keyword arguments."""
-    ids, pos, slots, seq_lens, qsl = [], [], [], [], [0]
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    qsl = [0]
     for row, start, tokens in reqs:
         n = len(tokens)
         ids += tokens

@@ -192,7 +192,12 @@ class PagedCausalLM(torch.nn.Module):
     # -- batches ----------------------------------------------------------------------------
     def make_batch(self, reqs) -> dict[str, torch.Tensor]:
         """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments."""
-        ids, pos, slots, rows, seq_lens, qsl = [], [], [], [], [], [0]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[list[int]] = []  # block table rows
+        seq_lens: list[int] = []
+        qsl = [0]
         for seat, start, tokens in reqs:
             n = len(tokens)
             self.tables.reserve(seat, start, n)

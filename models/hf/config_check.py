@@ -54,17 +54,19 @@ def _show(v) -> str:
 def check_values(values: dict, where) -> None:
     """ModelConfigError naming ``where`` and the key for a value a real checkpoint never has."""
     n = {key: _int(values, key, where) for key in SHAPE}
-    heads, kv = n["num_attention_heads"], n["num_key_value_heads"] or n["num_attention_heads"]
-    if n["head_dim"] is None and n["hidden_size"] % heads:
+    hidden, heads, vocab = n["hidden_size"], n["num_attention_heads"], n["vocab_size"]
+    assert hidden is not None and heads is not None and vocab is not None  # required: _int raised
+    kv = n["num_key_value_heads"] or heads
+    if n["head_dim"] is None and hidden % heads:
         raise ModelConfigError(
-            f"{where}: hidden_size={n['hidden_size']} is not a multiple of "
+            f"{where}: hidden_size={hidden} is not a multiple of "
             f"num_attention_heads={heads} (and no head_dim is given)"
         )
     if heads % kv:
         raise ModelConfigError(
             f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
         )
-    head_dim = n["head_dim"] or n["hidden_size"] // heads
+    head_dim = n["head_dim"] or hidden // heads
     if head_dim % 2:
         raise ModelConfigError(
             f"{where}: the head dimension {head_dim} is odd; rotary needs it even"
@@ -88,7 +90,6 @@ def check_values(values: dict, where) -> None:
             f"{where}: quantization_config is set; quantized checkpoints are not supported "
             "(serve float16/bfloat16/float32 weights)"
         )
-    vocab = n["vocab_size"]
     token_ids(values.get("bos_token_id"), "bos_token_id", where, vocab)
     token_ids(values.get("eos_token_id"), "eos_token_id", where, vocab)
     pad = values.get("pad_token_id")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,7 +104,8 @@ class CheckpointReader:
     def __init__(self, weights: WeightFiles):
         self.weights = weights
         self.infos: dict[str, TensorInfo] = {}
-        self._handles: dict[Path, object] = {}
+        # a safetensors handle (get_tensor) or a mapped state dict (indexing), per file
+        self._handles: dict[Path, Any] = {}
         for path in weights.files:
             handle = self._open(path)
             self._handles[path] = handle
@@ -115,7 +117,7 @@ class CheckpointReader:
                     )
                 self.infos[name] = TensorInfo(shape, dtype, path)
         if weights.index is not None:
-            self._check_index(weights)
+            self._check_index(weights.where, weights.index)
 
     def _open(self, path: Path):
         try:
@@ -136,20 +138,20 @@ class CheckpointReader:
             )
         return obj
 
-    def _check_index(self, weights: WeightFiles) -> None:
+    def _check_index(self, where: Path, index: dict[str, str]) -> None:
         wrong = [
             f"{n} (in {self.infos[n].file.name if n in self.infos else 'no shard'}, index says {f})"
-            for n, f in weights.index.items()
+            for n, f in index.items()
             if n not in self.infos or self.infos[n].file.name != Path(f).name
         ]
         wrong += [
             f"{n} (in {i.file.name}, not in the index)"
             for n, i in self.infos.items()
-            if n not in weights.index
+            if n not in index
         ]
         if wrong:
             raise ModelLoadError(
-                f"{weights.where}: the index does not match its shards for {len(wrong)} "
+                f"{where}: the index does not match its shards for {len(wrong)} "
                 f"tensors: {', '.join(wrong[:SHOWN])}"
             )
 

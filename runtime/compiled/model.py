@@ -145,7 +145,7 @@ class CompiledModel:
         self.seconds = 0.0
         """Warm-up wall time: tracing, compiling and one run at the warm-up size."""
         self.warm = False
-        self._like: tuple | None = None  # per output: (dtype, device, trailing shape), once warm
+        self._like: tuple = ()  # per output: (dtype, device, trailing shape), once warm
         self._single = True
         self._token_input: str | None = None
         self._rows = 0  # the outputs' height at the warm-up
@@ -214,7 +214,7 @@ class CompiledModel:
         *,
         token_input: str | None = None,
         also: dict | None = None,
-    ) -> tuple:
+    ) -> tuple | None:
         """Compile at these inputs' sizes (use the largest), dimension 0 of each input and output
         marked dynamic. ``outputs``: where the compiled code writes (see ``run_into``); by
         default tensors shaped like the model's output, found by one eager run.

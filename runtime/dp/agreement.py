@@ -213,8 +213,8 @@ class DPCoordinator:
             exchange = "p2p" if self.size <= P2P_MAX_RANKS else "all_gather"
         # NCCL all-reduces; so does a group of one (its own column is the matrix)
         self.exchange = "all_reduce" if self.device.type == "cuda" or self.size == 1 else exchange
-        self._peers = (
-            [r for r in range(self.size) if r != self.rank] if self.exchange == "p2p" else None
+        self._peers: list[int] = (
+            [r for r in range(self.size) if r != self.rank] if self.exchange == "p2p" else []
         )
         self._inflight: tuple | None = None  # the works of a started, unfinished exchange
         self._t0 = 0.0
@@ -241,6 +241,7 @@ class DPCoordinator:
         (``wait=False``: queued only, ``_wait_event`` waits for the copy back)."""
         if self.size == 1:
             return
+        assert self.group is not None  # only a DP group of one runs without a process group
         cuda = buf.is_cuda
         if cuda:
             buf.copy_(host, non_blocking=True)
@@ -316,9 +317,10 @@ class DPCoordinator:
             self._np[:, self.rank] = col
         else:
             self._col.numpy()[:] = col
-        g, works = self.group, ()
+        g = self.group
+        works: tuple = ()  # the posted works (Gloo); NCCL's copy back is waited on by event
         try:
-            if self.size == 1:
+            if self.size == 1 or g is None:  # a DP group of one: its column is the matrix
                 pass
             elif self.device.type == "cuda":  # queued with the copy back; finish() waits
                 self._all_reduce(self._buf, self._host, self._what(), wait=False)

@@ -96,7 +96,7 @@ def split_point(name: str, fn: Callable | None = None):
                 return _ACTIVE[-1].reached(name, f, args, kwargs)
             return f(*args, **kwargs)
 
-        split.graphplan_split_point = name
+        vars(split)["graphplan_split_point"] = name  # what binding by function looks up
         return split
 
     return mark if fn is None else mark(fn)
@@ -167,15 +167,16 @@ class Intercept:
         elif hasattr(obj, "graphplan_split_point"):
             self.points[obj.graphplan_split_point] = name
         elif callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__name__"):
-            module = sys.modules.get(obj.__module__)
-            if module is None or vars(module).get(obj.__name__) is not obj:
+            fn: Callable = obj
+            module = sys.modules.get(fn.__module__)
+            if module is None or vars(module).get(fn.__name__) is not fn:
                 raise SplitError(
-                    f"splitting_ops binds {name!r} to {obj.__qualname__}, which is "
-                    f"not a module-level function of {obj.__module__}, so the run-"
+                    f"splitting_ops binds {name!r} to {fn.__qualname__}, which is "
+                    f"not a module-level function of {fn.__module__}, so the run-"
                     f"time split cannot reach its calls: mark it where it is defined "
                     f"or registered with split_point({name!r}, fn)"
                 )
-            self.globals.append((vars(module), obj.__name__, obj, name))
+            self.globals.append((vars(module), fn.__name__, fn, name))
         else:
             raise SplitError(
                 f"splitting_ops binds {name!r} to {obj!r}: bind a torch op, an "
@@ -223,7 +224,7 @@ def _functions_named(name: str, model) -> list[tuple[dict, str, Callable, str]]:
     """Module-level functions called ``name`` in the modules that define the model's classes
     (reached where those modules call them by that global name)."""
     classes = (type(m) for m in model.modules()) if isinstance(model, torch.nn.Module) else ()
-    found = []
+    found: list[tuple[dict, str, Callable, str]] = []
     for module in {
         sys.modules.get(c.__module__) for c in classes if not c.__module__.startswith("torch.")
     } - {None}:
