@@ -19,7 +19,6 @@ not a measurement.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import platform
 import shlex
@@ -30,31 +29,25 @@ from pathlib import Path
 
 import torch
 
-from graphplan.compiler.plan_or_table import load_table_or_plan
-from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
+from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
 from graphplan.server.batching import ContinuousBatcher
 
+from hf_setup import (
+    FULL_SIZE,
+    SMOKE_SIZE,
+    baseline_model,
+    cli,
+    prompts_for,
+    setup,
+    sync,
+    table_for,
+)
+from hf_setup import llama_config as llama_config  # re-exported: hf_bench's names stay importable
 from timing import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FULL_SIZE = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-)
-SMOKE_SIZE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 BAR = 5.0
 
 
@@ -90,36 +83,6 @@ def parse_args(argv=None):
     a.new_tokens = a.new_tokens or (8 if a.smoke else 64)
     a.dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     return a
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prompts_for(a, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(a.seed + 1)
-    spread = min(16, a.prompt_len - 1)
-    lens = torch.randint(
-        a.prompt_len - spread, a.prompt_len + spread + 1, (a.requests,), generator=gen
-    ).tolist()
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
-
-
-def llama_config(a):
-    from transformers import LlamaConfig
-
-    size = SMOKE_SIZE if a.smoke else FULL_SIZE
-    cfg = LlamaConfig(
-        **size,
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    return cfg
 
 
 # ---- graphplan ----------------------------------------------------------------------------
@@ -173,16 +136,6 @@ def bench_graphplan(a, hf, table, prompts, device) -> dict:
 
 
 # ---- transformers baselines ---------------------------------------------------------------
-
-
-def baseline_model(hf, dtype, device):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_config(
-        copy.deepcopy(hf.config), attn_implementation="sdpa", dtype=dtype
-    )
-    m.load_state_dict(hf.state_dict())
-    return m.to(device).eval().requires_grad_(False)
 
 
 def greedy_config(new_tokens: int):
@@ -271,40 +224,8 @@ def agreement(x: list[list[int]], y: list[list[int]]) -> tuple[float, float]:
     return same / max(total, 1), sum(a == b for a, b in zip(x, y)) / max(len(x), 1)
 
 
-def cli(run, parse_args, argv=None) -> int:
-    """``run(parse_args(argv))``, torch's intra-op thread count restored after (``setup`` sets
-    it to 1 on the CPU)."""
-    threads = torch.get_num_threads()
-    try:
-        return run(parse_args(argv))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def main(argv=None) -> int:
     return cli(run, parse_args, argv)
-
-
-def setup(a) -> tuple:
-    """(device, the HF config, the stock HF model) for the bench arguments ``a``."""
-    device = torch.device(a.device)
-    if device.type == "cpu":  # shared small CI machines: spinning intra-op threads swamp the timing
-        torch.set_num_threads(1)
-    cfg = llama_config(a)
-    hf = load_model(
-        cfg,
-        dtype=getattr(torch, a.dtype),
-        device=device,
-        seed=a.seed,
-        random_weights=True,
-        attn_implementation=ATTN_IMPLEMENTATION,
-    )
-    return device, cfg, hf
-
-
-def table_for(path: str):
-    """A compiled table (.json) or a plan compiled now."""
-    return load_table_or_plan(path)[0]
 
 
 def run(a) -> int:

@@ -7,7 +7,7 @@ warm-up, and graph memory.
 
 Plan: the vLLM-default decode plan (bench/tables/decode-51.json: 51 FULL decode graphs, sizes 1..512,
 max_num_seqs 512). Model: LlamaForCausalLM, vocab 32000, hidden 1024, intermediate 2816, 8 layers,
-16/4 heads, bf16, random weights (hf_bench's helpers). Per mode, on the same model and KV cache:
+16/4 heads, bf16, random weights (bench/hf_setup.py). Per mode, on the same model and KV cache:
 1. time to first served request: GraphRunner built, capture() (full: 51 graphs; on demand: the
    start set, here the largest graph), then one request (a ~128-token prompt, --first-tokens new
    tokens) served through continuous batching; the clock stops when it is done. Each mode is
@@ -47,7 +47,8 @@ import torch
 from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
 
-from hf_bench import FULL_SIZE, SMOKE_SIZE, cli, prompts_for, run_graphplan, setup, sync, table_for
+from hf_bench import run_graphplan
+from hf_setup import FULL_SIZE, SMOKE_SIZE, cli, prompts_for, setup, sync, table_for
 from timing import publish
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,6 +34,10 @@ class CommMLP(nn.Module):
     """``layers`` x (up -> SiLU -> down -> all-reduce -> residual): four kernels and one
     collective per layer (no norm: the benchmark wants few, large kernels)."""
 
+    embed: torch.Tensor  # [V, H]  (buffers, registered in __init__)
+    up: torch.Tensor  # [L, H, I/W]
+    down: torch.Tensor  # [L, I/W, H]
+
     def __init__(
         self,
         *,

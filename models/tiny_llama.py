@@ -13,160 +13,52 @@ and query_start_loc are accepted (the runtime passes them) and ignored. Padding 
 (token 0, position 0, dummy_slot): they write and read only the dummy row, never a real one.
 Logits are float32.
 
-    python models/tiny_llama.py [--device cuda] [--new-tokens 16]
+    python -m graphplan.models.tiny_llama [--device cuda] [--new-tokens 16]
+
+The parts (config, attention op, layers) are in ``tiny_llama_layers.py``; the eager ground truth
+(``greedy``, ``reference_generate``, the logit tolerances) in ``reference.py``, re-exported here.
 """
 
 import argparse
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .reference import LOGIT_TOL, greedy, greedy_mismatch, logits_mismatch, reference_generate
+from .tiny_llama_layers import (
+    ATTENTION_OP,
+    MLP,
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    TinyLlamaConfig,
+    apply_rope,
+    rope_tables,
+)
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TinyLlamaConfig:
-    vocab_size: int = 4096
-    hidden: int = 512
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 2  # grouped-query attention: heads // kv_heads query heads share one K/V head
-    intermediate: int = 1408
-    max_model_len: int = 256  # positions per request = columns of a cache row
-    num_cache_rows: int = 64  # live sequences; one more row (index num_cache_rows) is the dummy
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @classmethod
-    def sized(cls, *, hidden: int, layers: int, **rest) -> "TinyLlamaConfig":
-        """A config shaped from its hidden size: 64-wide heads, a K/V head per 4 query heads
-        (at least one of each), SwiGLU intermediate 3 x hidden."""
-        return cls(
-            hidden=hidden,
-            layers=layers,
-            heads=max(hidden // 64, 1),
-            kv_heads=max(hidden // 256, 1),
-            intermediate=hidden * 3,
-            **rest,
-        )
-
-
-# ---- attention core: one custom op, where piecewise graphs split the forward ----
-
-
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-) -> torch.Tensor:
-    """Writes k, v at slot_mapping, then attends each token over its own cache row.
-
-    q [T, H, D], k/v [T, KvH, D], kv_cache [2, rows + 1, S, KvH, D] (mutated),
-    slot_mapping/positions [T]. Returns [T, H, D]. No host syncs, shapes depend only on T.
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, max_len, kv_heads, _ = kv_cache.shape
-    flat = kv_cache.view(2, -1, kv_heads, head_dim)  # [2, (rows + 1) * S, KvH, D]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
-    rows = torch.div(slot_mapping, max_len, rounding_mode="floor")  # [T]
-    keys = kv_cache[0].index_select(0, rows)  # [T, S, KvH, D]
-    values = kv_cache[1].index_select(0, rows)  # [T, S, KvH, D]
-    qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim) * head_dim**-0.5
-    scores = torch.einsum("tkgd,tskd->tkgs", qg, keys).float()  # [T, KvH, G, S]
-    future = torch.arange(max_len, device=q.device) > positions[:, None]  # [T, S]
-    scores = scores.masked_fill(future[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    out = torch.einsum("tkgs,tskd->tkgd", probs, values)  # [T, KvH, G, D]
-    return out.reshape(num_tokens, num_heads, head_dim)
-
-
-def _attention_fake(q, k, v, kv_cache, slot_mapping, positions):
-    return torch.empty_like(q)
-
-
-# Guarded: importing this file under two module names must not register the op twice.
-if not hasattr(torch.ops.tiny_llama, "attention"):
-    torch.library.custom_op("tiny_llama::attention", _attention, mutates_args=("kv_cache",))
-    torch.library.register_fake("tiny_llama::attention", _attention_fake)
-ATTENTION_OP = torch.ops.tiny_llama.attention.default  # the op piecewise graphs split at
-
-
-# ---- modules ----
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
-
-
-def rope_tables(cfg: TinyLlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin, each [max_model_len, head_dim // 2] float32."""
-    half = cfg.head_dim // 2
-    inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.arange(cfg.max_model_len, dtype=torch.float64)[:, None] * inv_freq
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x, cos, sin, half: int):
-    """x [T, H, D]; cos/sin [T, 1, D/2]. Rotates the two halves of each head (Llama layout)."""
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: TinyLlamaConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-
-    def forward(self, x, cos, sin, kv_cache, slot_mapping, positions):
-        half = self.head_dim // 2
-        q = apply_rope(self.q_proj(x).view(-1, self.heads, self.head_dim), cos, sin, half)
-        k = apply_rope(self.k_proj(x).view(-1, self.kv_heads, self.head_dim), cos, sin, half)
-        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
-        out = ATTENTION_OP(q, k, v, kv_cache, slot_mapping, positions)  # [T, H, D]
-        return self.o_proj(out.view(-1, self.heads * self.head_dim))  # [T, hidden]
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: TinyLlamaConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TinyLlamaConfig):
-        super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.attn = Attention(cfg)
-        self.post_attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x, cos, sin, kv_cache, slot_mapping, positions):
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, slot_mapping, positions)
-        return x + self.mlp(self.post_attn_norm(x))
+__all__ = [
+    "ATTENTION_OP",
+    "LM_GAIN",
+    "LOGIT_TOL",
+    "MLP",
+    "QK_GAIN",
+    "Attention",
+    "DecoderLayer",
+    "RMSNorm",
+    "TinyLlama",
+    "TinyLlamaConfig",
+    "apply_rope",
+    "greedy",
+    "greedy_mismatch",
+    "init_weights",
+    "logits_mismatch",
+    "main",
+    "make_batch",
+    "pad_batch",
+    "reference_generate",
+    "rope_tables",
+    "static_inputs",
+]
 
 
 class TinyLlama(nn.Module):
@@ -286,7 +178,7 @@ def init_weights(model: TinyLlama, seed: int) -> None:
         p.copy_(w)
 
 
-# ---- batches and ground truth ----
+# ---- batches ----
 
 
 def make_batch(model: TinyLlama, reqs: list[tuple[int, int, list[int]]]) -> dict[str, torch.Tensor]:
@@ -345,92 +237,6 @@ def static_inputs(model: TinyLlama) -> list:
         StaticInput(name="seq_lens", per="req", dtype=torch.int32, pad=0),
         StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last"),
     ]
-
-
-LOGIT_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-"""atol = rtol for logits of the same tokens computed two ways (graphs vs eager, batched vs alone,
-padded vs not): float32 differs by summation order only; bf16 by its 8-bit mantissa through the
-layers (logits reach ~20, where one bf16 step is 0.125)."""
-
-
-def logits_mismatch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """None when ``got`` matches ``want`` within LOGIT_TOL[dtype], else what differs."""
-    tol = LOGIT_TOL[dtype]
-    if got.shape != want.shape:
-        return f"logits shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
-    got, want = got.float().cpu(), want.float().cpu()
-    bad = (got - want).abs() > tol + tol * want.abs()
-    if not bad.any():
-        return None
-    i = tuple(int(v) for v in bad.nonzero()[0])
-    return (
-        f"{int(bad.sum())} of {bad.numel()} logits differ beyond atol=rtol={tol:g} "
-        f"(first at {i}: {got[i].item():.5f} vs {want[i].item():.5f}; max |diff| "
-        f"{(got - want).abs().max().item():.4g})"
-    )
-
-
-def greedy_mismatch(
-    tokens: list[list[int]], got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype
-) -> str | None:
-    """Compare a generation (``tokens`` and the logits ``got`` they were picked from) with a
-    reference run teacher-forced over the same tokens (``want``): every logit within
-    LOGIT_TOL[dtype], every token the reference's argmax or a near-tie within that tolerance.
-    None when they agree, else what differs first."""
-    tol = LOGIT_TOL[dtype]
-    for i, (toks, g, w) in enumerate(zip(tokens, got, want)):
-        bad = logits_mismatch(g, w, dtype)
-        if bad:
-            return f"prompt {i}: {bad}"
-        for t, (tok, row) in enumerate(zip(toks, w.float())):
-            top = row.max().item()
-            if row[tok].item() < top - 2 * (tol + tol * abs(top)):
-                return (
-                    f"prompt {i}, new token {t}: picked {tok} (reference logit "
-                    f"{row[tok].item():.4f}), the reference's argmax {int(row.argmax())} "
-                    f"has {top:.4f}"
-                )
-    return None
-
-
-@torch.no_grad()
-def greedy(
-    model: TinyLlama,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    step=None,
-    forced: list[list[int]] | None = None,
-) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy: prefill all prompts in one batch (prompt i in cache row i), then decode all
-    requests together one token per step. Returns each prompt's new tokens and the logits they
-    were chosen from ([max_new_tokens, vocab] float32 on the CPU per prompt).
-
-    ``step(batch, num_reqs, max_query_len) -> logits`` runs a batch (default: the model, eagerly;
-    examples/generate.py passes a GraphRunner). ``forced`` (new tokens per prompt) feeds those
-    tokens back instead of the argmax (teacher forcing): two ways of computing can then be
-    compared logit by logit over the same token sequence, even where a near-tie flips an argmax."""
-    assert len(prompts) <= model.cfg.num_cache_rows
-    step = step or (lambda batch, num_reqs, max_query_len: model(**batch))
-    reqs = [(row, 0, list(p)) for row, p in enumerate(prompts)]
-    out: list[list[int]] = [[] for _ in prompts]
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for i in range(max_new_tokens):
-        batch = make_batch(model, reqs)
-        last = batch["query_start_loc"][1:].long() - 1  # [R] each request's last token
-        logits = step(batch, len(reqs), max(len(toks) for _, _, toks in reqs))[last].float()
-        next_ids = logits.argmax(dim=-1).tolist() if forced is None else [f[i] for f in forced]
-        for tokens, kept, tok, row in zip(out, rows, next_ids, logits.cpu()):
-            tokens.append(tok)
-            kept.append(row)
-        reqs = [(row, start + len(toks), [tok]) for (row, start, toks), tok in zip(reqs, next_ids)]
-    return out, [torch.stack(r) if r else torch.empty(0) for r in rows]
-
-
-def reference_generate(
-    model: TinyLlama, prompts: list[list[int]], max_new_tokens: int, step=None
-) -> list[list[int]]:
-    """The new tokens of ``greedy`` (see there)."""
-    return greedy(model, prompts, max_new_tokens, step)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,10 @@ class StaticInput:
             raise ValueError(
                 f"StaticInput {self.name!r}: per must be one of {PER}, not {self.per!r}"
             )
+        if isinstance(self.pad, str) and self.pad != "last":
+            raise ValueError(
+                f"StaticInput {self.name!r}: pad must be a number or 'last', not {self.pad!r}"
+            )
 
     def rows(self, tokens: int, reqs: int) -> int:
         return tokens if self.per == "token" else reqs + (self.per == "req+1")
@@ -43,7 +47,7 @@ class StaticInput:
     @property
     def fill(self) -> int | float:
         """The constant a row gets when there is no real row to repeat (``"last"``: 0)."""
-        return 0 if isinstance(self.pad, str) else self.pad  # the one string is "last"
+        return 0 if isinstance(self.pad, str) else self.pad  # a str pad is "last"
 
 
 def as_tuple(out) -> tuple:
@@ -146,7 +150,7 @@ class StaticBuffers:
                 continue
             clean = self._clean[s.name]
             if clean > k:
-                buf[k:clean].fill_(s.fill)
+                buf[k:clean].fill_(s.fill)  # the constant pad
             self._clean[s.name] = k
         if dsts:
             # torch._foreach_copy_: the multi-tensor copy torch's optimizers and cudagraph trees

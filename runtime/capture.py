@@ -9,15 +9,20 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
 from graphplan.compiler.errors import GraphplanError
-from graphplan.compiler.records import RuntimeMode, padded_num_reqs
+from graphplan.compiler.records import BatchDescriptor, RuntimeMode, padded_num_reqs
+from graphplan.compiler.table import DispatchTable
 
-from .buffers import as_tuple
+from .buffers import StaticBuffers, as_tuple
 from .compiled.model import CompiledModel
+from .graphs import GraphBackend
+
+if TYPE_CHECKING:  # imported where PIECEWISE graphs are captured (most runs have none)
+    from .piecewise.graphs import BreakableGraphs
 
 if TYPE_CHECKING:
     from graphplan.compiler.table import DispatchTable
@@ -32,20 +37,25 @@ GiB = 1 << 30
 PROGRESS_LINES = 10
 """Without a terminal, capture logs about this many progress lines instead of a progress bar."""
 
+UbatchBody = Callable[[BatchDescriptor, dict, int, tuple], Callable[[], None]]
+"""(key, views, tokens, outputs) -> the body a ubatched graph records (runtime/dp/runner.py)."""
+
 
 @dataclass
 class Captured:
     """What one capture produced; the runner keeps it."""
 
     graphs: list
-    """[len(table.graphs)]: the captured graph per table id, None where not captured."""
-    outputs: tuple | None
+    """[len(table.graphs)]: the captured graph per table id, None where not captured: a
+    ``Graph`` (FULL, replayed) or a ``BreakableGraph`` (PIECEWISE, run); the route's mode says
+    which."""
+    outputs: tuple[torch.Tensor, ...] | None
     """Static output buffers at the largest captured size (FULL graphs copy into them)."""
     single_output: bool
     """The model returns one tensor (not a tuple)."""
     piecewise: BreakableGraphs | None
-    """runtime.piecewise.graphs.BreakableGraphs when PIECEWISE graphs were captured."""
-    summary: dict
+    """The run-time split's state when PIECEWISE graphs were captured."""
+    summary: dict[str, Any]
     """Graphs, seconds, bytes, estimate, per-graph memory (capture_line renders it)."""
 
 
@@ -53,18 +63,16 @@ class Captured:
 class CaptureJob:
     """What to capture and with what: the runner's model, table and static buffers."""
 
-    model: Any
-    """The step callable (a model, a CompiledModel, a DP wrapper): called with the views."""
+    model: Callable[..., Any]
     table: DispatchTable
     buffers: StaticBuffers
-    backend: Any
-    """A graph backend (runtime/graphs.py): CudaGraphs, CpuGraphStandIn, a tape."""
+    backend: GraphBackend
     warmups: int = 1
     rank: int = 0
     progress: bool = True
-    splitting_ops: dict = field(default_factory=dict)
+    splitting_ops: dict[str, object] = field(default_factory=dict)
     """Plan op name -> the op, function or module it binds (runtime/piecewise/breakable.py)."""
-    ubatch_body: Any = None
+    ubatch_body: UbatchBody | None = None
     """(key, views, tokens, outputs) -> the body of a ubatched graph; None: skip ubatched keys."""
     warmup_each: bool = False
     """Warm up before every FULL graph, not only before the first (slower; for models with
@@ -72,13 +80,13 @@ class CaptureJob:
     measure_each: bool = False
     """Measure every graph's memory (memory calibration); otherwise the first two (the
     estimate's inputs) and the whole capture, which costs no per-graph synchronisation."""
-    piecewise_model: Any = None
+    piecewise_model: Callable[..., Any] | None = None
     """What PIECEWISE graphs run; None: ``model``. The compiled path passes the uncompiled model
     here: the run-time split's capture-time hooks would change what the compiled code was guarded
     on (runtime/compiled/model.py)."""
 
 
-def _progress(items: list, job: CaptureJob, desc: str):
+def _progress(items: list[int], job: CaptureJob, desc: str) -> Iterable[int]:
     """A progress bar on a terminal; a log line every ~tenth of the graphs otherwise (logs and CI
     output are not flooded by redrawn bars)."""
     if job.rank != 0 or not job.progress:
@@ -93,7 +101,7 @@ def _progress(items: list, job: CaptureJob, desc: str):
     return _logged(items, desc)
 
 
-def _logged(items: list, desc: str):
+def _logged(items: list[int], desc: str) -> Iterator[int]:
     every = max(1, -(-len(items) // PROGRESS_LINES))
     for i, item in enumerate(items, 1):
         yield item
@@ -108,7 +116,9 @@ def _static_outputs(out, max_tokens: int) -> tuple:
     )
 
 
-def _graph_fn(model, statics: tuple, views: dict, tokens: int):
+def _graph_fn(
+    model: Callable[..., Any], statics: tuple[torch.Tensor, ...], views: dict, tokens: int
+) -> Callable[[], None]:
     """The body a graph records: the model on static views, outputs copied to static buffers (so
     the pool can reuse each graph's activations for the next one). A compiled model writes its
     outputs there itself, from its last kernels (no copy in the graph)."""
@@ -122,7 +132,7 @@ def _graph_fn(model, statics: tuple, views: dict, tokens: int):
     return fn
 
 
-def graph_rows(key, max_num_seqs: int) -> tuple[int, int]:
+def graph_rows(key: BatchDescriptor, max_num_seqs: int) -> tuple[int, int]:
     """(tokens, requests) a graph of ``key`` is captured at: a key without a request count
     (a token-only graph) takes as many requests as tokens, up to ``max_num_seqs``."""
     tokens = key.num_tokens
@@ -130,7 +140,7 @@ def graph_rows(key, max_num_seqs: int) -> tuple[int, int]:
     return tokens, reqs
 
 
-def _graph_views(job: CaptureJob, key) -> tuple[dict, int]:
+def _graph_views(job: CaptureJob, key: BatchDescriptor) -> tuple[dict, int]:
     """The static input views a graph of ``key`` records on (pad values everywhere), and its
     token count."""
     tokens, reqs = graph_rows(key, job.table.max_num_seqs)
@@ -138,7 +148,9 @@ def _graph_views(job: CaptureJob, key) -> tuple[dict, int]:
     return job.buffers.views(tokens, reqs), tokens
 
 
-def _full_body(job: CaptureJob, done: "Captured", key, views: dict, tokens: int):
+def _full_body(
+    job: CaptureJob, done: Captured, key: BatchDescriptor, views: dict, tokens: int
+) -> Callable[[], None]:
     """Warm a FULL graph of ``key`` up (the first creates the static outputs) and return the
     body to capture: the model into the static outputs, or the micro-batched body (warmed once,
     as its streams and events need)."""
@@ -149,7 +161,9 @@ def _full_body(job: CaptureJob, done: "Captured", key, views: dict, tokens: int)
             done.outputs = _static_outputs(out, job.buffers.max_tokens)
             done.single_output = not isinstance(out, (tuple, list))
         del out
+    assert done.outputs is not None  # the first warm-up above made them
     if key.num_ubatches > 1:
+        assert job.ubatch_body is not None  # capture skips ubatched keys without a body
         body = job.ubatch_body(key, views, tokens, done.outputs)
         body()
         return body
@@ -170,7 +184,7 @@ def capture_graphs(
         and (g.key.num_ubatches == 1 or job.ubatch_body is not None)
         and (only is None or g.id in only)
     ]
-    summary = {
+    summary: dict[str, Any] = {
         "graphs": 0,
         "seconds": 0.0,
         "bytes": 0,
@@ -201,14 +215,14 @@ def capture_graphs(
             for n_done, gid in enumerate(_progress(ids, job, f"Capturing graphs ({backend.name})")):
                 key = table.graphs[gid].key
                 views, tokens = _graph_views(job, key)
+                took: int | None
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
-                    assert done.piecewise is not None  # made above when any graph is PIECEWISE
-                    took: int | None
+                    assert done.piecewise is not None  # split above: ids hold a PIECEWISE graph
                     done.graphs[gid], took = done.piecewise.capture(views, tokens)
                 else:
                     body = _full_body(job, done, key, views, tokens)
                     measure = job.measure_each or n_done < 2
-                    before = backend.memory_used() if measure else None
+                    before = backend.memory_used() if measure else 0
                     done.graphs[gid] = backend.capture(body)
                     took = backend.memory_used() - before if measure else None
                 summary["per_graph"].append([gid, tokens, took])
@@ -252,8 +266,7 @@ def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
         )
     views, tokens = _graph_views(job, g.key)
     with torch.no_grad():
-        if g.mode is RuntimeMode.PIECEWISE:
-            assert done.piecewise is not None  # refused above
+        if done.piecewise is not None and g.mode is RuntimeMode.PIECEWISE:
             done.graphs[gid], _ = done.piecewise.capture(views, tokens)
         else:
             done.graphs[gid] = job.backend.capture(_full_body(job, done, g.key, views, tokens))
@@ -263,7 +276,7 @@ class CaptureError(GraphplanError):
     """Capturing a graph failed; everything captured so far was released."""
 
 
-def _capture_error(e: Exception, gid: int, key) -> CaptureError:
+def _capture_error(e: Exception, gid: int, key: BatchDescriptor) -> CaptureError:
     oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
     fix = (
         "lower cudagraph.capture_sizes (a smaller preset ceiling, or drop sizes >= "
@@ -281,7 +294,7 @@ def _capture_error(e: Exception, gid: int, key) -> CaptureError:
     )
 
 
-def _split(job: CaptureJob):
+def _split(job: CaptureJob) -> BreakableGraphs:
     """The model's piecewise state, ready to capture: split at run time at each call of a
     splitting op (runtime/piecewise/graphs.py)."""
     from .piecewise.graphs import BreakableGraphs
@@ -305,7 +318,7 @@ def _split(job: CaptureJob):
     )
 
 
-def capture_line(s: dict) -> str:
+def capture_line(s: dict[str, Any]) -> str:
     pw = s.get("piecewise")
     pieces = (
         f" ({pw['piece_graphs']} piece graphs around {pw['split_ops']} split ops, "

@@ -12,10 +12,41 @@ exactly as they would with CUDA graphs (a graph, too, only sees the buffers it w
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Graph(Protocol):
+    """A captured graph (or segment): replay reruns it on the buffers it was captured with."""
+
+    def replay(self) -> None: ...
+
+
+class Segment(Protocol):
+    """An open segment capture: ``close`` ends it and returns its graph."""
+
+    def close(self) -> Graph: ...
+
+    def abort(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """What capture and the run-time split need from a backend (CUDA graphs or the stand-in)."""
+
+    name: str
+    device: torch.device
+
+    def capture(self, fn: Callable[[], None]) -> Graph: ...
+
+    def open_segment(self) -> Segment: ...
+
+    def memory_used(self) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class CudaGraphs:
@@ -113,7 +144,7 @@ def _uncapturable(func, args) -> bool:
 class _Tape(TorchDispatchMode):
     """Records every aten call of a segment with its tensors (kept alive: fixed addresses)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple] = []
 
@@ -199,6 +230,6 @@ class CpuGraphStandIn:
         pass
 
 
-def graph_backend(device: torch.device):
+def graph_backend(device: torch.device | str) -> GraphBackend:
     device = torch.device(device)
     return CudaGraphs(device) if device.type == "cuda" else CpuGraphStandIn(device)

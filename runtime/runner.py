@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -21,8 +21,16 @@ from graphplan.compiler.records import RuntimeMode, padded_num_reqs
 from graphplan.compiler.table import DispatchTable
 
 from .buffers import StaticBuffers, StaticInput
-from .capture import Captured, CaptureError, CaptureJob, capture_graphs, capture_one, graph_rows
-from .compiled.model import compiled_model
+from .capture import (
+    Captured,
+    CaptureError,
+    CaptureJob,
+    UbatchBody,
+    capture_graphs,
+    capture_one,
+    graph_rows,
+)
+from .compiled.model import CompiledModel, compiled_model
 from .graphs import graph_backend
 from .metrics import RunnerStats
 from .on_demand import OnDemandQueue, start_graph_ids
@@ -122,12 +130,12 @@ class GraphRunner:
         self.buffers = StaticBuffers(list(inputs), graph_tokens, table.max_num_seqs, self.device)
         self.device = self.buffers.device
         self._graphs: list = [None] * len(table.graphs)
-        self._outputs: tuple[torch.Tensor, ...] | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()  # the FULL graphs' static outputs
         self._single_output = True
         # (key, views, tokens, outputs) -> the body a ubatched (num_ubatches > 1) graph records;
         # set by runtime.dp.runner.DPRunner. Without it ubatched graphs are not captured.
-        self.ubatch_body: Callable[..., Any] | None = None
-        self._piecewise: BreakableGraphs | None = None  # once PIECEWISE graphs are captured
+        self.ubatch_body: UbatchBody | None = None
+        self._piecewise: BreakableGraphs | None = None  # once PIECEWISE is captured
         self.captured = False
         self._stats = RunnerStats(table, self.backend.name)
         self.on_demand = table.settings.on_demand if on_demand is None else bool(on_demand)
@@ -158,7 +166,7 @@ class GraphRunner:
                 "once — build a new GraphRunner to capture another table"
             )
         if self.compiled is not None:  # compile at the largest size before any graph
-            self._compile_warm_up()
+            self._compile_warm_up(self.compiled)
         job = CaptureJob(
             model=self.model,
             table=self.table,
@@ -173,26 +181,25 @@ class GraphRunner:
             measure_each=measure_each,
             piecewise_model=self.eager_model,
         )
-        wanted_modes = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
+        kinds = tuple(m if isinstance(m, RuntimeMode) else RuntimeMode[m] for m in modes)
         if self.on_demand and only is None:
             only = start_graph_ids(self.table)
-        done = capture_graphs(job, wanted_modes, only)
+        done = capture_graphs(job, kinds, only)
         if self.on_demand:
             wanted = [
                 g.id
                 for g in self.table.graphs
-                if g.mode in wanted_modes
-                and (g.key.num_ubatches == 1 or self.ubatch_body is not None)
+                if g.mode in kinds and (g.key.num_ubatches == 1 or self.ubatch_body is not None)
             ]
             self._demand = OnDemandQueue({g for g in wanted if done.graphs[g] is not None}, wanted)
         self._job, self._done = job, done
-        self._graphs, self._outputs = done.graphs, done.outputs
+        self._graphs, self._outputs = done.graphs, done.outputs or ()
         self._single_output, self._piecewise = done.single_output, done.piecewise
         self._stats.captured(done.summary)
         self.captured = True
         return done.summary
 
-    def _compile_warm_up(self) -> None:
+    def _compile_warm_up(self, compiled: CompiledModel) -> None:
         """One compile at the largest graph's size, then a run at the smallest FULL graph's (a
         compile there, if torch specialises that size, is the warm-up's: see CompiledModel)."""
         tokens = self.buffers.max_tokens
@@ -203,8 +210,7 @@ class GraphRunner:
         also = None
         if small is not None and small.num_tokens < tokens:
             also = self.buffers.views(*graph_rows(small, self.table.max_num_seqs))
-        assert self.compiled is not None  # called only with compile on
-        self.compiled.warm_up(
+        compiled.warm_up(
             self.buffers.views(tokens, reqs), token_input=self.buffers.token_input, also=also
         )
 
@@ -271,6 +277,7 @@ class GraphRunner:
         every other graph is kept: the server keeps serving."""
         if self._demand is None or not self._demand.waiting:
             return None
+        assert self._job is not None and self._done is not None  # capture() set all three
         gid = self._demand.next()
         assert self._job is not None and self._done is not None  # set with _demand by capture()
         t0 = time.perf_counter()
@@ -287,7 +294,7 @@ class GraphRunner:
                 reason,
             )
             return gid
-        self._outputs, self._single_output = self._done.outputs, self._done.single_output
+        self._outputs, self._single_output = self._done.outputs or (), self._done.single_output
         self._demand.captured(time.perf_counter() - t0)
         return gid
 
@@ -314,7 +321,7 @@ class GraphRunner:
     def release(self) -> None:
         """Drop every graph and the static outputs (the runner can capture again)."""
         self._graphs = [None] * len(self.table.graphs)
-        self._outputs = None
+        self._outputs = ()
         self._piecewise = None
         self._demand = self._job = self._done = None
         self.backend.release()

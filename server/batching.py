@@ -218,11 +218,17 @@ class ContinuousBatcher:
         )
 
     # -- KV blocks ----------------------------------------------------------------------------
+    @property
+    def _blocks(self) -> BlockPool:
+        """The pool; the block accounting below runs only when there is one (``free`` is None
+        without it)."""
+        assert self.kv_pool is not None
+        return self.kv_pool
+
     def _grow(self, r: _Request, n: int) -> int:
         """Blocks a step of ``n`` more tokens takes: the pool reserves whole blocks for positions
         [0, computed + n), and the request holds those of [0, computed) already."""
-        assert self.kv_pool is not None  # only a pooled cache counts blocks
-        bs = self.kv_pool.block_size
+        bs = self._blocks.block_size
         return -(-(r.computed + n) // bs) - -(-r.computed // bs)
 
     def _fits(self, r: _Request, n: int, free: int | None, spare: int) -> int:
@@ -230,7 +236,7 @@ class ContinuousBatcher:
         them without a pool)."""
         if free is None or self.kv_pool is None:
             return n
-        bs = self.kv_pool.block_size
+        bs = self._blocks.block_size
         room = free - spare
         if room < 0:
             return 0
@@ -251,15 +257,13 @@ class ContinuousBatcher:
     def _free_after(self, picked) -> int:
         """Blocks free once this step's picks have taken theirs (the pool reserves them later,
         in ``make_batch``)."""
-        assert self.kv_pool is not None
-        return self.kv_pool.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
+        return self._blocks.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
 
     def _preempt(self, r: _Request) -> None:
         """Give back its blocks and row; it waits first in line and recomputes what it had."""
         self._running.remove(r)
         self._free_rows.append(r.row)
-        assert self.kv_pool is not None  # preemption frees blocks: only with a pool
-        self.kv_pool.release(r.row)
+        self._blocks.release(r.row)
         r.row, r.computed = -1, 0
         self._waiting.appendleft(r)
         self.num_preemptions += 1
@@ -293,7 +297,8 @@ class ContinuousBatcher:
             r.computed += len(toks)
             if row < 0:
                 continue
-            assert tok is not None  # a sampling row has its token
+            if tok is None:
+                raise ValueError(f"request {rid!r} samples a token this step, but got None")
             r.output.append(int(tok))
             done = len(r.output) >= r.max_new_tokens or int(tok) in r.stop
             events.append(TokenEvent(request_id=rid, token=int(tok), finished=done))

@@ -7,6 +7,7 @@ one-batch forms)."""
 from __future__ import annotations
 
 import random
+from typing import Hashable
 
 import torch
 
@@ -64,7 +65,7 @@ def continuous_greedy(
         kv_pool=model.kv_pool,
     )
     arrived, t = 0, 0
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    rows: dict[Hashable, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}  # by id
     with torch.no_grad():
         while arrived < len(prompts) or batcher.has_work():
             while arrived < len(prompts) and arrived * arrive_every <= t:
@@ -87,7 +88,10 @@ def continuous_greedy(
                     )
                 batcher.commit_tokens(batch, tokens)
             t += 1
-    return ([batcher.finished[i] for i in range(len(prompts))], [torch.stack(r) for r in rows])
+    return (
+        [batcher.finished[i] for i in range(len(prompts))],
+        [torch.stack(rows[i]) for i in range(len(prompts))],
+    )
 
 
 @torch.no_grad()

@@ -223,7 +223,7 @@ class Sampler:
         p = self._floats[slots]  # [R, 7]
         temp, top_p, top_k, min_p = (p[:, i : i + 1] for i in range(4))
         greedy = temp < 1e-5  # [R, 1]
-        x = self._penalised(raw, slots, p) if self._history is not None else raw
+        x = _penalised(raw, self._history[slots], p) if self._history is not None else raw
         scaled = x / torch.where(greedy, 1.0, temp)
         threshold = self._threshold(scaled, top_p, top_k, min_p)
         keep = scaled >= torch.where(greedy, float("-inf"), threshold)
@@ -238,15 +238,6 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         return SampleOutput(tokens, chosen, top.values, top.indices)
 
-    def _penalised(self, x: torch.Tensor, slots: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        assert self._history is not None  # penalties=True made it
-        history = self._history[slots]  # [R, vocab]
-        counts = (history & (PROMPT_BIT - 1)).float()
-        rep = p[:, _F_REP : _F_REP + 1]
-        x = torch.where(history != 0, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - p[:, _F_FREQ : _F_FREQ + 1] * counts
-        return x - p[:, _F_PRES : _F_PRES + 1] * (counts > 0).float()
-
     def _threshold(self, scaled, top_p, top_k, min_p) -> torch.Tensor:
         """[R, 1]: the smallest scaled logit that top-k, min-p and top-p keep."""
         ordered = scaled.sort(dim=-1).values  # ascending
@@ -256,3 +247,13 @@ class Sampler:
         probs = torch.softmax(ordered.masked_fill(ordered < threshold, float("-inf")), dim=-1)
         dropped = (probs.cumsum(dim=-1) <= 1 - top_p).sum(dim=-1, keepdim=True)
         return torch.maximum(threshold, ordered.gather(1, dropped.clamp_(max=vocab - 1)))
+
+
+def _penalised(x: torch.Tensor, history: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on ``x`` [R, vocab], from each row's token
+    ``history`` [R, vocab] (counts, the prompt bit) and its parameters ``p`` [R, 7]."""
+    counts = (history & (PROMPT_BIT - 1)).float()
+    rep = p[:, _F_REP : _F_REP + 1]
+    x = torch.where(history != 0, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - p[:, _F_FREQ : _F_FREQ + 1] * counts
+    return x - p[:, _F_PRES : _F_PRES + 1] * (counts > 0).float()

@@ -20,12 +20,12 @@ from graphplan.models.tiny_llama import (
     ATTENTION_OP,
     Attention,
     TinyLlama,
-    _attention,
     apply_rope,
     logits_mismatch,
     make_batch,
     static_inputs,
 )
+from graphplan.models.tiny_llama_layers import _attention  # the op's body, as a plain function
 from graphplan.runtime import CaptureError, GraphRunner, SplitError
 from graphplan.runtime.piecewise.breakable import current_step, split_point
 

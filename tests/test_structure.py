@@ -1,5 +1,6 @@
 """The code's own rules (DESIGN.md): no import circles in either half, no module reading another's
-private attributes, no string-keyed access to the resolved table outside its serialisation.
+private attributes, no string-keyed access to the resolved table outside its serialisation, no
+module over MAX_MODULE_LINES lines.
 
 These read the source with ``ast``; README's contributing section names this file as the check.
 """
@@ -296,3 +297,34 @@ def test_the_seam_check_sees_a_runtime_import_of_the_compilers_cli(tmp_path):
     path.write_text("from graphplan.compiler.cli import main\nfrom ..table import x\n")
     known = set(modules_of("compiler", "graphplan.compiler"))
     assert imports_of("graphplan.runtime.x", path, known) - SEAM == {"graphplan.compiler.cli.main"}
+
+
+# Small modules (DESIGN.md, house style 9): a module that outgrows this splits by responsibility.
+MAX_MODULE_LINES = 400
+SIZED_FOLDERS = ("compiler", "runtime", "models", "server", "schemas", "bench", "examples")
+
+
+def long_modules(root: Path, folders=SIZED_FOLDERS, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``path: N lines`` for every .py file under ``folders`` of ``root`` longer than ``limit``."""
+    out = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            n = len(path.read_text("utf-8").splitlines())
+            if n > limit:
+                out.append(f"{path.relative_to(root).as_posix()}: {n} lines")
+    return out
+
+
+def test_no_module_is_over_400_lines():
+    long = long_modules(ROOT)
+    assert long == [], (
+        f"modules over {MAX_MODULE_LINES} lines: {', '.join(long)}; split each into cohesive "
+        "modules (keep its public names importable where they were)"
+    )
+
+
+def test_the_size_check_names_a_long_module(tmp_path):
+    (tmp_path / "runtime" / "sub").mkdir(parents=True)
+    (tmp_path / "runtime" / "sub" / "big.py").write_text("x = 1\n" * 401)
+    (tmp_path / "runtime" / "small.py").write_text("x = 1\n" * 400)
+    assert long_modules(tmp_path, ("runtime",)) == ["runtime/sub/big.py: 401 lines"]

@@ -234,7 +234,7 @@ class PagedCausalLM(torch.nn.Module):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        rows: list[list[int]] = []
+        rows: list[list[int]] = []  # block table rows
         seq_lens: list[int] = []
         qsl = [0]
         for seat, start, tokens in reqs:

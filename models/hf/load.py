@@ -18,7 +18,6 @@ import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -113,7 +112,7 @@ def check_supported(config) -> None:
             "runs only full_attention layers"
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type: Any = "default"
+    rope_type: object = "default"  # whatever the config holds: checked just below
     if isinstance(rope, dict):
         rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE:
@@ -150,8 +149,8 @@ def check_checkpoint(
     check_supported(config)
     directory = None if isinstance(source, transformers.PretrainedConfig) else model_dir(source)
     meta = _build(config, dtype, torch.device("meta"), "eager")
-    aliases: dict[str, str] = {}
-    seen: dict[int, str] = {}
+    aliases: dict[str, str] = {}  # a tied name -> the name the checkpoint holds it under
+    seen: dict[int, str] = {}  # id(parameter) -> its first name
     for name, p in meta.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # a tied weight: the checkpoint holds it once, under the first name
             aliases[name] = seen[id(p)]

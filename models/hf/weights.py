@@ -104,7 +104,8 @@ class CheckpointReader:
     def __init__(self, weights: WeightFiles):
         self.weights = weights
         self.infos: dict[str, TensorInfo] = {}
-        self._handles: dict[Path, Any] = {}  # a safe_open handle or a state dict
+        # a safetensors handle (get_tensor) or a mapped state dict (indexing), per file
+        self._handles: dict[Path, Any] = {}
         for path in weights.files:
             handle = self._open(path)
             self._handles[path] = handle
@@ -116,7 +117,7 @@ class CheckpointReader:
                     )
                 self.infos[name] = TensorInfo(shape, dtype, path)
         if weights.index is not None:
-            self._check_index(weights, weights.index)
+            self._check_index(weights.where, weights.index)
 
     def _open(self, path: Path):
         try:
@@ -137,7 +138,7 @@ class CheckpointReader:
             )
         return obj
 
-    def _check_index(self, weights: WeightFiles, index: dict[str, str]) -> None:
+    def _check_index(self, where: Path, index: dict[str, str]) -> None:
         wrong = [
             f"{n} (in {self.infos[n].file.name if n in self.infos else 'no shard'}, index says {f})"
             for n, f in index.items()
@@ -150,7 +151,7 @@ class CheckpointReader:
         ]
         if wrong:
             raise ModelLoadError(
-                f"{weights.where}: the index does not match its shards for {len(wrong)} "
+                f"{where}: the index does not match its shards for {len(wrong)} "
                 f"tensors: {', '.join(wrong[:SHOWN])}"
             )
 

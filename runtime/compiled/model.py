@@ -145,7 +145,7 @@ class CompiledModel:
         self.seconds = 0.0
         """Warm-up wall time: tracing, compiling and one run at the warm-up size."""
         self.warm = False
-        self._like: tuple | None = None  # per output: (dtype, device, trailing shape), once warm
+        self._like: tuple = ()  # per output: (dtype, device, trailing shape), once warm
         self._single = True
         self._token_input: str | None = None
         self._rows = 0  # the outputs' height at the warm-up

@@ -163,7 +163,7 @@ def split(gm: fx.GraphModule, min_layers: int = 3) -> tuple[set, list[list]] | N
             lists[o[0]] = lists.get(o[0], 0) + 1
     if not lists:
         return None
-    name = max(lists, key=lambda n: lists[n])
+    name = max(lists, key=lists.__getitem__)
     index = [o[1] if o is not None and o[0] == name else None for o in owners]
     order = [i for i in index if i is not None]
     if order != sorted(order):
@@ -172,10 +172,9 @@ def split(gm: fx.GraphModule, min_layers: int = 3) -> tuple[set, list[list]] | N
     if len(layers) < min_layers:
         return None
     last_matmul: dict = {}  # (layer, child module) -> position of its last matmul
-    for pos, node in enumerate(body):
-        owner = owners[pos]
-        if index[pos] is not None and owner is not None and _is_matmul(node):
-            last_matmul[(index[pos], owner[2])] = pos
+    for pos, (node, o) in enumerate(zip(body, owners)):
+        if o is not None and o[0] == name and _is_matmul(node):  # a node of the layer list
+            last_matmul[(o[1], o[2])] = pos
     cuts = sorted({pos + 1 for pos in last_matmul.values()})
     bounds = [0, *cuts, len(body)]
     regions = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -299,7 +298,7 @@ def compile_regions(gm: fx.GraphModule, compile, min_layers: int = 3) -> Regions
         attrs[f"_graphplan_region_{r}"] = done[key]
         calls[nodes[-1]] = (f"_graphplan_region_{r}", inputs, outputs)
     graph = fx.Graph()
-    env: dict = {}
+    env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if node in outside:
             env[node] = graph.node_copy(node, env.__getitem__)

@@ -243,6 +243,7 @@ class DPCoordinator:
         (``wait=False``: queued only, ``_wait_event`` waits for the copy back)."""
         if self.size == 1:
             return
+        assert self.group is not None  # only a DP group of one runs without a process group
         cuda = buf.is_cuda
         if cuda:
             buf.copy_(host, non_blocking=True)
@@ -319,9 +320,9 @@ class DPCoordinator:
         else:
             self._col.numpy()[:] = col
         g = self.group
-        works: tuple = ()
+        works: tuple = ()  # the posted works (Gloo); NCCL's copy back is waited on by event
         try:
-            if self.size == 1:
+            if self.size == 1 or g is None:  # a DP group of one: its column is the matrix
                 pass
             elif self.device.type == "cuda":  # queued with the copy back; finish() waits
                 self._all_reduce(self._buf, self._host, self._what(), wait=False)

@@ -195,11 +195,10 @@ def run_ubatches(model, ubatch_inputs: list[dict], streams: UbatchStreams | None
         stages(**kw) if stages is not None else _single_stage(model, kw) for kw in ubatch_inputs
     ]
     k = len(gens)
-    cuda = streams is not None and streams.cuda
     out: list = [None] * k
     done = [False] * k
     send: list = [None] * k
-    if not cuda:  # the same schedule, sequential
+    if streams is None or not streams.cuda:  # the same schedule, sequential
         while not all(done):
             for i in range(k):
                 if done[i]:

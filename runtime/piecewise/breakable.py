@@ -96,7 +96,7 @@ def split_point(name: str, fn: Callable | None = None):
                 return _ACTIVE[-1].reached(name, f, args, kwargs)
             return f(*args, **kwargs)
 
-        setattr(split, "graphplan_split_point", name)  # noqa: B010 (an attribute mypy can't see)
+        vars(split)["graphplan_split_point"] = name  # what binding by function looks up
         return split
 
     return mark if fn is None else mark(fn)
@@ -168,11 +168,11 @@ class Intercept:
             self.points[obj.graphplan_split_point] = name
         elif callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__name__"):
             fn: Callable = obj
-            module = sys.modules.get(obj.__module__)
-            if module is None or vars(module).get(obj.__name__) is not obj:
+            module = sys.modules.get(fn.__module__)
+            if module is None or vars(module).get(fn.__name__) is not fn:
                 raise SplitError(
-                    f"splitting_ops binds {name!r} to {obj.__qualname__}, which is "
-                    f"not a module-level function of {obj.__module__}, so the run-"
+                    f"splitting_ops binds {name!r} to {fn.__qualname__}, which is "
+                    f"not a module-level function of {fn.__module__}, so the run-"
                     f"time split cannot reach its calls: mark it where it is defined "
                     f"or registered with split_point({name!r}, fn)"
                 )

@@ -41,7 +41,8 @@ from torch.utils import _pytree as pytree
 
 from graphplan.compiler.records import padded_num_reqs
 
-from ..buffers import as_tuple, real_rows
+from ..buffers import StaticBuffers, as_tuple, real_rows
+from ..graphs import Graph, GraphBackend, Segment
 from .breakable import SEGMENT_FIX, Intercept, SplitError, Step, segment_error, set_step
 
 
@@ -52,10 +53,10 @@ class _Run:
     tokens: int
     capture: bool
     views: dict
-    graphs: list = field(default_factory=list)
-    calls: list = field(default_factory=list)
+    graphs: list[Graph] = field(default_factory=list)
+    calls: list[_OpCall] = field(default_factory=list)
     signature: list = field(default_factory=list)  # (op, argument shapes) per call
-    segment: Any = None  # the backend's open segment while capturing
+    segment: Segment | None = None
     in_op: bool = False
     result: Any = None
 
@@ -76,6 +77,7 @@ class _OpCall:
         if self.inputs:
             assert views is not None  # an op with static inputs is run with the views
             leaves = list(self.leaves)
+            assert views is not None  # replay passes views when a call reads per-request inputs
             for j, name in self.inputs:
                 leaves[j] = views[name]
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
@@ -88,8 +90,8 @@ class _OpCall:
 
 @dataclass(frozen=True)
 class _Size:
-    graphs: list  # segment graphs, one more than calls
-    calls: list
+    graphs: list[Graph]  # segment graphs, one more than calls
+    calls: list[_OpCall]
     result: object  # static output views (the model's output structure)
     needs_views: bool  # some call reads per-request inputs at the real request count
 
@@ -105,8 +107,8 @@ class BreakableGraphs:
         names,
         bindings,
         *,
-        backend,
-        buffers,
+        backend: GraphBackend,
+        buffers: StaticBuffers,
         max_tokens: int,
         max_reqs: int,
         static: list[torch.Tensor],
@@ -179,6 +181,7 @@ class BreakableGraphs:
                 out = self.model(**views)
                 run.result = self._bind_outputs(out, tokens)
                 if capture:
+                    assert run.segment is not None  # the last split op opened it
                     run.graphs.append(run.segment.close())
                     run.segment = None
         except BaseException as e:
@@ -214,6 +217,7 @@ class BreakableGraphs:
                     dst.copy_(v)  # inside the segment: the graph refills it at replay
                     copied[j], leaves[j] = v, dst
         if run.capture:
+            assert run.segment is not None  # open while capturing, outside splitting ops
             run.graphs.append(run.segment.close())
             run.segment = None
         call_args, call_kwargs = pytree.tree_unflatten(leaves, spec)
