@@ -218,10 +218,15 @@ class ContinuousBatcher:
         )
 
     # -- KV blocks ----------------------------------------------------------------------------
+    def _pool(self) -> BlockPool:
+        """The block pool (the KV-block paths run only with one)."""
+        assert self.kv_pool is not None
+        return self.kv_pool
+
     def _grow(self, r: _Request, n: int) -> int:
         """Blocks a step of ``n`` more tokens takes: the pool reserves whole blocks for positions
         [0, computed + n), and the request holds those of [0, computed) already."""
-        bs = self.kv_pool.block_size
+        bs = self._pool().block_size
         return -(-(r.computed + n) // bs) - -(-r.computed // bs)
 
     def _fits(self, r: _Request, n: int, free: int | None, spare: int) -> int:
@@ -229,7 +234,7 @@ class ContinuousBatcher:
         them without a pool)."""
         if free is None:
             return n
-        bs = self.kv_pool.block_size
+        bs = self._pool().block_size
         room = free - spare
         if room < 0:
             return 0
@@ -250,13 +255,13 @@ class ContinuousBatcher:
     def _free_after(self, picked) -> int:
         """Blocks free once this step's picks have taken theirs (the pool reserves them later,
         in ``make_batch``)."""
-        return self.kv_pool.num_free() - sum(self._grow(p, len(t)) for p, t in picked)
+        return self._pool().num_free() - sum(self._grow(p, len(t)) for p, t in picked)
 
     def _preempt(self, r: _Request) -> None:
         """Give back its blocks and row; it waits first in line and recomputes what it had."""
         self._running.remove(r)
         self._free_rows.append(r.row)
-        self.kv_pool.release(r.row)
+        self._pool().release(r.row)
         r.row, r.computed = -1, 0
         self._waiting.appendleft(r)
         self.num_preemptions += 1
@@ -288,7 +293,7 @@ class ContinuousBatcher:
             if r is None:  # aborted while its step ran
                 continue
             r.computed += len(toks)
-            if row < 0:
+            if row < 0 or tok is None:
                 continue
             r.output.append(int(tok))
             done = len(r.output) >= r.max_new_tokens or int(tok) in r.stop

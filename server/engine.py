@@ -294,6 +294,7 @@ class Engine:
 
     def _maybe_switch(self) -> None:
         swap = self._pending
+        assert swap is not None
         if self.num_running() > swap.table.max_num_seqs:
             return
         self._pending = None
@@ -317,6 +318,7 @@ class Engine:
 
     def sample_step(self, batch: StepBatch, logits) -> list[Sampled]:
         """The step's new tokens, one per request that samples (``batch.sampling_rows`` order)."""
+        assert self.sampler is not None
         return self.sampler.sample(batch, logits)
 
     def _step(self, batch: StepBatch) -> None:
@@ -335,6 +337,7 @@ class Engine:
             self.metrics.step_errors.inc()
             err = RequestError(500, f"internal error in the engine step: {type(e).__name__}: {e}")
             for rid in batch.request_ids:
+                assert isinstance(rid, Request)
                 self.batcher.abort(rid)
                 self._finish(rid, err)
             return

@@ -73,8 +73,9 @@ def continuous_greedy(
             batch = batcher.schedule()
             if batch is not None:
                 logits = step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
-                tokens = []
+                tokens: list[int | None] = []
                 for rid, i in zip(batch.request_ids, batch.sample_rows):
+                    assert isinstance(rid, int)  # the prompt's index
                     if i < 0:
                         tokens.append(None)
                         continue

@@ -41,7 +41,7 @@ SERVER_HEADER = f"graphplan-server/{__version__}"  # the package's one version
 MAX_HEADERS = 100
 
 
-def build_app(server: Any) -> FastAPI:
+def build_app(server: Any) -> Guard:
     app = FastAPI(
         title="graphplan", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
     )
@@ -121,7 +121,7 @@ def build_app(server: Any) -> FastAPI:
             if e.status_code == 405
             else str(e.detail)
         )
-        return error_response(RequestError(e.status_code, message, headers=e.headers))
+        return error_response(RequestError(e.status_code, message, headers=dict(e.headers or {})))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: HTTPRequest, e: Exception) -> Response:

@@ -17,7 +17,7 @@ from .protocol import RequestError, error_body
 class GuardedH11Protocol(H11Protocol):
     _head_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
 

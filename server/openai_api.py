@@ -106,7 +106,7 @@ class OpenAIFrontEnd:
             raise APIError(
                 400, f"the chat template took more than {CHAT_RENDER_SECONDS} s", "messages"
             ) from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = self._tokens(list(ids), "messages")
         return await self._serve(
             request, "chat.completion", params, [prompt], req.stream, req.include_usage, None

@@ -84,7 +84,7 @@ class Sampling(Body):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             n=self.n,
             logprobs=logprobs,
-            stop=self.stop or (),
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,

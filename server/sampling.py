@@ -239,6 +239,7 @@ class Sampler:
         return SampleOutput(tokens, chosen, top.values, top.indices)
 
     def _penalised(self, x: torch.Tensor, slots: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        assert self._history is not None
         history = self._history[slots]  # [R, vocab]
         counts = (history & (PROMPT_BIT - 1)).float()
         rep = p[:, _F_REP : _F_REP + 1]
