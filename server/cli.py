@@ -188,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    previous = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    }
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until serve() takes over: nothing to drain
+        signal.signal(sig, lambda signum, frame: _exit_now(signum, "while starting"))
+    try:
+        return _main(parser, a)
+    finally:  # (main is also called in-process, by tests)
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     d = ModelSpec()
