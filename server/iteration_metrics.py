@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 from prometheus_client.core import HistogramMetricFamily
 
+from graphplan.compiler.records import decode_token_range, is_uniform_decode
+
 MAX_EDGE = 1 << 20
 """Powers of two up to this (the largest max_num_batched_tokens a plan may have): a plan reloaded
 with a larger token budget still lands its mixed steps in finite buckets."""
@@ -28,8 +30,7 @@ def _powers(limit: int) -> list[int]:
 
 class IterationHistograms:
     def __init__(self, table: Any, max_num_seqs: int):
-        q = table.q
-        decode_tokens = list(range(1, q * max_num_seqs + 1))
+        decode_tokens = list(range(1, decode_token_range(table.q, max_num_seqs)[-1] + 1))
         mixed_tokens = sorted(
             {*table.capture_sizes, *_powers(MAX_EDGE), table.max_tokens, table.max_tokens}
         )
@@ -48,7 +49,9 @@ class IterationHistograms:
 
     def observe(self, batch: Any, decode_query_len: int) -> None:
         """One engine step (a StepBatch)."""
-        uniform = all(len(toks) == decode_query_len for _, _, toks in batch.reqs)
+        uniform = is_uniform_decode(
+            batch.num_tokens, batch.num_reqs, batch.max_query_len, decode_query_len
+        )
         routine = "decode" if uniform else "mixed"
         with self._lock:
             for kind, value in (("tokens", batch.num_tokens), ("requests", batch.num_reqs)):
