@@ -406,3 +406,48 @@ def test_plan_workload_reads_the_live_servers_metrics(server, client, tmp_path, 
     header = json.loads(out.read_text().splitlines()[0])["graphplan_workload"]
     assert header["engine"] == "graphplan" and header["steps"] >= w.steps
     capsys.readouterr()
+
+
+def test_seeded_requests_keep_their_tokens_across_preemptions(model_dir, tmp_path):
+    """A KV pool too small for four requests at once: some are preempted and recomputed, and each
+    still gets the tokens it gets alone (its sampler slot is rebuilt from what it generated)."""
+    from graphplan.server import Engine, load_table
+    from graphplan.server.requests import QueueSink, Request
+    from graphplan.server.sampling_params import SamplingParams
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    spec = HFSpec(model=str(model_dir), max_model_len=64, kv_cache_tokens=96, block_size=16)
+    engine = Engine(load_table(str(plan)), str(plan), spec=spec, progress=False)
+    engine.start()
+    try:
+        assert engine.wait_ready(60), engine.error
+
+        def run(prompts):
+            sink = QueueSink()
+            reqs = [
+                Request(
+                    p,
+                    40,
+                    sink,
+                    SamplingParams(temperature=1.0, seed=i, presence_penalty=0.5),
+                    tag=i,
+                )
+                for i, p in prompts
+            ]
+            engine.enqueue(reqs)
+            left = len(reqs)
+            while left:
+                _, kind, value = sink.get(60)
+                assert kind != "error", value
+                left -= kind == "done"
+            return {r.tag: r.out for r in reqs}
+
+        prompts = [(i, [10 + i] * 12) for i in range(4)]
+        alone = {i: run([(i, p)])[i] for i, p in prompts}
+        before = engine.metrics.value("graphplan_server_preemptions_total")
+        together = run(prompts)
+        assert engine.metrics.value("graphplan_server_preemptions_total") > before
+        assert together == alone
+    finally:
+        engine.stop(5)
