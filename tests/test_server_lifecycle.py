@@ -148,7 +148,8 @@ def test_a_second_signal_while_draining_exits_at_once(tmp_path):
         resp = conn.getresponse()
         assert resp.readline()  # a token: the request is running
         proc.send_signal(signal.SIGTERM)  # drains: up to 60 s
-        time.sleep(0.3)
+        while "stopping (SIGTERM)" not in proc.stderr.readline():
+            assert time.monotonic() < deadline
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(5) == 128 + signal.SIGTERM and time.monotonic() - t0 < 2
@@ -169,9 +170,16 @@ def test_each_request_writes_one_access_log_line(tmp_path, caplog):
             exchange(s, "GET", "/healthz")
             exchange(s, "POST", "/generate", {"prompt": [1, 2], "max_tokens": 2})
             exchange(s, "GET", "/nope")
-        lines = [r.getMessage() for r in caplog.records if r.name == "graphplan.server.access"]
+            t0 = time.monotonic()  # a line is written just after its response is sent
+            while len(_access(caplog)) < 3 and time.monotonic() - t0 < 5:
+                time.sleep(0.01)
+        lines = _access(caplog)
         assert len(lines) == 3, lines
         assert re.match(r'127\.0\.0\.1 "GET /healthz" 200 \d+ [\d.]+ms$', lines[0])
         assert '"POST /generate" 200' in lines[1] and '"GET /nope" 404' in lines[2]
     finally:
         s.stop()
+
+
+def _access(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "graphplan.server.access"]
