@@ -3,8 +3,11 @@
 #   bash bench/gpu_session.sh tests runtime piecewise server    (steps: see below)
 # The device machine has torch but no jsonschema/hypothesis; carry wheels for its Python 3.12
 # (device run with carry [".carry"]; .carry/ is git-ignored), made here once with:
-#   pip download jsonschema hypothesis --python-version 3.12 --platform manylinux2014_x86_64 \
+#   pip download jsonschema hypothesis openai fastapi uvicorn prometheus_client \
+#       --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
+# (fastapi, uvicorn, prometheus_client: graphplan-serve's ASGI stack and metrics; the server steps
+# and tests need them)
 set -u
 # graphplan is not pip-installed there: a namespace folder maps graphplan.{compiler,runtime,models,
 # server,schemas} onto the checkout's folders, as `pip install -e .` does here; bench/ is on the path
@@ -14,7 +17,7 @@ export PYTHONPATH="/tmp/gp:$PWD/bench" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis openai >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis openai fastapi uvicorn prometheus_client >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -c "import torch;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; date -u; } | tee "$OUT/device.txt"
 for step in "$@"; do
   case "$step" in
@@ -44,6 +47,7 @@ for step in "$@"; do
     paged)     timeout 230 python -m pytest -q -s -m gpu -p no:cacheprovider --durations=10 tests/test_paged_attention_gpu.py 2>&1 | tee "$OUT/paged_gpu_tests.log" | grep -v "^- \|^  - " | tail -30
                timeout 150 python bench/paged_attention_bench.py --methods triton,gather,floor --out "$OUT/paged_attention_bench.md" 2>"$OUT/paged_attention_bench.err" | tail -16 ;;
     pagedflex) timeout 150 python bench/paged_attention_bench.py --methods floor,triton,flex --max-model-lens 32768 --iters 30 --out "$OUT/paged_attention_flex.md" 2>"$OUT/paged_attention_flex.err" | tail -12 ;;
+    loadtest)  timeout 590 python bench/load_test.py --random-weights --clients 256 --requests 2 --out "$OUT/load_test_h100.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     realscale1b) timeout 300 python bench/real_scale.py --shape 1b --hf-batches 1 --out "$OUT/real_scale_1b.md" 2>&1 | tail -25 ;;
     *)         echo "unknown step $step" ;;
   esac

@@ -295,7 +295,7 @@ class ContinuousBatcher:
             if r is None:  # aborted while its step ran
                 continue
             r.computed += len(toks)
-            if row < 0:
+            if row < 0 or tok is None:
                 continue
             if tok is None:
                 raise ValueError(f"request {rid!r} samples a token this step, but got None")

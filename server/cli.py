@@ -8,13 +8,18 @@ then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / S
 stop. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
 ``--admin-token``, which other users can see in the process list), and reloads only files inside
 ``--reload-dir`` (default: the plan's folder).
-Exit codes: 0 after a clean stop, 2 for an invalid plan, 1 for any other start-up failure.
+SIGINT or SIGTERM while the graphs are captured ends the process at once (exit 128 + the signal's
+number, after a line saying so); once serving, the first one drains (requests in flight finish, up
+to --drain-timeout seconds) and exits 0, a second one exits at once (128 + its number).
+Exit codes: 0 after a clean stop, 2 for an invalid plan or a bad flag, 1 for any other start-up
+failure, 128 + N after signal N cut the start or the drain short.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +34,31 @@ from .model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .security import TOKEN_ENV, admin_token
 
 log = logging.getLogger("graphplan.server")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _number(kind, low: float, high: float | None = None, *, open_low: bool = False, what=""):
+    """An argparse type: ``kind`` within [low, high] ((low, high] with open_low)."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what or kind.__name__}") from None
+        if v != v or (v <= low if open_low else v < low) or (high is not None and v > high):
+            bound = f"above {low:g}" if open_low else f"at least {low:g}"
+            top = f" and at most {high:g}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}{top}")
+        return v
+
+    parse.__name__ = what or kind.__name__
+    return parse
+
+
+PORT = _number(int, 0, 65535, what="a port number")
+POSITIVE_INT = _number(int, 1, what="an integer")
+SECONDS = _number(float, 0, 365 * 86400, open_low=True, what="a number of seconds")
+FRACTION = _number(float, 0, 1, open_low=True, what="a fraction")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan override, as `plan compile --set` (e.g. cudagraph.mode=NONE)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the log)")
+    p.add_argument(
+        "--port", type=PORT, default=8000, help="1-65535, or 0 to pick a free one (see the log)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d = ModelSpec()
     p.add_argument(
@@ -67,20 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
     p.add_argument(
         "--kv-cache-tokens",
-        type=int,
+        type=POSITIVE_INT,
         help="--model: KV-cache size in tokens (default: max_num_seqs x max-model-len)",
     )
     p.add_argument(
         "--kv-memory-fraction",
-        type=float,
+        type=FRACTION,
         help="--model: KV cache from this fraction of the free device memory",
     )
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--layers", type=POSITIVE_INT, default=d.layers)
+    p.add_argument("--hidden", type=POSITIVE_INT, default=d.hidden)
+    p.add_argument("--vocab-size", type=POSITIVE_INT, default=d.vocab_size)
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help=f"default {d.max_model_len} (--model: min(max_position_embeddings, 2048))",
     )
@@ -109,12 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
         "cudagraph.on_demand.start_sizes, every other graph on its first use "
         "(/healthz turns 200 sooner); default: the plan's cudagraph.on_demand.enabled",
     )
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
+    p.add_argument(
+        "--max-waiting",
+        type=POSITIVE_INT,
+        default=1024,
+        help="requests queued beyond the running ones before new ones get 429",
+    )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_number(float, 0, 86400, what="a number of seconds"),
         default=30.0,
-        help="seconds SIGTERM waits for running requests",
+        help="seconds the first SIGTERM/SIGINT waits for running requests (0: none)",
     )
     p.add_argument(
         "--admin-token",
@@ -131,23 +169,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=SECONDS,
         default=30.0,
         metavar="S",
-        help="close a connection that sends nothing for this many seconds",
+        help="close a connection that sends no request for this many seconds, and answer 408 "
+        "to a body that takes longer than this to arrive (> 0)",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="INFO logs one access line per request (logger graphplan.server.access)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    previous = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    }
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until serve() takes over: nothing to drain
+        signal.signal(sig, lambda signum, frame: _exit_now(signum, "while starting"))
+    try:
+        return _main(parser, a)
+    finally:  # (main is also called in-process, by tests)
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     d = ModelSpec()
     logging.basicConfig(
-        level=a.log_level.upper(),
+        level=a.log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
@@ -190,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             reload_dir=a.reload_dir,
             idle_timeout=a.idle_timeout,
             on_demand=a.on_demand,
+            max_waiting=a.max_waiting,
         )
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)
@@ -197,14 +257,36 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"server: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
         return 1
+    return serve(server)
+
+
+def serve(server: Server) -> int:
+    """Run until a signal (see the module docstring); the exit code."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals: list[int] = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if server.engine.state == "starting" or len(signals) > 1:
+            _exit_now(signum, "while capturing graphs" if len(signals) == 1 else "again")
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, server.handle_sighup)
     server.start()
     while not stop.wait(0.2):  # the main thread stays free for signal handlers
         if server.engine.state == "failed":
             break
-    log.info("stopping (%s)", "start-up failed" if server.engine.state == "failed" else "signal")
+    failed = server.engine.state == "failed"
+    log.info("stopping (%s)", "start-up failed" if failed else signal.Signals(signals[0]).name)
     server.stop()
-    return 1 if server.engine.state == "failed" else 0
+    return 1 if failed else 0
+
+
+def _exit_now(signum: int, when: str) -> None:
+    """End the process now: the engine thread may be inside a capture that takes a minute."""
+    name = signal.Signals(signum).name
+    print(f"graphplan-serve: {name} {when}: exiting now", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(128 + signum)

@@ -8,50 +8,22 @@ runner captures a graph first needed by a step before the next step)."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Any
 
-from graphplan.compiler.errors import GraphplanError
 from graphplan.runtime import GraphRunner
 
-from .batching import ContinuousBatcher
+from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics
-from .model import ModelSpec, ServingSpec, build_model, check_fits, compiled_model, load_table
+from .model import ModelSpec, ServingSpec, build_model, compiled_model
+from .plan_swap import Swap, checked_table, swap_result, wait_for_swap
 from .protocol import RequestError
+from .requests import GREEDY, EventSink, QueueSink, Request, Sampled
+from .step_sampler import StepSampler
 
 log = logging.getLogger("graphplan.server")
-
-
-@dataclass(eq=False, slots=True)
-class Request:
-    """One prompt; also its id in the batcher (hashed by identity)."""
-
-    prompt: list[int]
-    max_tokens: int
-    events: queue.SimpleQueue
-    """(tag, "token", id) when streaming, then (tag, "done", None) or (tag, "error", err)."""
-    tag: int = 0
-    stream: bool = False
-    stop: tuple[int, ...] = ()
-    out: list[int] = field(default_factory=list)
-    arrived: float = field(default_factory=time.perf_counter)
-    admitted: bool = False  # holds a KV-cache row (it was in a step)
-    cancelled: bool = False  # set by the handler when its client went away
-    finished: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Swap:
-    table: object
-    source: str
-    overrides: dict | None
-    done: threading.Event = field(default_factory=threading.Event)
-    runner: GraphRunner | None = None  # captured, waiting for the running requests to fit
-    result: dict | None = None
-    error: BaseException | None = None
 
 
 class Engine:
@@ -74,15 +46,20 @@ class Engine:
         self.metrics = ServerMetrics()
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
-        self.model = self.runner = self.batcher = self.compiled = None
+        self.model: Any = None
+        self.runner: Any = None
+        self.batcher: Any = None
+        self.compiled: Any = None
+        self.sampler: StepSampler | None = None
+        self._kv_total = 0
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()  # submitted, not yet handed to the batcher
-        self._swaps: deque[_Swap] = deque()
-        self._pending: _Swap | None = None
+        self._swaps: deque[Swap] = deque()
+        self._pending: Swap | None = None
         self._live: list[Request] = []  # in the batcher (engine thread only)
         self._stop = False
         self._ready = threading.Event()
-        self._reload_lock = threading.Lock()
+        self.reload_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="graphplan-engine")
 
     # -- called from other threads ----------------------------------------------------------
@@ -101,19 +78,37 @@ class Engine:
     def num_running(self) -> int:
         return sum(r.admitted and not r.finished for r in self._live)
 
+    def is_ready(self) -> int:
+        return int(self.state == "ready")
+
+    def kv_blocks_free(self) -> int:
+        """Free KV blocks (a model without a block pool: free cache rows)."""
+        pool = self.model.kv_pool if self.model is not None else None
+        if pool is None:
+            return self.model.cfg.num_cache_rows - self.num_running() if self.model else 0
+        return pool.num_free()
+
+    def kv_blocks_used(self) -> int:
+        return max(0, self._kv_total - self.kv_blocks_free())
+
     def submit(
         self,
         prompts: list[list[int]],
         max_tokens: int,
-        stream: bool = False,
         stop_token_ids: tuple[int, ...] = (),
-    ):
-        """Queue one request per prompt (all or none); returns (events, requests)."""
-        events = queue.SimpleQueue()
+        sink: EventSink | None = None,
+    ) -> tuple[Any, list[Request]]:
+        """Greedy requests, one per prompt (all or none): (their sink, the requests)."""
+        sink = sink or QueueSink()
         reqs = [
-            Request(p, max_tokens, events, tag=i, stream=stream, stop=tuple(stop_token_ids))
+            Request(p, max_tokens, sink, GREEDY, tag=i, stop=tuple(stop_token_ids))
             for i, p in enumerate(prompts)
         ]
+        self.enqueue(reqs)
+        return sink, reqs
+
+    def enqueue(self, reqs: list[Request]) -> None:
+        """Queue requests (all or none): RequestError 503 while not serving, 429 when full."""
         with self._cond:
             if self.state != "ready":
                 raise RequestError(
@@ -129,14 +124,21 @@ class Engine:
                 )
             self._waiting.extend(reqs)
             self._cond.notify()
-        return events, reqs
+
+    def cancel(self, reqs: list[Request]) -> None:
+        """Abort these requests at the next step (their client left, or a stop string ended
+        them): their seats and KV blocks are freed then. Any thread; finished ones are ignored."""
+        with self._cond:
+            for r in reqs:
+                r.cancelled = True
+            self._cond.notify()
 
     def reload(
         self, source: str | None = None, overrides: dict | None = None, timeout: float = 600
     ) -> dict:
         """Compile-and-load a table, capture it on the engine thread between steps, switch.
         Raises RequestError (the old table stays) if it is invalid, does not fit or fails."""
-        if not self._reload_lock.acquire(blocking=False):
+        if not self.reload_lock.acquire(blocking=False):
             raise RequestError(409, "a reload is already in progress; retry when it finishes")
         try:
             if self.state != "ready":
@@ -144,12 +146,7 @@ class Engine:
             src = str(source) if source else self.source
             ov = overrides if overrides is not None or source else self.overrides
             old = self.table.fingerprint
-            try:
-                table = load_table(src, ov)
-                check_fits(table, self.model)
-            except (GraphplanError, RecursionError, ValueError) as e:  # the file's fault
-                self.metrics.reload("rejected")
-                raise RequestError(422, f"plan rejected, still serving {old[:19]}: {e}") from None
+            table = checked_table(src, ov, self.model, old, self.metrics)
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
                 self.metrics.reload("unchanged")
                 self.source, self.overrides = src, ov
@@ -159,27 +156,13 @@ class Engine:
                     "plan": table.settings.name,
                     "unchanged": True,
                 }
-            swap = _Swap(table, src, ov)
+            swap = Swap(table, src, ov)
             with self._cond:
                 self._swaps.append(swap)
                 self._cond.notify()
-            deadline = time.monotonic() + timeout
-            while not swap.done.wait(0.05):
-                if not self._thread.is_alive():
-                    raise RequestError(503, "server is shutting down; the reload was dropped")
-                if time.monotonic() > deadline:
-                    raise RequestError(504, f"the reload did not finish in {timeout} s")
-            if swap.error is not None:
-                self.metrics.reload("failed")
-                e = swap.error
-                status = 422 if isinstance(e, GraphplanError) else 500
-                raise RequestError(
-                    status, f"capture failed, still serving {old[:19]}: {type(e).__name__}: {e}"
-                )
-            self.metrics.reload("ok")
-            return swap.result
+            return wait_for_swap(swap, self._thread, timeout, old, self.metrics)
         finally:
-            self._reload_lock.release()
+            self.reload_lock.release()
 
     def stop(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting, let queued and running requests finish (up to drain_timeout), fail the
@@ -221,6 +204,9 @@ class Engine:
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
         )
+        self.sampler = StepSampler(cfg.num_cache_rows, cfg.vocab_size, self.model.device)
+        self._kv_total = self.kv_blocks_free()
+        self.metrics.attach(self)
         with self._cond:
             if self.state == "starting":
                 self.state = "ready"
@@ -270,7 +256,7 @@ class Engine:
                 self._waiting.clear()
             for r in new:
                 self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
-                self.metrics.prompt_tokens += len(r.prompt)
+                self.metrics.prompt_tokens.inc(len(r.prompt))
             for swap in swaps:
                 self._capture_swap(swap)
             if self._pending is not None:
@@ -278,15 +264,18 @@ class Engine:
             for r in self._live:
                 if r.cancelled:
                     self.batcher.abort(r)
-                    self._finish(r, RequestError(499, "client closed the connection"))
+                    self._finish(r, RequestError(499, "cancelled: the client left or stopped it"))
+            preempted = self.batcher.num_preemptions
             batch = self.batcher.schedule()
+            if self.batcher.num_preemptions > preempted:
+                self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
             if batch is not None:
                 self._step(batch)
             self._live = [r for r in self._live if not r.finished]
             if batch is None and self._live:  # nothing can run yet: do not spin
                 time.sleep(0.001)
 
-    def _capture_swap(self, swap: _Swap) -> None:
+    def _capture_swap(self, swap: Swap) -> None:
         try:
             swap.runner = self._capture(swap.table)
         except Exception as e:
@@ -305,6 +294,7 @@ class Engine:
 
     def _maybe_switch(self) -> None:
         swap = self._pending
+        assert swap is not None
         if self.num_running() > swap.table.max_num_seqs:
             return
         self._pending = None
@@ -316,17 +306,7 @@ class Engine:
         self.batcher.max_num_seqs = swap.table.max_num_seqs
         self.batcher.token_budget = swap.table.max_tokens
         old.release()
-        cap = swap.runner.stats()["capture"]
-        swap.result = {
-            "fingerprint": swap.table.fingerprint,
-            "previous": prev,
-            "plan": swap.table.settings.name,
-            "unchanged": False,
-            "capture": {
-                "graphs": cap.get("graphs", 0),
-                "seconds": round(cap.get("seconds", 0.0), 4),
-            },
-        }
+        swap.result = swap_result(swap, prev)
         swap.runner = None
         log.info(
             "switched to plan %r (fingerprint %s) with %d requests running",
@@ -336,42 +316,67 @@ class Engine:
         )
         swap.done.set()
 
-    def _step(self, batch) -> None:
+    def sample_step(self, batch: StepBatch, logits) -> list[Sampled]:
+        """The step's new tokens, one per request that samples (``batch.sampling_rows`` order)."""
+        assert self.sampler is not None
+        return self.sampler.sample(batch, logits)
+
+    def _step(self, batch: StepBatch) -> None:
         t0 = time.perf_counter()
         try:
             inputs = self.model.make_batch(batch.reqs)
             logits = self.runner.step(
                 inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
             )
-            events = self.batcher.commit(batch, logits)
+            sampled = self.sample_step(batch, logits)
+            sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
+            by_request = dict(zip(sampling, sampled))
+            events = self.batcher.commit(batch, sampled=[s.token for s in sampled])
         except Exception as e:
             log.exception("engine step of %d requests failed; failing them", batch.num_reqs)
-            self.metrics.step_errors += 1
+            self.metrics.step_errors.inc()
             err = RequestError(500, f"internal error in the engine step: {type(e).__name__}: {e}")
-            for r in batch.request_ids:
-                self.batcher.abort(r)
-                self._finish(r, err)
+            for rid in batch.request_ids:
+                assert isinstance(rid, Request)
+                self.batcher.abort(rid)
+                self._finish(rid, err)
             return
-        self.metrics.step(time.perf_counter() - t0, batch.num_tokens, batch.max_query_len > 1)
-        for r in batch.request_ids:
-            r.admitted = True
+        now = time.perf_counter()
+        self.metrics.step(now - t0, batch, self.table.q)
+        for rid in batch.request_ids:
+            assert isinstance(rid, Request)
+            if not rid.admitted:
+                rid.admitted, rid.admitted_at = True, now
+                self.metrics.queue_seconds.observe(now - rid.arrived)
+        out: dict[int, tuple[EventSink, list]] = {}
         for ev in events:
             r = ev.request_id
+            assert isinstance(r, Request)
             r.out.append(ev.token)
-            if r.stream:
-                r.events.put((r.tag, "token", ev.token))
+            self.metrics.token(r, now)
+            items = out.setdefault(id(r.events), (r.events, []))[1]
+            items.append((r.tag, "token", by_request[r]))
             if ev.finished:
                 self.batcher.finished.pop(r, None)
-                self._finish(r)
+                r.finish_reason = "stop" if ev.token in r.stop else "length"
+                self._finish(r, batched=items)
+        for sink, items in out.values():
+            sink.put_many(items)
 
-    def _finish(self, r: Request, error: RequestError | None = None) -> None:
+    def _finish(
+        self, r: Request, error: RequestError | None = None, batched: list | None = None
+    ) -> None:
         if r.finished:
             return
         r.finished = True
-        self.metrics.finished(
-            error.status if error else 200, time.perf_counter() - r.arrived, len(r.out)
-        )
-        r.events.put((r.tag, "error", error) if error else (r.tag, "done", None))
+        if self.sampler is not None:
+            self.sampler.release(r)
+        self.metrics.finished(r, error.status if error else 200, time.perf_counter())
+        event = (r.tag, "error", error) if error else (r.tag, "done", r.finish_reason)
+        if batched is not None:
+            batched.append(event)
+        else:
+            r.events.put_many([event])
 
     def _fail_all(self, error: RequestError) -> None:
         with self._cond:

@@ -83,6 +83,11 @@ class HFSpec:
         if has_tokenizer(_directory(self.model)):
             check_tokenizer(_directory(self.model))
 
+    def chat_template(self):
+        """The directory's chat template (chat_template.jinja, else tokenizer_config.json's
+        ``chat_template``: a string, or the entry named "default" of a list), or None."""
+        return read_chat_template(_directory(self.model))
+
     def load_tokenizer(self):
         """The directory's tokenizer, or None when it has none (ids-only serving)."""
         from graphplan.models.hf import load_tokenizer
@@ -116,6 +121,42 @@ def _directory(model: str) -> Path:
     from graphplan.models.hf.files import model_dir
 
     return model_dir(model)
+
+
+def read_chat_template(directory: Path):
+    from graphplan.compiler.limits import read_regular_file
+    from graphplan.models.hf.errors import ModelLoadError
+    from graphplan.models.hf.files import checked_path, read_json_object
+    from graphplan.models.hf.tokenizer_files import MAX_TOKENIZER_CONFIG_BYTES
+
+    from .chat import ChatTemplateSource
+
+    limit = MAX_TOKENIZER_CONFIG_BYTES
+    tc = read_json_object(directory, "tokenizer_config.json", limit=limit) or {}
+    tokens = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token")}
+    real = checked_path(directory, "chat_template.jinja", limit=limit)
+    if real is not None:
+        raw = read_regular_file(real, limit, "chat template", "", error=ModelLoadError)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{real}: not UTF-8 text ({e.reason})") from None
+        return ChatTemplateSource(template=text, where=str(directory / real.name), **tokens)
+    t = tc.get("chat_template")
+    if isinstance(t, list):
+        t = next(
+            (x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"),
+            None,
+        )
+    if not isinstance(t, str) or not t:
+        return None
+    return ChatTemplateSource(template=t, where=str(directory / "tokenizer_config.json"), **tokens)
+
+
+def _token_text(v) -> str:
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else ""
 
 
 @lru_cache(maxsize=16)

@@ -1,81 +1,175 @@
-"""Server metrics (requests, tokens, queue depth, step and request latency histograms, reloads),
-rendered in the Prometheus text format after the runner's own series (runtime.render_prometheus).
+"""The server's Prometheus metrics (prometheus_client, one registry per server), served by /metrics
+after the runner's own series (runtime.render_prometheus: plan fingerprint, replays per graph, eager
+steps by reason, padding, capture time and memory; cumulative per plan across reloads).
 
-Counters are plain ints bumped by the engine thread; /metrics reads them from a handler thread
-(a torn read shows one step's lag, never a wrong total)."""
+Series, all ``graphplan_server_*`` unless named:
+    http_responses_total{code,endpoint}   every HTTP response (endpoint: the route, or "other")
+    requests_total{code}                   finished generation requests by status
+    prompt_tokens_total, generated_tokens_total, preemptions_total, step_errors_total
+    steps_total{kind}, step_tokens_total   engine steps (mixed: with a prefill), real tokens run
+    reloads_total{result}
+    step_seconds, request_seconds (end to end), time_to_first_token_seconds,
+    inter_token_latency_seconds, queue_seconds                          histograms
+    ready, queue_depth (waiting), running_requests, kv_blocks_used, kv_blocks_free   gauges
+    graphplan:iteration_tokens{routine}, graphplan:iteration_requests{routine}   docs/workload.md
+"""
 
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from graphplan.runtime import render_prometheus
 
+from .iteration_metrics import IterationHistograms
+
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-PREFIX = "graphplan_server"
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PREFIX = "graphplan_server_"
+ENDPOINTS = (
+    "/healthz",
+    "/metrics",
+    "/generate",
+    "/admin/reload",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
-class Histogram:
-    """Prometheus histogram: counts[i] holds observations in (buckets[i-1], buckets[i]]."""
-
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
-
-    def samples(self, name: str) -> list[str]:
-        out, acc = [], 0
-        for le, n in zip((*map(repr, self.buckets), "+Inf"), self.counts):
-            acc += n
-            out.append(f'{name}_bucket{{le="{le}"}} {acc}')
-        return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
-
-
-ENDPOINTS = ("/healthz", "/metrics", "/generate", "/admin/reload")  # others: endpoint="other"
+def endpoint_label(path: str) -> str:
+    """A bounded label for a request path: a known route, or "other"."""
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 class ServerMetrics:
-    def __init__(self):
-        self.lock = threading.Lock()  # HTTP threads count responses; runner swaps vs. /metrics
-        self.responses: dict[tuple[int, str], int] = {}  # every HTTP response by code, endpoint
+    def __init__(self) -> None:
+        prometheus_client.disable_created_metrics()  # no *_created series (as vLLM)
+        self.registry = r = CollectorRegistry()
+        self.lock = threading.Lock()  # runner swaps vs. /metrics
         self.retired: dict[str, dict] = {}  # fingerprint -> counters of runners swapped out
-        self.requests: dict[int, int] = {}  # finished generate requests by HTTP status
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.steps = {"decode": 0, "mixed": 0}  # mixed: at least one prefill in the step
-        self.step_tokens = 0  # real tokens run (padding is in graphplan_graph_padding_*)
-        self.step_errors = 0
-        self.reloads: dict[str, int] = {}
-        self.step_seconds = Histogram(STEP_BUCKETS)
-        self.request_seconds = Histogram(REQUEST_BUCKETS)
+        self.responses = Counter(
+            PREFIX + "http_responses",
+            "Every HTTP response, by status code and endpoint.",
+            ["code", "endpoint"],
+            registry=r,
+        )
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Finished generation requests by HTTP status.",
+            ["code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r
+        )
+        self.generated_tokens = Counter(
+            PREFIX + "generated_tokens", "Tokens generated.", registry=r
+        )
+        self.preemptions = Counter(
+            PREFIX + "preemptions", "Requests preempted for KV blocks (recomputed).", registry=r
+        )
+        self.steps = Counter(
+            PREFIX + "steps", "Engine steps by kind (mixed: with a prefill).", ["kind"], registry=r
+        )
+        self.step_tokens = Counter(
+            PREFIX + "step_tokens", "Real (unpadded) tokens run by engine steps.", registry=r
+        )
+        self.step_errors = Counter(
+            PREFIX + "step_errors", "Steps that raised (their requests got 500).", registry=r
+        )
+        self.reloads = Counter(
+            PREFIX + "reloads", "Plan reloads by result.", ["result"], registry=r
+        )
+        self.step_seconds = Histogram(
+            PREFIX + "step_seconds",
+            "Engine step latency (batch build to sampled tokens).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            PREFIX + "request_seconds",
+            "End-to-end latency of successful requests, queue included.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            PREFIX + "queue_seconds",
+            "Arrival to the first step a request is in.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.iterations: IterationHistograms | None = None
 
-    def step(self, seconds: float, tokens: int, mixed: bool) -> None:
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (0 when it has none yet): ``value("graphplan_server_steps_total",
+        kind="decode")``."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def attach(self, engine: Any) -> None:
+        """Gauges read from the engine at scrape time; the iteration histograms' buckets from its
+        start-up table (fixed for the server's life, so scrapes over time subtract)."""
+        r = self.registry
+        gauges = {
+            "ready": ("1 once the graphs are captured and the server serves.", engine.is_ready),
+            "queue_depth": ("Requests waiting for a KV-cache row.", engine.queue_depth),
+            "running_requests": ("Requests holding a KV-cache row.", engine.num_running),
+            "kv_blocks_used": ("KV-cache blocks held by requests.", engine.kv_blocks_used),
+            "kv_blocks_free": ("KV-cache blocks free.", engine.kv_blocks_free),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(PREFIX + name, doc, registry=r).set_function(fn)
+        self.iterations = IterationHistograms(engine.table, engine.model.cfg.num_cache_rows)
+        r.register(self.iterations)
+
+    def step(self, seconds: float, batch: Any, decode_query_len: int) -> None:
         self.step_seconds.observe(seconds)
-        self.steps["mixed" if mixed else "decode"] += 1
-        self.step_tokens += tokens
+        mixed = batch.max_query_len > 1
+        self.steps.labels("mixed" if mixed else "decode").inc()
+        self.step_tokens.inc(batch.num_tokens)
+        if self.iterations is not None:
+            self.iterations.observe(batch, decode_query_len)
 
-    def finished(self, status: int, seconds: float, generated: int) -> None:
-        self.requests[status] = self.requests.get(status, 0) + 1
-        self.generated_tokens += generated
+    def token(self, r: Any, now: float) -> None:
+        """A new token of request ``r`` (before its ``last_token_at`` moves to ``now``)."""
+        if r.last_token_at is None:
+            self.ttft.observe(now - r.arrived)
+        else:
+            self.itl.observe(now - r.last_token_at)
+        r.last_token_at = now
+        self.generated_tokens.inc()
+
+    def finished(self, r: Any, status: int, now: float) -> None:
+        self.requests.labels(str(status)).inc()
         if status == 200:
-            self.request_seconds.observe(seconds)
+            self.request_seconds.observe(now - r.arrived)
 
     def reload(self, result: str) -> None:
-        self.reloads[result] = self.reloads.get(result, 0) + 1
+        self.reloads.labels(result).inc()
 
     def response(self, code: int, path: str) -> None:
-        """One HTTP response (any endpoint, any code: 2xx, 4xx, 5xx); called by every handler
-        thread."""
-        key = (int(code), path if path in ENDPOINTS else "other")
-        with self.lock:
-            self.responses[key] = self.responses.get(key, 0) + 1
+        """One HTTP response (any endpoint, any code)."""
+        self.responses.labels(str(int(code)), endpoint_label(path)).inc()
 
     def retire(self, stats: dict) -> None:
         """Keep a swapped-out runner's replay, padding and eager counters (call under ``lock``,
@@ -93,7 +187,7 @@ class ServerMetrics:
         every plan this server ran, labelled by fingerprint; eager steps summed over them."""
         if stats is None and not self.retired:
             return None
-        out = (
+        out: dict = (
             dict(stats)
             if stats
             else {
@@ -105,7 +199,8 @@ class ServerMetrics:
                 "eager_steps": {},
             }
         )
-        graphs, eager = {}, {}
+        graphs: dict = {}
+        eager: dict = {}
         for fp, r in self.retired.items():
             for gid, g in r["graphs"].items():
                 graphs[fp, gid] = {**g, "fingerprint": fp}
@@ -113,8 +208,8 @@ class ServerMetrics:
                 eager[reason] = eager.get(reason, 0) + n
         for g in (stats or {}).get("graphs", ()):
             acc = graphs.setdefault(
-                (stats["fingerprint"], g["id"]),
-                {**g, "fingerprint": stats["fingerprint"], "replays": 0, "padding_tokens": 0},
+                (stats["fingerprint"], g["id"]),  # type: ignore[index]
+                {**g, "fingerprint": stats["fingerprint"], "replays": 0, "padding_tokens": 0},  # type: ignore[index]
             )
             acc["replays"] += g["replays"]
             acc["padding_tokens"] += g["padding_tokens"]
@@ -125,79 +220,11 @@ class ServerMetrics:
         return out
 
 
-def render_metrics(engine) -> str:
-    """The runner's series (plan fingerprint, replays per graph, eager steps by reason, padding,
-    capture time and memory) followed by the server's."""
+def render_metrics(engine: Any) -> str:
+    """The runner's series followed by the server's (Prometheus text format 0.0.4)."""
     m: ServerMetrics = engine.metrics
     with m.lock:  # the running runner and the retired counters of one moment
         runner = engine.runner
         stats = m.cumulative(runner.stats() if runner is not None else None)
-        responses = sorted(m.responses.items())
     text = render_prometheus(stats) if stats is not None and runner is not None else ""
-    lines: list[str] = []
-
-    def metric(name, kind, help_, samples):
-        lines.append(f"# HELP {PREFIX}_{name} {help_}")
-        lines.append(f"# TYPE {PREFIX}_{name} {kind}")
-        lines.extend(f"{PREFIX}_{name}{s}" for s in samples)
-
-    metric(
-        "ready",
-        "gauge",
-        "1 once the graphs are captured and the server serves.",
-        [f" {int(engine.state == 'ready')}"],
-    )
-    metric(
-        "http_responses_total",
-        "counter",
-        "Every HTTP response, by status code and endpoint.",
-        [f'{{code="{c}",endpoint="{p}"}} {n}' for (c, p), n in responses],
-    )
-    metric(
-        "requests_total",
-        "counter",
-        "Finished generate requests by HTTP status.",
-        [f'{{code="{c}"}} {n}' for c, n in sorted(m.requests.items())],
-    )
-    metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [f" {m.prompt_tokens}"])
-    metric("generated_tokens_total", "counter", "Tokens generated.", [f" {m.generated_tokens}"])
-    metric(
-        "steps_total",
-        "counter",
-        "Engine steps by kind (mixed: with a prefill).",
-        [f'{{kind="{k}"}} {n}' for k, n in m.steps.items()],
-    )
-    metric(
-        "step_tokens_total",
-        "counter",
-        "Real (unpadded) tokens run by engine steps.",
-        [f" {m.step_tokens}"],
-    )
-    metric(
-        "step_errors_total",
-        "counter",
-        "Steps that raised (their requests got 500).",
-        [f" {m.step_errors}"],
-    )
-    metric(
-        "queue_depth", "gauge", "Requests waiting for a KV-cache row.", [f" {engine.queue_depth()}"]
-    )
-    metric(
-        "running_requests",
-        "gauge",
-        "Requests holding a KV-cache row.",
-        [f" {engine.num_running()}"],
-    )
-    metric(
-        "reloads_total",
-        "counter",
-        "Plan reloads by result.",
-        [f'{{result="{r}"}} {n}' for r, n in sorted(m.reloads.items())],
-    )
-    lines.append(f"# HELP {PREFIX}_step_seconds Engine step latency (batch build to argmax).")
-    lines.append(f"# TYPE {PREFIX}_step_seconds histogram")
-    lines.extend(m.step_seconds.samples(f"{PREFIX}_step_seconds"))
-    lines.append(f"# HELP {PREFIX}_request_seconds Latency of successful requests, queue included.")
-    lines.append(f"# TYPE {PREFIX}_request_seconds histogram")
-    lines.extend(m.request_seconds.samples(f"{PREFIX}_request_seconds"))
-    return text + "\n".join(lines) + "\n"
+    return text + generate_latest(m.registry).decode()

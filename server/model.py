@@ -17,6 +17,8 @@ from graphplan.compiler.table import DispatchTable
 from graphplan.models import Model, Tokenizer
 from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
+from .chat import ChatTemplateSource
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,6 +49,10 @@ class ServingSpec(Protocol):
 
     def load_tokenizer(self) -> Tokenizer | None:
         """Text <-> ids for /v1, or None (token ids only)."""
+        ...
+
+    def chat_template(self) -> ChatTemplateSource | None:
+        """The model's chat template for /v1/chat/completions, or None (no chat)."""
         ...
 
     def build(self, table: DispatchTable, device: str | torch.device) -> Model:
@@ -88,6 +94,9 @@ class ModelSpec:
 
     def load_tokenizer(self) -> None:
         return None  # the tiny Llama serves token ids only
+
+    def chat_template(self) -> None:
+        return None
 
     def config(self, num_cache_rows: int) -> TinyLlamaConfig:
         return TinyLlamaConfig.sized(

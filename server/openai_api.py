@@ -1,73 +1,120 @@
-"""The OpenAI-compatible API beside /generate: ``POST /v1/completions`` and ``GET /v1/models``.
+"""The OpenAI-compatible API: ``GET /v1/models[/NAME]``, ``POST /v1/completions`` and
+``POST /v1/chat/completions``, non-streaming or as server-sent events ending in ``data: [DONE]``.
 
-    POST /v1/completions  {"model": NAME, "prompt": [ids] | [[ids], ...] | "text" | ["text", ...],
-                           "max_tokens": 16, "temperature": 0, "stream": false,
-                           "stream_options": {"include_usage": true}, "stop_token_ids": [ids],
-                           "ignore_eos": false}
-    GET  /v1/models, /v1/models/NAME
-
-Greedy decoding only: ``temperature`` must be 0 (or absent). Text prompts need a tokenizer in the
-model directory; every choice carries its generated ids as ``token_ids`` (and the prompt's as
-``prompt_token_ids``), as vLLM does with ``return_token_ids``, so clients without a tokenizer can
-read the result. Streams are server-sent events, one per token, ending in ``data: [DONE]``.
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx status
-(5xx only for the server's own failures).
-"""
+Each prompt and each of its ``n`` choices is one engine request with its own SamplingParams (seed + i
+for choice i). Text prompts and stop strings need the model's tokenizer; chat needs its chat
+template. Every completion choice also carries its generated ids as ``token_ids`` (and the prompt's
+as ``prompt_token_ids``), as vLLM does with ``return_token_ids``, so clients without a tokenizer
+can read the result. A client that disconnects, or a stop string that matches, cancels the engine
+request: its seat and KV blocks are freed at the next step."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
-import queue
 import time
 import uuid
+from typing import Any, AsyncIterator
 
-from .model import ServingSpec
-from .openai_protocol import APIError, Completion, RequestError, error_body, parse_completion
+from fastapi import APIRouter
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response, StreamingResponse
 
-log = logging.getLogger("graphplan.server")
+from graphplan.compiler.errors import UsageError
+
+from .chat import ChatTemplate, TemplateError
+from .choices import Choice, Delta, usage
+from .http_io import ClientGone, events, json_response, read_body
+from .openai_format import chat_logprobs, completion_logprobs
+from .openai_protocol import ChatCompletionRequest, CompletionRequest, parse
+from .protocol import APIError, RequestError, error_body
+from .requests import AsyncSink, Request
+from .sampling_params import SamplingParams
+
+MAX_CHOICES = 256
+"""Prompts times n of one HTTP request."""
+CHAT_RENDER_SECONDS = 5.0
 
 
 class OpenAIFrontEnd:
-    """Answers /v1 requests for one served model; built once by the Server."""
+    """The /v1 routes for one served model; built once by the Server."""
 
-    def __init__(self, spec: ServingSpec):
-        self.spec = spec
+    def __init__(self, server: Any):
+        self.server, self.engine, spec = server, server.engine, server.engine.spec
         self.model_name = spec.name
         self.created = int(time.time())
         self.tokenizer = spec.load_tokenizer()  # None: token-id prompts only
-        self.default_stop = tuple(spec.stop_token_ids())
-
-    # -- dispatch (called by app.Handler) ---------------------------------------------------
-    def handle(self, handler, method: str, path: str) -> None:
+        self.eos = tuple(spec.stop_token_ids())
+        source = spec.chat_template()
         try:
-            if method == "GET" and path == "/v1/models":
-                return _json(handler, 200, {"object": "list", "data": [self._card()]})
-            if method == "GET" and path.startswith("/v1/models/"):
-                name = path[len("/v1/models/") :]
-                if name != self.model_name:
-                    raise APIError(
-                        404,
-                        f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                        "model",
-                        "model_not_found",
-                    )
-                return _json(handler, 200, self._card())
-            if method == "POST" and path == "/v1/completions":
-                return self._completions(handler)
-            if method == "POST":
-                handler.close_connection = True  # the body was not read
-            raise APIError(404, f"no such endpoint: {method} {path}")
-        except RequestError as e:
-            _json(handler, e.status, error_body(e))
-        except Exception as e:
-            log.exception("%s %s failed", method, path)
-            handler.close_connection = True
-            _json(
-                handler,
-                500,
-                error_body(RequestError(500, f"internal error: {type(e).__name__}: {e}")),
+            self.chat = ChatTemplate(source) if source is not None else None
+        except TemplateError as e:
+            raise UsageError(str(e)) from None
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/v1/models", self.models, methods=["GET"])
+        r.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
+        r.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return r
+
+    # -- routes -------------------------------------------------------------------------------
+    async def models(self) -> Response:
+        return json_response(200, {"object": "list", "data": [self._card()]})
+
+    async def model(self, name: str) -> Response:
+        self._check_model(name)
+        return json_response(200, self._card())
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        req = parse(CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        params = req.checked()
+        prompts = [
+            self._tokens(p, "prompt" if len(req.prompts()) == 1 else f"prompt[{i}]")
+            for i, p in enumerate(req.prompts())
+        ]
+        echo = [self._decode(p) for p in prompts] if req.echo else None
+        return await self._serve(
+            request, "text_completion", params, prompts, req.stream, req.include_usage, echo
+        )
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        req = parse(ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        params = req.checked()
+        if self.chat is None or self.tokenizer is None:
+            raise APIError(
+                400,
+                f"model {self.model_name!r} has no chat template (chat_template.jinja or "
+                "tokenizer_config.json's chat_template) and tokenizer: use /v1/completions, or "
+                "serve a directory that has them",
+                "messages",
+                "no_chat_template",
             )
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in req.messages
+        ]
+        try:
+            text = await asyncio.wait_for(
+                asyncio.to_thread(self.chat.render, messages, req.add_generation_prompt),
+                CHAT_RENDER_SECONDS,
+            )
+        except asyncio.TimeoutError:
+            raise APIError(
+                400, f"the chat template took more than {CHAT_RENDER_SECONDS} s", "messages"
+            ) from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = self._tokens(list(ids), "messages")
+        return await self._serve(
+            request, "chat.completion", params, [prompt], req.stream, req.include_usage, None
+        )
+
+    # -- shared -------------------------------------------------------------------------------
+    async def _body(self, request: HTTPRequest) -> bytes:
+        return await read_body(request, self.server.max_body_bytes, self.server.idle_timeout)
 
     def _card(self) -> dict:
         return {
@@ -75,150 +122,209 @@ class OpenAIFrontEnd:
             "object": "model",
             "created": self.created,
             "owned_by": "graphplan",
-            "max_model_len": self.spec.limits()["max_model_len"],
+            "max_model_len": self.engine.limits()["max_model_len"],
         }
 
-    # -- /v1/completions --------------------------------------------------------------------
-    def _completions(self, handler) -> None:
-        app = handler.server.app
-        c = parse_completion(
-            _read_body(handler, app.max_body_bytes),
-            app.engine.limits(),
-            model_name=self.model_name,
-            tokenizer=self.tokenizer,
-            default_stop=self.default_stop,
-        )
-        events, reqs = app.engine.submit(c.prompts, c.max_tokens, c.stream, c.stop_token_ids)
-        meta = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        try:
-            if c.stream:
-                self._stream(handler, events, reqs, c, meta, app.request_timeout)
-            else:
-                _wait_all(events, len(reqs), app.request_timeout)
-                choices = [self._choice(i, r, c) for i, r in enumerate(reqs)]
-                _json(handler, 200, {**meta, "choices": choices, "usage": _usage(reqs)})
-        except (BrokenPipeError, ConnectionResetError):
-            handler.close_connection = True
-        finally:
-            for r in reqs:  # a timed-out or disconnected client frees its seats
-                r.cancelled = True
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
-    def _choice(self, index: int, r, c: Completion) -> dict:
-        return {
-            "index": index,
-            "text": self._decode(r.out),
-            "logprobs": None,
-            "finish_reason": _finish_reason(r, c),
-            "token_ids": list(r.out),
-            "prompt_token_ids": list(r.prompt),
-        }
+    def _tokens(self, p: str | list[int], where: str) -> list[int]:
+        if isinstance(p, str):
+            if self.tokenizer is None:
+                raise APIError(
+                    400,
+                    f"{where} is text, but this model has no tokenizer: send token ids",
+                    "prompt",
+                )
+            p = list(self.tokenizer.encode(p))
+        if not p:
+            raise APIError(400, f"{where} is empty", "prompt")
+        vocab = self.engine.limits()["vocab_size"]
+        bad = next((i for i, t in enumerate(p) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"{where}[{bad}]: token id {p[bad]} is outside the vocabulary 0..{vocab - 1}",
+                "prompt",
+            )
+        return p
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def _stream(self, handler, events, reqs, c: Completion, meta: dict, timeout: float) -> None:
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.send_header("Cache-Control", "no-cache")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        sent = [""] * len(reqs)  # text sent so far per choice (decoded incrementally)
-        ids: list[list[int]] = [[] for _ in reqs]  # tokens seen in events (r.out may be ahead)
-        left = len(reqs)
-        usage = {"usage": None} if c.include_usage else {}
-        while left:
-            try:
-                tag, kind, val = events.get(timeout=timeout)
-            except queue.Empty:
-                _event(handler, error_body(RequestError(504, f"no token in {timeout} s")))
-                break
-            r = reqs[tag]
-            if kind == "error":
-                _event(handler, error_body(val))
-                break
-            choice = {
-                "index": tag,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": None,
-                "token_ids": [],
-            }
-            if kind == "token":
-                choice["token_ids"] = [val]
-                ids[tag].append(val)
-            else:  # done: flush any text held back, name the finish reason
-                left -= 1
-                choice["finish_reason"] = _finish_reason(r, c)
-            text = self._decode(ids[tag] if kind == "token" else r.out)
-            if text.startswith(sent[tag]) and (kind == "done" or not text.endswith("\ufffd")):
-                choice["text"], sent[tag] = text[len(sent[tag]) :], text
-            _event(handler, {**meta, "choices": [choice], **usage})
-        if c.include_usage:
-            _event(handler, {**meta, "choices": [], "usage": _usage(reqs)})
-        _chunk(handler, b"data: [DONE]\n\n")
-        handler.wfile.write(b"0\r\n\r\n")
+    def _requests(self, params: SamplingParams, prompts: list[list[int]], sink) -> list[Request]:
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={params.n} choices is over the limit of "
+                f"{MAX_CHOICES} per request",
+                "n",
+            )
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "'stop' strings need a tokenizer: use 'stop_token_ids'", "stop")
+        limits = self.engine.limits()
+        stop = tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos)))
+        reqs = []
+        for i, p in enumerate(prompts):
+            new = params.max_new_tokens(
+                len(p), vocab_size=limits["vocab_size"], max_model_len=limits["max_model_len"]
+            )
+            for j in range(params.n):
+                choice = params.for_choice(j)
+                reqs.append(
+                    Request(
+                        p,
+                        new,
+                        sink,
+                        choice,
+                        tag=i * params.n + j,
+                        stop=stop,
+                        logprobs=params.logprobs,
+                    )
+                )
+        return reqs
 
-
-def _finish_reason(r, c: Completion) -> str:
-    return "stop" if r.out and r.out[-1] in c.stop_token_ids else "length"
-
-
-def _usage(reqs) -> dict:
-    prompt, gen = sum(len(r.prompt) for r in reqs), sum(len(r.out) for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
-
-
-def _wait_all(events, n: int, timeout: float) -> None:
-    errors = {}
-    while n:
+    async def _serve(self, request, kind, params, prompts, stream, include_usage, echo) -> Response:
+        sink = AsyncSink(asyncio.get_running_loop())
+        reqs = self._requests(params, prompts, sink)
+        self.engine.enqueue(reqs)
+        choices = [Choice(r.tag, r, self.tokenizer, params.stop) for r in reqs]
+        chat = kind == "chat.completion"
+        meta = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind + (".chunk" if chat and stream else ""),
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        run = self._run(request, sink, choices)
+        if stream:
+            gen = self._sse(run, choices, prompts, meta, chat, include_usage, echo, params.n)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         try:
-            tag, kind, val = events.get(timeout=timeout)
-        except queue.Empty:
-            raise RequestError(504, f"no result in {timeout} s") from None
-        if kind != "token":
-            n -= 1
+            async for _ in run:
+                pass
+        finally:
+            self.engine.cancel([r for r in reqs if not r.finished])
+        out = [self._final(c, chat, echo, params.n, prompts) for c in choices]
+        return json_response(200, {**meta, "choices": out, "usage": usage(prompts, choices)})
+
+    async def _run(
+        self, request, sink, choices: list[Choice]
+    ) -> AsyncIterator[tuple[Choice, Delta]]:
+        left = len(choices)
+        async for tag, kind, value in events(sink, request):
+            c = choices[tag]
+            if c.done:
+                continue  # a stop string ended it; the engine's last events are dropped
             if kind == "error":
-                errors[tag] = val
-    if errors:
-        tag, e = min(errors.items())
-        raise RequestError(e.status, f"prompt[{tag}]: {e.message}")
+                raise value
+            d = c.token(value) if kind == "token" else c.end(value)
+            if c.done:
+                left -= 1
+                if not c.request.finished:
+                    self.engine.cancel([c.request])
+            yield c, d
+            if not left:
+                return
+
+    def _final(self, c: Choice, chat: bool, echo, n: int, prompts) -> dict:
+        prompt = prompts[c.index // n]
+        if chat:
+            return {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, self.tokenizer)
+                if c.request.logprobs is not None
+                else None,
+                "finish_reason": c.finish_reason,
+            }
+        head = echo[c.index // n] if echo else ""
+        return {
+            "index": c.index,
+            "text": head + c.text,
+            "logprobs": completion_logprobs(c.logprobs, self.tokenizer, len(head))
+            if c.request.logprobs is not None
+            else None,
+            "finish_reason": c.finish_reason,
+            "token_ids": c.token_ids,
+            "prompt_token_ids": prompt,
+        }
+
+    async def _sse(self, run, choices, prompts, meta, chat, include_usage, echo, n):
+        reqs = [c.request for c in choices]
+        try:
+            if chat:
+                for c in choices:
+                    yield _sse(
+                        {
+                            **meta,
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+            elif echo:
+                for c in choices:
+                    yield _sse(
+                        {
+                            **meta,
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "text": echo[c.index // n],
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "token_ids": [],
+                                }
+                            ],
+                        }
+                    )
+            try:
+                async for c, d in run:
+                    yield _sse({**meta, "choices": [self._chunk(c, d, chat)]})
+            except RequestError as e:
+                yield _sse(error_body(e))
+            if include_usage:
+                yield _sse({**meta, "choices": [], "usage": usage(prompts, choices)})
+            yield b"data: [DONE]\n\n"
+        except ClientGone:
+            pass
+        finally:
+            self.engine.cancel([r for r in reqs if not r.finished])
+
+    def _chunk(self, c: Choice, d: Delta, chat: bool) -> dict:
+        lp = c.request.logprobs is not None
+        if chat:
+            return {
+                "index": c.index,
+                "delta": {"content": d.text} if d.text or d.finish_reason is None else {},
+                "logprobs": chat_logprobs(d.logprobs, self.tokenizer)
+                if lp and d.logprobs
+                else None,
+                "finish_reason": d.finish_reason,
+            }
+        return {
+            "index": c.index,
+            "text": d.text,
+            "logprobs": completion_logprobs(d.logprobs, self.tokenizer, 0)
+            if lp and d.logprobs
+            else None,
+            "finish_reason": d.finish_reason,
+            "token_ids": d.token_ids,
+        }
 
 
-def _read_body(handler, limit: int) -> bytes:
-    length = handler.headers.get("Content-Length")
-    if length is None:
-        handler.close_connection = True
-        raise APIError(411, "send the JSON body with a Content-Length header")
-    try:
-        n = int(length)
-    except ValueError:
-        handler.close_connection = True
-        raise APIError(400, f"bad Content-Length {length!r}") from None
-    if n > limit or n < 0:
-        handler.close_connection = True  # the body stays unread
-        raise APIError(413, f"body of {n} bytes is over the limit of {limit} bytes")
-    return handler.rfile.read(n)
-
-
-def _json(handler, status: int, obj) -> None:
-    data = (json.dumps(obj) + "\n").encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    if handler.close_connection:
-        handler.send_header("Connection", "close")
-    handler.end_headers()
-    handler.wfile.write(data)
-
-
-def _chunk(handler, data: bytes) -> None:
-    handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-
-def _event(handler, obj) -> None:
-    _chunk(handler, b"data: " + json.dumps(obj).encode() + b"\n\n")
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

@@ -1,224 +1,210 @@
-"""Request bodies of the OpenAI-compatible API (openai_api.py): parse and check them before anything
-reaches the engine. Every problem is an APIError: a 4xx status, a message naming the field and the
-fix, and OpenAI's ``param``/``code``."""
+"""Request bodies of the OpenAI-compatible API as pydantic models: strict types (a string is never
+taken for a number or a boolean, nor a float for an integer), unknown fields refused with a
+did-you-mean, bounded sizes, and every problem an ``APIError`` (400) naming the field
+(OpenAI's ``param``). Ranges of the sampling fields are SamplingParams' (one place)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from graphplan.compiler.errors import did_you_mean
 
-from .protocol import RequestError
+from .protocol import APIError, RequestError, error_body
+from .sampling_params import SamplingParams
 
-DEFAULT_MAX_TOKENS = 16
+__all__ = ["APIError", "RequestError", "error_body", "parse"]
+
 MAX_PROMPTS = 256
-FIELDS = (
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "stream",
-    "stream_options",
-    "n",
-    "top_p",
-    "best_of",
-    "echo",
-    "logprobs",
-    "suffix",
-    "stop",
-    "seed",
-    "user",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "return_token_ids",
-    "stop_token_ids",
-    "ignore_eos",
-)
-# accepted only at the value that means "off" (greedy, one choice, no extras)
-NEUTRAL = {
-    "n": (1,),
-    "best_of": (1,),
-    "top_p": (1, 1.0),
-    "echo": (False,),
-    "logprobs": (),
-    "suffix": (),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "logit_bias": ({},),
-}
+MAX_MESSAGES = 1024
+MAX_TEXT = 1 << 20
+MAX_IDS = 1 << 20
+BIG = 2**63
+Number = StrictFloat | StrictInt
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=-BIG, le=BIG)]], Field(max_length=MAX_IDS)]
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
+Stop = Text | Annotated[list[Text], Field(max_length=64)] | None
 
 
-class APIError(RequestError):
-    """A RequestError that also names the offending field (OpenAI's ``param``) and a code."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(status, message)
-        self.param, self.code = param, code
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-def error_body(e: RequestError) -> dict:
-    kind = (
-        "rate_limit_error"
-        if e.status == 429
-        else "invalid_request_error"
-        if e.status < 500
-        else "server_error"
-    )
-    return {
-        "error": {
-            "message": e.message,
-            "type": kind,
-            "param": getattr(e, "param", None),
-            "code": getattr(e, "code", None),
-        }
-    }
+class StreamOptions(Body):
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Completion:
-    prompts: list[list[int]]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    stop_token_ids: tuple[int, ...]
+class Sampling(Body):
+    """The fields both endpoints share (OpenAI's, and vLLM's extensions)."""
+
+    model: Text
+    max_tokens: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[Text, Number] | None = None
+    user: Text | None = None
+    # vLLM's extensions
+    top_k: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: StrictBool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "'logit_bias' is not supported; leave it out", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n,
+            logprobs=logprobs,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def parse_completion(
-    body: bytes,
-    limits: dict,
-    *,
-    model_name: str,
-    tokenizer=None,
-    default_stop: tuple[int, ...] = (),
-) -> Completion:
-    """A /v1/completions body, checked; text prompts tokenized with ``tokenizer``."""
+Prompt = Text | TokenIds | Annotated[list[Text] | list[TokenIds], Field(max_length=MAX_PROMPTS)]
+
+
+class CompletionRequest(Sampling):
+    prompt: Prompt
+    max_tokens: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = 16
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    suffix: Text | None = None
+    return_token_ids: StrictBool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One text or id list per prompt (a bare id list is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(
+                400, "'prompt' must be a string or a list of token ids, not empty", "prompt"
+            )
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def checked(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "'suffix' is not supported; leave it out", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "'best_of' is not supported (other than equal to 'n')", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+
+    def text(self) -> str:
+        c = self.content
+        if c is None:
+            return ""
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
+class ChatCompletionRequest(Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=-BIG, le=BIG)] | None = None
+    add_generation_prompt: StrictBool = True
+
+    def checked(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else None
+        limit = self.max_tokens if limit is None else limit
+        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+T = TypeVar("T", bound=Body)
+
+
+def parse(kind: type[T], body: bytes) -> T:
+    """``body`` as a ``kind``, or APIError 400 naming the first problem and its field."""
     try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, f"the body must be a JSON object, not {type(obj).__name__}")
-    for key in obj:
-        if key not in FIELDS:
-            hint = did_you_mean(key, FIELDS)
-            raise APIError(400, f"unknown field {key!r}" + (f" ({hint})" if hint else ""), key)
-    model = obj.get("model")
-    if not isinstance(model, str):
-        raise APIError(400, "'model' is required: the name GET /v1/models lists", "model")
-    if model != model_name:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {model_name!r}",
-            "model",
-            "model_not_found",
-        )
-    temperature = obj.get("temperature")
-    if temperature not in (None, 0, 0.0):
-        raise APIError(
-            400,
-            f"temperature {temperature!r} is not supported: this server "
-            "decodes greedily; send temperature 0",
-            "temperature",
-        )
-    for key, ok in NEUTRAL.items():
-        if obj.get(key) is not None and obj[key] not in ok:
-            raise APIError(
-                400,
-                f"{key!r} {obj[key]!r} is not supported (greedy decoding, "
-                f"one choice per prompt): leave it out",
-                key,
-            )
-    if obj.get("stop") not in (None, [], ""):
-        raise APIError(
-            400, "'stop' strings are not supported; stop on token ids with 'stop_token_ids'", "stop"
-        )
-    max_tokens = obj.get("max_tokens")
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise APIError(
-            400, f"'max_tokens' must be an integer >= 1, not {max_tokens!r}", "max_tokens"
-        )
-    stream = obj.get("stream") or False
-    if not isinstance(stream, bool):
-        raise APIError(400, f"'stream' must be true or false, not {stream!r}", "stream")
-    opts = obj.get("stream_options") or {}
-    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-        raise APIError(
-            400, "'stream_options' takes {\"include_usage\": true|false}", "stream_options"
-        )
-    if opts and not stream:
-        raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
-    stop = obj.get("stop_token_ids") or []
-    if not isinstance(stop, list) or not all(_is_int(t) for t in stop):
-        raise APIError(400, "'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    if not isinstance(obj.get("ignore_eos", False), bool):
-        raise APIError(400, "'ignore_eos' must be true or false", "ignore_eos")
-    if not obj.get("ignore_eos"):
-        stop = [*stop, *default_stop]
-    prompts = [
-        _check_prompt(p, where, max_tokens, limits, tokenizer)
-        for p, where in _prompts(obj.get("prompt"))
-    ]
-    return Completion(
-        prompts=prompts,
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=bool(opts.get("include_usage")),
-        stop_token_ids=tuple(dict.fromkeys(stop)),
+        return kind.model_validate_json(body)
+    except ValidationError as e:
+        raise _api_error(kind, e) from None
+
+
+def _api_error(kind: type[Body], e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    loc = [str(x) for x in err["loc"] if not _union_tag(x)]
+    param = _dotted(loc) or None
+    t = err["type"]
+    if t == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err['msg']}")
+    if t == "model_type" and not loc:
+        return APIError(400, "the body must be a JSON object")
+    if t == "extra_forbidden":
+        fields = list(kind.model_fields) if len(loc) == 1 else []
+        hint = did_you_mean(loc[-1], fields) if fields else None
+        return APIError(400, f"unknown field {loc[-1]!r}" + (f" ({hint})" if hint else ""), param)
+    if t == "missing":
+        return APIError(400, f"'{param}' is required", param)
+    shown = repr(err.get("input"))
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return APIError(400, f"'{param}': {err['msg']}, not {shown}", param)
+
+
+def _union_tag(x) -> bool:
+    """pydantic names the union member tried in ``loc`` ("str", "list[int]", ...): not a field."""
+    return isinstance(x, str) and (
+        x in ("str", "int", "float", "bool")
+        or "[" in x
+        or x.startswith(("function", "constrained"))
     )
 
 
-def _prompts(p):
-    """(prompt, where) pairs: one string, one id list, or a list of either."""
-    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
-        return [(p, "prompt")]
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        if len(p) > MAX_PROMPTS:
-            raise APIError(
-                400, f"'prompt' has {len(p)} prompts; the limit is {MAX_PROMPTS}", "prompt"
-            )
-        return [(x, f"prompt[{i}]") for i, x in enumerate(p)]
-    raise APIError(
-        400,
-        "'prompt' must be a string, a list of token ids, or a non-empty list of either",
-        "prompt",
-    )
-
-
-def _check_prompt(p, where: str, max_tokens: int, limits: dict, tokenizer) -> list[int]:
-    if isinstance(p, str):
-        if tokenizer is None:
-            raise APIError(
-                400, f"{where} is text, but this model has no tokenizer: send token ids", "prompt"
-            )
-        p = tokenizer.encode(p)
-    if not isinstance(p, list) or not all(_is_int(t) for t in p):
-        raise APIError(400, f"{where} must be a list of integer token ids", "prompt")
-    if not p:
-        raise APIError(400, f"{where} is empty", "prompt")
-    vocab = limits["vocab_size"]
-    bad = next((i for i, t in enumerate(p) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise APIError(
-            400,
-            f"{where}[{bad}]: token id {p[bad]} is outside the vocabulary 0..{vocab - 1}",
-            "prompt",
-        )
-    cap = limits["max_model_len"]
-    if len(p) + max_tokens > cap:
-        raise APIError(
-            400,
-            f"{where} has {len(p)} tokens and max_tokens is {max_tokens}: "
-            f"together they exceed the model's context of {cap} tokens",
-            "max_tokens",
-            "context_length_exceeded",
-        )
-    return list(p)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _dotted(loc: list[str]) -> str:
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if x.isdigit() else (f".{x}" if out else x)
+    return out

@@ -15,11 +15,62 @@ MAX_BATCH = 256
 
 
 class RequestError(Exception):
-    """Fails one request (or one reload) with an HTTP status and a message for the client."""
+    """Fails one request (or one reload) with an HTTP status and a message for the client; ``param``
+    names the offending field and ``code`` is OpenAI's machine-readable code, where there are."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message = status, message
+        self.param, self.code = param, code
+        self.headers = headers or {}
+
+
+APIError = RequestError
+"""The name the OpenAI layer and SamplingParams use for it."""
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status in (401, 403):
+        return "authentication_error" if status == 401 else "permission_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(e: RequestError) -> dict:
+    """The one error shape of every route: OpenAI's ``{"error": {message, type, param, code}}``."""
+    return {
+        "error": {
+            "message": e.message,
+            "type": error_type(e.status),
+            "param": e.param,
+            "code": e.code,
+        }
+    }
+
+
+def parse_json(body: bytes):
+    """A request body as JSON: every way it can be malformed (bad UTF-8, bad syntax, numbers with
+    more digits than Python converts, nesting deeper than the parser recurses) is a 400."""
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"malformed JSON body: not UTF-8 ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"malformed JSON body: {e}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise RequestError(400, f"malformed JSON body: {str(e)[:200]}") from None
+    except RecursionError:
+        raise RequestError(400, "malformed JSON body: nested too deeply") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,12 +85,7 @@ class Generate:
 def _object(body: bytes, fields: tuple[str, ...], allow_empty: bool = False) -> dict:
     if allow_empty and not body.strip():
         return {}
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise RequestError(400, "malformed JSON body: nested too deeply") from None
+    obj = parse_json(body)
     if not isinstance(obj, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(obj).__name__}")
     for key in obj:

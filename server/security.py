@@ -4,25 +4,14 @@ directory that reload paths must stay inside. Both are set at start-up only."""
 from __future__ import annotations
 
 import hmac
-import json
 import os
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from .model import UsageError
 from .protocol import RequestError
 
 TOKEN_ENV = "GRAPHPLAN_ADMIN_TOKEN"
 ADMIN_PREFIX = "/admin/"
-ROUTES = {
-    "/healthz": "GET",
-    "/metrics": "GET",
-    "/generate": "POST",
-    "/admin/reload": "POST",
-    "/v1/models": "GET",
-    "/v1/completions": "POST",
-}
-"""Path -> its method: a known path asked with another method answers 405."""
 
 
 class AdminGate:
@@ -83,65 +72,3 @@ class ReloadDir:
                 "--reload-dir",
             )
         return str(resolved)
-
-
-class GuardedHandler:
-    """Mixed into the HTTP handler: socket timeouts, JSON for every error the standard library
-    answers itself (bad request lines, unknown methods), 405 for a known path with the wrong
-    method, and the admin gate. The app's server object carries ``admin`` and ``idle_timeout``."""
-
-    def setup(self):
-        self.timeout = self.server.app.idle_timeout  # read/idle timeout of the socket
-        super().setup()
-
-    def send_error(self, code, message=None, explain=None):
-        self.close_connection = True
-        phrase = self.responses.get(code, ("error",))[0]
-        self._send_json(code, {"error": message or explain or phrase, "status": code}, {})
-
-    def _wrong_method(self, path: str) -> bool:
-        """Answer 405 for a known path asked with another method; False if the path is unknown."""
-        allowed = ROUTES.get(path)
-        if allowed is None:
-            return False
-        self.close_connection = True  # a body, if any, was not read
-        self._send_json(
-            405,
-            {"error": f"{self.command} is not allowed on {path}; use {allowed}", "status": 405},
-            {"Allow": allowed},
-        )
-        return True
-
-    def _admin(self, path: str) -> bool:
-        """Check the admin token for /admin/ routes; True if the request was answered."""
-        if not path.startswith(ADMIN_PREFIX):
-            return False
-        try:
-            self.server.app.admin.check(self.headers.get("Authorization"))
-        except RequestError as e:
-            self.close_connection = True
-            extra = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-            self._send_json(e.status, {"error": e.message, "status": e.status}, extra)
-            return True
-        return False
-
-    def _other_method(self):
-        path = urlsplit(self.path).path
-        if self._admin(path) or self._wrong_method(path):
-            return
-        self.send_error(501, f"method {self.command} is not supported")
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
-
-    def _send_json(self, status: int, obj, headers: dict):
-        data = (json.dumps(obj) + "\n").encode()
-        self.send_response(status)
-        for k, v in {
-            "Content-Type": "application/json",
-            "Content-Length": str(len(data)),
-            "Connection": "close",
-            **headers,
-        }.items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)

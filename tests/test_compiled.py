@@ -216,7 +216,7 @@ def test_server_compile_flag_serves_greedy_tokens_and_compiles_once_across_a_rel
     server = Server(first, spec=spec, progress=False).start()
     try:
         assert server.wait_ready(60), server.engine.error
-        host, port = server.httpd.server_address[:2]
+        host, port = server.address
 
         def generate(prompt, n):
             conn = http.client.HTTPConnection(host, port, timeout=60)

@@ -37,11 +37,11 @@ def test_the_runtime_example_pads_slot_mapping_with_a_name_the_model_defines():
 
 
 def test_the_server_header_carries_the_package_version():
-    from graphplan.server.app import Handler
+    from graphplan.server.http_app import SERVER_HEADER
 
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert __version__ == re.search(r'(?m)^version = "([^"]+)"', pyproject).group(1)
-    assert Handler.server_version == f"graphplan-server/{__version__}"
+    assert SERVER_HEADER == f"graphplan-server/{__version__}"
 
 
 def _gpu_only() -> set[str]:

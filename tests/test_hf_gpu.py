@@ -198,7 +198,7 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
         got = [None] * len(prompts)
 
         def call(i):
-            conn = http.client.HTTPConnection(*s.httpd.server_address[:2], timeout=300)
+            conn = http.client.HTTPConnection(*s.address, timeout=300)
             body = {
                 "model": "m",
                 "prompt": prompts[i],

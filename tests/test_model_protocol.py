@@ -153,6 +153,7 @@ def test_every_serving_spec_member_works_on_both_specs(spec):
         "stop_token_ids",
         "check",
         "load_tokenizer",
+        "chat_template",
         "build",
     }
     assert isinstance(spec.name, str) and spec.name
@@ -160,6 +161,7 @@ def test_every_serving_spec_member_works_on_both_specs(spec):
     assert spec.limits() == {"vocab_size": 128, "max_model_len": 32}
     spec.check()
     tok = spec.load_tokenizer()
+    assert spec.chat_template() is None  # neither test model has one
     model = spec.build(TABLE, "cpu")
     assert isinstance(model, Model)
     assert (model.cfg.vocab_size, model.cfg.max_model_len) == (128, 32)

@@ -79,7 +79,7 @@ def exchange(
 ):
     """One HTTP request to ``server`` (a running app, or (host, port)): (response, body text).
     ``body`` is sent as JSON, ``raw`` as is."""
-    host, port = server.httpd.server_address[:2] if hasattr(server, "httpd") else server
+    host, port = server.address if hasattr(server, "address") else server
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     try:
@@ -145,7 +145,7 @@ def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkey
         status, body = request(s, "GET", "/healthz")
         assert status == 503 and body["status"] == "starting"
         status, body = request(s, "POST", "/generate", {"prompt": [1, 2], "max_tokens": 2})
-        assert status == 503 and "capturing graphs" in body["error"]
+        assert status == 503 and "capturing graphs" in body["error"]["message"]
         gate.set()
         assert s.wait_ready(30)
         status, body = request(s, "GET", "/healthz")
@@ -156,18 +156,18 @@ def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkey
 
 
 def record_logits(server) -> dict:
-    """Wraps the engine's batcher: request -> the logits rows its tokens were picked from."""
+    """Wraps the engine's sampling step: request -> the logits rows its tokens were picked from."""
     rows: dict = {}
-    batcher = server.engine.batcher
-    commit = batcher.commit
+    engine = server.engine
+    sample = engine.sample_step
 
     def recording(batch, logits):
         for rid, i in zip(batch.request_ids, batch.sample_rows):
             if i >= 0:
                 rows.setdefault(rid, []).append(logits[i].to("cpu", torch.float32, copy=True))
-        return commit(batch, logits)
+        return sample(batch, logits)
 
-    batcher.commit = recording
+    engine.sample_step = recording
     return rows
 
 
@@ -209,8 +209,10 @@ def test_concurrent_generates_equal_offline_greedy_for_each_prompt_alone(server)
     assert status == 200 and finals == {i: _reference(tuple(work[i][0]), 3) for i in range(2)}
     assert len([x for x in lines if "token" in x]) == 6
     m = server.engine.metrics
-    assert m.steps["mixed"] > 0 and m.steps["decode"] > 0
-    assert m.step_tokens > m.steps["mixed"] + m.steps["decode"]  # steps did batch requests
+    mixed = m.value("graphplan_server_steps_total", kind="mixed")
+    decode = m.value("graphplan_server_steps_total", kind="decode")
+    assert mixed > 0 and decode > 0
+    assert m.value("graphplan_server_step_tokens_total") > mixed + decode  # steps did batch
     assert server.engine.num_running() == 0 and not server.engine.batcher.has_work()
 
 
@@ -241,19 +243,19 @@ BAD = [  # (raw body or None for the JSON object, JSON object, headers, status, 
 def test_every_bad_request_gets_a_4xx_with_a_clear_message_and_the_server_keeps_serving(server):
     for raw, obj, headers, status, message in BAD:
         got, body = request(server, "POST", "/generate", obj, headers, raw=raw)
-        assert (got, body["status"]) == (status, status), (raw, obj, body)
-        assert re.search(message, body["error"]), body
+        assert got == status, (raw, obj, body)
+        assert re.search(message, body["error"]["message"]), body
     # a request without Content-Length, unknown endpoints
-    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=10)
+    conn = http.client.HTTPConnection(*server.address, timeout=10)
     conn.putrequest("POST", "/generate")
     conn.endheaders()
     resp = conn.getresponse()
-    assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["error"]
+    assert resp.status == 411 and "Content-Length" in json.loads(resp.read())["error"]["message"]
     conn.close()
     assert request(server, "GET", "/nope")[0] == 404
     assert request(server, "POST", "/nope", {})[0] == 404
     assert generate(server, [3, 1, 4], 6) == _reference((3, 1, 4), 6)
-    assert server.engine.metrics.step_errors == 0
+    assert server.engine.metrics.value("graphplan_server_step_errors_total") == 0
 
 
 def test_a_failing_step_fails_only_its_requests_with_500_and_the_loop_continues(server):
@@ -268,9 +270,10 @@ def test_a_failing_step_fails_only_its_requests_with_500_and_the_loop_continues(
 
     runner.step = broken_once
     status, body = request(server, "POST", "/generate", {"prompt": [5, 6], "max_tokens": 3})
-    assert status == 500 and "injected" in body["error"]
+    assert status == 500 and "injected" in body["error"]["message"]
     assert generate(server, [5, 6], 3) == _reference((5, 6), 3)
-    assert server.engine.metrics.step_errors == 1 and not server.engine.batcher.has_work()
+    assert server.engine.metrics.value("graphplan_server_step_errors_total") == 1
+    assert not server.engine.batcher.has_work()
 
 
 def test_metrics_expose_the_runner_and_server_series(server):
@@ -406,7 +409,7 @@ def test_reload_with_a_good_plan_switches_between_steps_and_requests_in_flight_f
         {"path": str(table), "set": {"cudagraph.mode": "NONE"}},
         ADMIN,
     )
-    assert status == 422 and "applies to plans, not to a compiled table" in body["error"]
+    assert status == 422 and "applies to plans, not to a compiled table" in body["error"]["message"]
     assert generate(server, [8, 1], 4) == _reference((8, 1), 4)
 
 
@@ -426,8 +429,8 @@ def test_reload_with_a_bad_plan_is_rejected_and_the_old_plan_kept(server, tmp_pa
     ]:
         raw = b"{" if body is None else None
         got, reply = request(server, "POST", "/admin/reload", body, ADMIN, raw=raw)
-        assert got == status and re.search(message, reply["error"]), reply
-        assert status == 400 or f"still serving {fp[:19]}" in reply["error"]
+        assert got == status and re.search(message, reply["error"]["message"]), reply
+        assert status == 400 or f"still serving {fp[:19]}" in reply["error"]["message"]
         assert server.engine.table.fingerprint == fp
     got, reply = request(
         server,
@@ -437,7 +440,11 @@ def test_reload_with_a_bad_plan_is_rejected_and_the_old_plan_kept(server, tmp_pa
         ADMIN,
     )
     assert got == 200 and server.engine.runner.stats()["capture"]["graphs"] == 0, reply
-    assert server.engine.metrics.reloads == {"rejected": 3, "ok": 1}
+    m = server.engine.metrics
+    assert [m.value("graphplan_server_reloads_total", result=r) for r in ("rejected", "ok")] == [
+        3,
+        1,
+    ]
     assert generate(server, [9, 9], 4) == _reference((9, 9), 4)
 
 
@@ -457,7 +464,7 @@ def test_stop_drains_in_flight_requests_and_leaves_no_threads(plan_file):
     before = set(threading.enumerate())
     s = Server(plan_file, spec=SPEC, progress=False).start()
     assert s.wait_ready(30)
-    idle = http.client.HTTPConnection(*s.httpd.server_address[:2], timeout=10)
+    idle = http.client.HTTPConnection(*s.address, timeout=10)
     idle.request("GET", "/healthz")  # a keep-alive connection left open and idle
     assert idle.getresponse().read()
     got = []

@@ -72,7 +72,7 @@ def test_admin_routes_are_off_without_a_token(open_server, plans):
         status, body, _ = call(
             open_server, method, path, {"path": str(plans / "other.yaml")}, ADMIN
         )
-        assert (status, body["status"]) == (403, 403) and TOKEN_ENV in body["error"], body
+        assert status == 403 and TOKEN_ENV in body["error"]["message"], body
     assert open_server.engine.table.fingerprint == fp
 
 
@@ -91,7 +91,8 @@ def test_admin_routes_refuse_a_missing_or_wrong_token(server, plans, headers):
     status, body, resp = call(
         server, "POST", "/admin/reload", {"path": str(plans / "other.yaml")}, headers
     )
-    assert (status, body["status"]) == (401, 401) and resp.getheader("WWW-Authenticate") == "Bearer"
+    assert status == 401 and resp.getheader("WWW-Authenticate") == "Bearer"
+    assert body["error"]["type"] == "authentication_error"
     assert server.engine.table.fingerprint == fp
 
 
@@ -149,7 +150,10 @@ def test_reload_paths_outside_the_reload_directory_are_refused(server, plans, tm
             str(plans / ".." / plans.name / ".." / "x.yaml"),
         ):
             status, body, _ = call(server, "POST", "/admin/reload", {"path": path}, ADMIN)
-            assert status == 403 and "outside the reload directory" in body["error"], (path, body)
+            assert status == 403 and "outside the reload directory" in body["error"]["message"], (
+                path,
+                body,
+            )
             assert server.engine.table.fingerprint == fp
     finally:
         link.unlink()
@@ -221,7 +225,7 @@ def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
     try:
         for raw, want, message in cases:
             status, body, _ = call(server, "POST", "/admin/reload", headers=ADMIN, raw=raw)
-            assert (status, body["status"]) == (want, want) and message in body["error"], (
+            assert status == want and message in body["error"]["message"], (
                 raw[:60],
                 body,
             )
@@ -239,21 +243,24 @@ def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
         ("GET", "/generate", 405),
         ("POST", "/healthz", 405),
         ("POST", "/metrics", 405),
-        ("PUT", "/nope", 501),
-        ("DELETE", "/nope", 501),
-        ("FOO", "/generate", 501),
+        ("GET", "/v1/completions", 405),
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/v1/models", 405),
+        ("FOO", "/generate", 405),
+        ("PUT", "/nope", 404),
+        ("DELETE", "/nope", 404),
         ("GET", "/nope", 404),
     ],
 )
 def test_wrong_and_unknown_methods_answer_json(server, method, path, status):
     got, body, resp = call(server, method, path, {})
-    assert (got, body["status"]) == (status, status), body
+    assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, body
     if status == 405:
-        assert resp.getheader("Allow") in ("GET", "POST") and method in body["error"]
+        assert resp.getheader("Allow") in ("GET", "POST") and method in body["error"]["message"]
 
 
 def _raw(server, data: bytes) -> tuple[str, str]:
-    with socket.create_connection(server.httpd.server_address[:2], timeout=10) as sock:
+    with socket.create_connection(server.address, timeout=10) as sock:
         sock.sendall(data)
         reply = b""
         while chunk := sock.recv(65536):
@@ -263,11 +270,83 @@ def _raw(server, data: bytes) -> tuple[str, str]:
 
 
 def test_malformed_requests_answer_json_not_html(server):
-    head, _ = _raw(server, b"GARBAGE\r\n\r\n")  # HTTP/0.9 style: no status line, a JSON body
-    assert json.loads(head)["status"] == 400
-    head, body = _raw(server, b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n")
+    head, body = _raw(server, b"GARBAGE\r\n\r\n")
+    assert " 400 " in head.splitlines()[0] and "application/json" in head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    head, body = _raw(
+        server,
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + b"X: y\r\n" * 99 + b"\r\n",
+    )
     assert " 431 " in head.splitlines()[0] and "application/json" in head
-    assert json.loads(body)["status"] == 431
+    assert "more than 100 request headers" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": [1], "seed": 1' + b"9" * 5000 + b"}",
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+            None,
+        ),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": [1], "user": 3}', "user"),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": [1], "seed": "7"}', "seed"),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": [1], "seed": 1.5}', "seed"),
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 1e400}',
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": [1], "temperature": 1e400}',
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "tiny-llama", "prompt": [1], "stream": true, '
+            b'"stream_options": {"include_usage": "false"}}',
+            "stream_options.include_usage",
+        ),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": [1], "stream": "true"}', "stream"),
+        ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": "hi"}', "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "x"}]}',
+            "messages[0].role",
+        ),
+        ("/generate", b'{"prompt": [1' + b"0" * 5000 + b"]}", None),
+        ("/generate", b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}", None),
+    ],
+)
+def test_huge_numbers_deep_nesting_and_wrong_types_are_400_never_500(server, path, body, param):
+    """(The ids of these cases are the bodies: long.)"""
+    status, reply, _ = call(server, "POST", path, raw=body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_that_stops_half_way_gets_408_after_the_idle_timeout(plans):
+    s = Server(plans / "plan.yaml", spec=SPEC, progress=False, idle_timeout=0.5).start()
+    try:
+        assert s.wait_ready(30)
+        with socket.create_connection(s.address, timeout=10) as sock:
+            sock.sendall(
+                b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt"'
+            )
+            reply = b""
+            while chunk := sock.recv(65536):  # the server closes: the body was not read
+                reply += chunk
+        head, _, body = reply.decode().partition("\r\n\r\n")
+        assert " 408 " in head.splitlines()[0], reply
+        assert "did not arrive within 0.5 s (9 of 100 bytes received)" in body
+    finally:
+        s.stop()
 
 
 # -- timeouts and the reload lock -----------------------------------------------------------------
@@ -277,7 +356,7 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(plans):
     s = Server(plans / "plan.yaml", spec=SPEC, progress=False, idle_timeout=0.3).start()
     try:
         assert s.wait_ready(30)
-        with socket.create_connection(s.httpd.server_address[:2], timeout=10) as sock:
+        with socket.create_connection(s.address, timeout=10) as sock:
             t0 = time.monotonic()
             sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # a request that never finishes
             assert sock.recv(1024) == b""  # the server hung up
@@ -296,12 +375,12 @@ def test_a_slow_template_cannot_wedge_the_reload_lock(server, plans, monkeypatch
     fp = server.engine.table.fingerprint
     t0 = time.monotonic()
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "slow.yaml.j2"}, ADMIN)
-    assert status == 422 and "took more than 0.3 s" in body["error"], body
+    assert status == 422 and "took more than 0.3 s" in body["error"]["message"], body
     assert time.monotonic() - t0 < 10 and server.engine.table.fingerprint == fp
     status, body, _ = call(server, "POST", "/admin/reload", {"path": "other.yaml"}, ADMIN)
     assert status == 200, body  # not 409: the lock was released
     assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
-    assert not server.engine._reload_lock.locked()
+    assert not server.engine.reload_lock.locked()
 
 
 def test_a_template_cannot_run_code_through_a_reload(server, plans, tmp_path, monkeypatch):
@@ -388,7 +467,7 @@ def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serv
         )
         (plans / name).write_bytes(data)
         status, body, _ = call(server, "POST", "/admin/reload", {"path": name}, ADMIN)
-        assert status in (200, 422) and body["status" if status != 200 else "plan"], (seed, body)
+        assert status in (200, 422) and body["error" if status != 200 else "plan"], (seed, body)
         seen[status] += 1
         assert not (tmp_path / "PWNED").exists()
         (plans / name).unlink()
@@ -396,7 +475,7 @@ def test_fuzzed_plans_through_reload_answer_200_or_422_and_the_server_keeps_serv
     assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
     status, body, _ = call(server, "POST", "/generate", {"prompt": [3, 1, 4], "max_tokens": 5})
     assert status == 200 and body["tokens"] == _reference((3, 1, 4), 5)
-    assert server.engine.metrics.step_errors == 0
+    assert server.engine.metrics.value("graphplan_server_step_errors_total") == 0
 
 
 def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_right_tokens(
@@ -433,4 +512,4 @@ def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_
         assert status == 200 and body["tokens"] == _reference((3, 1, 4), 5), i
     assert seen[422] >= 15, seen
     assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
-    assert server.engine.metrics.step_errors == 0
+    assert server.engine.metrics.value("graphplan_server_step_errors_total") == 0

@@ -1,0 +1,370 @@
+"""Load test of the OpenAI API (issue 26): N concurrent streaming clients against graphplan-serve,
+a mix of prompt and output lengths, some clients disconnecting mid-stream. Reports p50/p99 time to
+first token (TTFT) and inter-token latency (ITL), throughput, and checks that every request not
+cancelled finished whole (max_tokens tokens, ``finish_reason`` "length", ``data: [DONE]``) and that
+the cancelled ones freed their seats and KV blocks (/metrics after the run). GPU only: its results
+need a CUDA device; ``--device cpu --shape tiny`` is a smoke run that checks the program.
+
+    python bench/load_test.py --random-weights --out bench/results/load_test_h100.md   # 8B, 256
+    python bench/load_test.py --random-weights --device cpu --shape tiny --clients 6 --requests 2
+
+The server runs as a subprocess (``python -m graphplan.server --model DIR --random-weights``, DIR
+holding only the shape's config.json: random bf16 weights, no download); the clients are asyncio
+connections speaking HTTP/1.1 and server-sent events directly, so nothing beyond the standard
+library is needed on the client side. Prompts are token ids; ``ignore_eos`` makes every output
+exactly ``max_tokens`` long; half the requests sample (seeded), half are greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "8b": dict(  # Llama-3-8B
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+}
+# (prompt tokens, max_tokens) ranges of each kind of request, and how often it comes
+MIX = {
+    "8b": [((16, 64), (16, 64), 0.4), ((128, 512), (64, 256), 0.4), ((512, 1024), (32, 128), 0.2)],
+    "tiny": [((4, 12), (4, 12), 0.5), ((12, 40), (8, 20), 0.5)],
+}
+PLAN_SETS = {
+    "8b": ["scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=2048"],
+    "tiny": [
+        "scheduler.max_num_seqs=8",
+        "scheduler.max_num_batched_tokens=64",
+        "cudagraph.capture_sizes=[1,2,4,8,16,32,64]",
+    ],
+}
+
+
+@dataclass
+class Result:
+    kind: str
+    max_tokens: int
+    disconnect_after: int | None
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False
+    status: int = 0
+    error: str = ""
+
+    @property
+    def cancelled(self) -> bool:
+        return self.disconnect_after is not None
+
+
+def write_model(path: Path, shape: str, max_len: int) -> Path:
+    """config.json alone: the server draws the weights from --seed (--random-weights)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=max_len,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    return path
+
+
+def workload(a) -> list[list[dict]]:
+    """Per client, its requests: the body to send and when to hang up (None: never)."""
+    rng = random.Random(a.seed)
+    vocab = SHAPES[a.shape]["vocab_size"]
+    mix = MIX[a.shape]
+    out = []
+    for c in range(a.clients):
+        reqs = []
+        for r in range(a.requests):
+            (plo, phi), (olo, ohi), _ = rng.choices(mix, weights=[m[2] for m in mix])[0]
+            n_out = rng.randint(olo, ohi)
+            sampled = rng.random() < 0.5
+            body = {
+                "model": "load",
+                "prompt": [rng.randrange(1, vocab) for _ in range(rng.randint(plo, phi))],
+                "max_tokens": n_out,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0.8 if sampled else 0.0,
+                **({"seed": c * 1000 + r, "top_p": 0.95} if sampled else {}),
+            }
+            hang_up = rng.randint(1, max(1, n_out // 2)) if rng.random() < a.disconnect else None
+            kind = f"{plo}-{phi}/{olo}-{ohi}"
+            reqs.append({"body": body, "disconnect_after": hang_up, "kind": kind})
+        out.append(reqs)
+    return out
+
+
+async def stream_one(port: int, spec: dict) -> Result:
+    res = Result(spec["kind"], spec["body"]["max_tokens"], spec["disconnect_after"])
+    data = json.dumps(spec["body"]).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    try:
+        res.sent = time.perf_counter()
+        writer.write(head + data)
+        await writer.drain()
+        res.status = int((await reader.readline()).split()[1])
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+        if res.status != 200 or not chunked:
+            res.error = (await reader.read(2000)).decode(errors="replace")
+            return res
+        buf = b""
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            buf += (await reader.readexactly(size + 2))[:-2]
+            *events, buf = buf.split(b"\n\n")
+            for ev in events:
+                payload = ev.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    res.done = True
+                    continue
+                obj = json.loads(payload)
+                if "error" in obj:
+                    res.error = obj["error"]["message"]
+                    continue
+                now = time.perf_counter()
+                for ch in obj["choices"]:
+                    res.token_times += [now] * len(ch.get("token_ids") or [])
+                    res.finish_reason = ch.get("finish_reason") or res.finish_reason
+            if res.cancelled and len(res.token_times) >= res.disconnect_after:
+                return res  # hang up mid-stream
+    except (ConnectionError, asyncio.IncompleteReadError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        writer.close()
+    return res
+
+
+async def run_clients(port: int, work) -> list[Result]:
+    async def client(reqs):
+        return [await stream_one(port, spec) for spec in reqs]
+
+    per_client = await asyncio.gather(*(client(reqs) for reqs in work))
+    return [r for rs in per_client for r in rs]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(a, model_dir: Path, port: int, log):
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphplan.server",
+        "--model",
+        str(model_dir),
+        "--random-weights",
+        "--served-model-name",
+        "load",
+        "--plan",
+        str(a.plan),
+        "--port",
+        str(port),
+        "--device",
+        a.device,
+        "--no-progress",
+        "--max-model-len",
+        str(a.max_model_len),
+        "--max-waiting",
+        "4096",
+    ]
+    for s in PLAN_SETS[a.shape] + a.set:
+        cmd += ["--set", s]
+    if a.kv_memory_fraction:
+        cmd += ["--kv-memory-fraction", str(a.kv_memory_fraction)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    pat = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$"
+    m = re.search(pat, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def report(
+    a, cmd, results: list[Result], wall: float, after: str, startup: float
+) -> tuple[str, bool]:
+    whole = [r for r in results if not r.cancelled]
+    cut = [r for r in results if r.cancelled]
+    bad = [
+        r
+        for r in whole
+        if r.status != 200
+        or not r.done
+        or r.finish_reason != "length"
+        or len(r.token_times) != r.max_tokens
+        or r.error
+    ]
+    ttft = [1000 * (r.token_times[0] - r.sent) for r in results if r.token_times]
+    itl = [1000 * (t1 - t0) for r in results for t0, t1 in zip(r.token_times, r.token_times[1:])]
+    tokens = sum(len(r.token_times) for r in results)
+    running = metric(after, "graphplan_server_running_requests")
+    used = metric(after, "graphplan_server_kv_blocks_used")
+    aborted = metric(after, "graphplan_server_requests_total", 'code="499"')
+    ok = not bad and running == 0 and used == 0
+    lines = [
+        f"# load test: {a.clients} streaming clients x {a.requests} requests, {a.shape} shape",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"device: {a.device_name}, python {platform.python_version()}",
+        f"- server: `{shlex.join(cmd[1:])}`",
+        f"- bench: `python {shlex.join(sys.argv)}`",
+        f"- start-up (model + capture) {startup:.1f} s; run {wall:.1f} s; "
+        f"{tokens} tokens streamed, {tokens / wall:.0f} tokens/s",
+        "",
+        "| requests | finished whole | cancelled by the client | failed |",
+        "|---:|---:|---:|---:|",
+        f"| {len(results)} | {len(whole) - len(bad)} / {len(whole)} | {len(cut)} | {len(bad)} |",
+        "",
+        "| ms | p50 | p90 | p99 | max |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {name} | {pct(xs, 50):.1f} | {pct(xs, 90):.1f} | {pct(xs, 99):.1f} | "
+            f"{max(xs) if xs else float('nan'):.1f} |"
+            for name, xs in (("TTFT", ttft), ("ITL", itl))
+        ),
+        "",
+        f"After the run, /metrics: running requests {running:g}, KV blocks used {used:g}, "
+        f"requests ended by a disconnect (499) {aborted:g} (clients that hung up: {len(cut)}).",
+        "",
+        f"**{'PASS' if ok else 'FAIL'}**: every request not cancelled finished whole"
+        + ("" if not bad else f" except {len(bad)}: {bad[0]}"),
+    ]
+    return "\n".join(lines) + "\n", ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        required=True,
+        help="required: the model's weights are random (drawn from its config)",
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--plan", type=Path, default=ROOT / "plans" / "hf-mixed.yaml")
+    p.add_argument("--set", action="append", default=[], help="more plan overrides")
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--requests", type=int, default=2, help="per client, one after the other")
+    p.add_argument(
+        "--disconnect",
+        type=float,
+        default=0.1,
+        help="fraction of requests whose client hangs up mid-stream",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="default 2048 (tiny: 64)")
+    p.add_argument("--kv-memory-fraction", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=500)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    a.max_model_len = a.max_model_len or (64 if a.shape == "tiny" else 2048)
+    a.device_name = a.device
+    if a.device.startswith("cuda"):
+        import torch
+
+        a.device_name = torch.cuda.get_device_name()
+    work = workload(a)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp) / f"llama-{a.shape}", a.shape, a.max_model_len)
+        log_path = Path(tmp) / "server.log"
+        with open(log_path, "w") as log:
+            cmd, proc = launch(a, model_dir, port, log)
+            try:
+                t0 = time.monotonic()
+                while get(port, "/healthz")[0] != 200:
+                    if proc.poll() is not None or time.monotonic() - t0 > a.startup_timeout:
+                        print(log_path.read_text()[-4000:], file=sys.stderr)
+                        print("load_test: the server did not start", file=sys.stderr)
+                        return 1
+                    time.sleep(0.5)
+                startup = time.monotonic() - t0
+                print(f"server ready in {startup:.1f} s; {a.clients} clients", flush=True)
+                t1 = time.perf_counter()
+                results = asyncio.run(run_clients(port, work))
+                wall = time.perf_counter() - t1
+                time.sleep(0.5)  # the last cancellations are freed at the next step
+                after = get(port, "/metrics")[1]
+            finally:
+                proc.send_signal(2)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        text, ok = report(a, cmd, results, wall, after, startup)
+    print(text)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

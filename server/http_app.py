@@ -1,0 +1,229 @@
+"""The ASGI app (FastAPI): the OpenAI routes (openai_api.py) and graphplan's own.
+
+    GET  /healthz        200 once the graphs are captured, 503 before (and while draining)
+    GET  /metrics        Prometheus text: the runner's series and the server's (metrics.py)
+    POST /generate       {"prompt": [ids], "max_tokens": N, "stream": false} or {"prompts": [...]}
+    POST /admin/reload   {} (re-read the start-up plan) or {"path": ..., "set": {...}}
+
+Every error, on every route, is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+status for the client's mistakes (400 bad body, 401/403 admin token, 404 unknown path or model, 405
+wrong method, 408 body too slow, 411 no length, 413 too large, 422 a plan rejected, 429 queue full,
+431 too many headers) and 5xx only for the server's own faults. ``/admin/`` routes need
+``Authorization: Bearer <token>`` (server/security.py) and are off without one. The guard
+middleware counts every response by route and status and writes one access-log line per request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from graphplan.compiler import __version__
+
+from .http_io import ClientGone, error_response, events, json_response, read_body
+from .metrics import CONTENT_TYPE, render_metrics
+from .openai_api import OpenAIFrontEnd
+from .protocol import RequestError, parse_generate, parse_reload
+from .requests import AsyncSink
+from .security import ADMIN_PREFIX
+
+log = logging.getLogger("graphplan.server")
+access = logging.getLogger("graphplan.server.access")
+SERVER_HEADER = f"graphplan-server/{__version__}"  # the package's one version
+MAX_HEADERS = 100
+
+
+def build_app(server: Any) -> Guard:
+    app = FastAPI(
+        title="graphplan", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    openai = OpenAIFrontEnd(server)
+    app.include_router(openai.router())
+    engine = server.engine
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        body: dict[str, Any] = {
+            "status": engine.state,
+            "plan": engine.table.settings.name,
+            "fingerprint": engine.table.fingerprint,
+        }
+        if engine.error is not None:
+            body["error"] = f"{type(engine.error).__name__}: {engine.error}"
+        return json_response(200 if engine.state == "ready" else 503, body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(engine), media_type=CONTENT_TYPE)
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest) -> Response:
+        body = await read_body(request, server.max_body_bytes, server.idle_timeout)
+        g = parse_generate(body, engine.limits())
+        sink = AsyncSink(_loop())
+        _, reqs = engine.submit(g.prompts, g.max_tokens, engine.spec.stop_token_ids(), sink)
+        if g.stream:
+            return StreamingResponse(
+                _ndjson(engine, request, sink, reqs, g.batch), media_type="application/x-ndjson"
+            )
+        try:
+            left, errors = len(reqs), {}
+            async for tag, kind, value in events(sink, request):
+                if kind != "token":
+                    left -= 1
+                    if kind == "error":
+                        errors[tag] = value
+                if not left:
+                    break
+        finally:
+            engine.cancel([r for r in reqs if not r.finished])
+        if errors:
+            tag, e = min(errors.items())
+            raise RequestError(e.status, f"prompts[{tag}]: {e.message}" if g.batch else e.message)
+        results = [
+            {"tokens": r.out, "num_prompt_tokens": len(r.prompt), "finish_reason": r.finish_reason}
+            for r in reqs
+        ]
+        return json_response(200, {"results": results} if g.batch else results[0])
+
+    @app.post("/admin/reload")
+    async def reload(request: HTTPRequest) -> Response:
+        body = await read_body(request, server.max_body_bytes, server.idle_timeout)
+        path, sets = parse_reload(body)
+        if path is not None:
+            path = server.reload_dir.confine(path)
+        from starlette.concurrency import run_in_threadpool
+
+        return json_response(200, await run_in_threadpool(engine.reload, path, sets))
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: HTTPRequest, e: Exception) -> Response:
+        assert isinstance(e, RequestError)
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, e: Exception) -> Response:
+        assert isinstance(e, HTTPException)
+        where = f"{request.method} {request.url.path}"
+        message = (
+            f"no such endpoint: {where}"
+            if e.status_code == 404
+            else f"{request.method} is not allowed on {request.url.path}; use "
+            f"{ {k.lower(): v for k, v in (e.headers or {}).items()}.get('allow', '') }"
+            if e.status_code == 405
+            else str(e.detail)
+        )
+        return error_response(RequestError(e.status_code, message, headers=dict(e.headers or {})))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: HTTPRequest, e: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it; counted and logged as 499
+
+    @app.exception_handler(Exception)
+    async def internal(request: HTTPRequest, e: Exception) -> Response:
+        log.error(
+            "%s %s failed: %s: %s",
+            request.method,
+            request.url.path,
+            type(e).__name__,
+            e,
+            exc_info=e,
+        )
+        return error_response(RequestError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    return Guard(app, server)
+
+
+def _loop():
+    import asyncio
+
+    return asyncio.get_running_loop()
+
+
+async def _ndjson(engine, request, sink, reqs, batch: bool):
+    """/generate's stream: a line per token, then a final line per prompt."""
+    left = len(reqs)
+    try:
+        async for tag, kind, value in events(sink, request):
+            line: dict[str, Any] = {"prompt": tag} if batch else {}
+            if kind == "token":
+                line["token"] = value.token
+            elif kind == "done":
+                left -= 1
+                line.update(done=True, tokens=reqs[tag].out, finish_reason=value)
+            else:
+                left -= 1
+                line.update(error=value.message, status=value.status)
+            yield (json.dumps(line) + "\n").encode()
+            if not left:
+                return
+    except ClientGone:
+        pass
+    finally:
+        engine.cancel([r for r in reqs if not r.finished])
+
+
+class Guard:
+    """Pure ASGI middleware around the app: the admin token on /admin/ (before routing, so an
+    unknown admin path or method is refused the same way), a bound on the header count, the
+    Server header, a count of every response by route and status, and the access log."""
+
+    def __init__(self, app: ASGIApp, server: Any):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        path, method = scope["path"], scope["method"]
+        status = {"code": 499, "bytes": 0}
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"server", SERVER_HEADER.encode())]
+            elif message["type"] == "http.response.body":
+                status["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        finally:
+            code = status["code"]
+            self.server.engine.metrics.response(code, path)
+            client = scope.get("client") or ("-", 0)
+            access.info(
+                '%s "%s %s" %d %d %.1fms',
+                client[0],
+                method,
+                path,
+                code,
+                status["bytes"],
+                1000 * (time.perf_counter() - t0),
+            )
+
+    def _refusal(self, scope: Scope) -> RequestError | None:
+        if len(scope["headers"]) > MAX_HEADERS:
+            return RequestError(431, f"more than {MAX_HEADERS} request headers")
+        if scope["path"].startswith(ADMIN_PREFIX):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                self.server.admin.check(auth.decode("latin-1") if auth is not None else None)
+            except RequestError as e:
+                if e.status == 401:
+                    e.headers = {"WWW-Authenticate": "Bearer"}
+                return e
+        return None
