@@ -20,7 +20,7 @@ def index_copy_form(kv, layer: int, slots, key, value):
 
 
 def op_form(kv, layer: int, slots, key, value):
-    write_kv(kv[layer].view(2, -1, KVH, D), slots, key, value)
+    write_kv(kv[layer], slots, key, value)
     return kv.sum()
 
 

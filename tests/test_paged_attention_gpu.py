@@ -192,7 +192,9 @@ def test_one_compiled_variant_serves_every_batch_shape_so_capture_compiles_nothi
         assert torch.equal(out, kernels.paged_attention(*case.inputs())), f"shape {seed}"
     for kernel, seen in zip(kernels.JIT_KERNELS, before):
         new = set(kernel.device_caches[device][0]) - seen
-        assert len(new) <= 1, f"{kernel.fn.__name__}: {len(new)} compiled variants"
+        assert len(new) <= 1, f"{kernel.fn.__name__}: {len(new)} compiled variants: " + " | ".join(
+            sorted(str(k) for k in new)
+        )
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])

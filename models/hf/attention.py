@@ -204,7 +204,7 @@ def paged_attention(
     flat = cache.view(2, -1, kv_heads, head_dim)  # [2, slots, KvH, D]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KvH, D]
     if torch.compiler.is_compiling():  # one op that inductor keeps in place (models/hf/kv_write.py)
-        write_kv(flat, b.slot_mapping, k_new, v_new)
+        write_kv(cache, b.slot_mapping, k_new, v_new)
     else:  # eager and in graphs: the same two copies, without a custom op's dispatch
         flat[0].index_copy_(0, b.slot_mapping, k_new)
         flat[1].index_copy_(0, b.slot_mapping, v_new)

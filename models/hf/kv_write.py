@@ -21,10 +21,13 @@ import torch
 def write_kv(
     cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """cache ``[2, slots, KvH, D]`` (one layer's K and V over the pool's slots), slots ``[T]``
-    int64, key and value ``[T, KvH, D]``: ``cache[0][slots[t]] = key[t]``, likewise V."""
-    cache[0].index_copy_(0, slots, key)
-    cache[1].index_copy_(0, slots, value)
+    """cache ``[2, blocks, block_size, KvH, D]`` (one layer of the pool, passed as the layer's own
+    tensor: a view made here, not in the compiled code, which on CUDA rebuilt it out of bounds),
+    slots ``[T]`` int64 over the layer's ``blocks * block_size`` slots, key and value
+    ``[T, KvH, D]``: slot ``slots[t]`` of K gets ``key[t]``, likewise V."""
+    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
 
 
 @write_kv.register_fake
