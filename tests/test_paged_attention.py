@@ -358,3 +358,19 @@ def _run_interpreted() -> subprocess.CompletedProcess:
         text=True,
         timeout=INTERPRETER_SECONDS,
     )
+
+
+def test_the_warm_up_calls_each_kernel_with_the_runners_int32_metadata(monkeypatch):
+    """Triton compiles a variant per argument dtype: the warm-up must pass the dtypes a step
+    passes (int32 tables, lengths and offsets), or the first real call, perhaps inside a CUDA
+    graph capture, compiles another (the H100 run found an int64 offsets tensor here)."""
+    kernels = pytest.importorskip("graphplan.models.hf.triton_attention")
+    seen = []
+    for name in ("decode", "prefill"):
+        monkeypatch.setattr(
+            kernels, name, lambda q, cache, *meta, _n=name, **kw: seen.append((_n, meta[:3]))
+        )
+    q = torch.zeros(4, 8, 16)
+    kernels.warm_up(q, torch.zeros(2, 5, 4, 2, 16), torch.zeros(4, 3, dtype=torch.int32))
+    assert [n for n, _ in seen] == ["decode", "prefill"]
+    assert all(t.dtype == torch.int32 for _, meta in seen for t in meta), seen

@@ -339,7 +339,9 @@ def warm_up(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor) ->
     starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device)
     rows = q.new_zeros(3, num_heads, head_dim)
     decode(rows[:2], tiny, tables, seq_lens, starts, 1.0)
-    prefill(rows, tiny, tables, seq_lens, starts + torch.tensor([0, 0, 1], device=q.device), 1.0)
+    # int32 offsets, as the runner's buffers hold them (an int64 sum would warm another variant)
+    chunks = torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device)
+    prefill(rows, tiny, tables, seq_lens, chunks, 1.0)
     _WARM.add(_layout_key(q, cache, block_tables))
 
 
