@@ -65,7 +65,8 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 HEADROOM = 0.10
-"""Share of the free memory left beside a default-sized CUDA pool: graphs, activations, sampling."""
+"""Share of the free memory (after the weights and a step's measured peak) left beside a
+default-sized CUDA pool: graphs, allocator fragmentation."""
 
 
 def size_blocks(
@@ -76,13 +77,17 @@ def size_blocks(
     tokens: int | None = None,
     memory_fraction: float | None = None,
     device: torch.device | str = "cpu",
+    reserve_bytes: int = 0,
 ) -> int:
     """The pool's block count: for a token budget, or ``memory_fraction`` of the free memory (a
     ``gpu_memory_utilization``-style knob, taken after the weights are loaded); neither: enough
     for ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at what fits in the free
     memory less ``HEADROOM``. Blocks are handed out on demand (``BlockTables``), so the pool need
     not hold every seat at its longest; it must hold one ``max_model_len`` sequence, so that every
-    request can finish (the batcher preempts others for it). Raises KVCacheSizeError otherwise."""
+    request can finish (the batcher preempts others for it). ``reserve_bytes``: what a step needs
+    beside the pool (its activations, logits and sampling at the largest step; measured by the
+    model's loader), taken off the free memory before either share. Raises KVCacheSizeError
+    otherwise."""
     if tokens is not None and memory_fraction is not None:
         raise KVCacheSizeError("give a KV-cache token budget or a memory fraction, not both")
     one_seq = shape.blocks_per_seq(max_model_len)
@@ -94,14 +99,14 @@ def size_blocks(
             raise KVCacheSizeError(
                 f"KV-cache memory fraction must be in (0, 1], not {memory_fraction}"
             )
-        free = free_memory_bytes(torch.device(device))
+        free = free_memory_bytes(torch.device(device)) - reserve_bytes
         blocks = int(free * memory_fraction) // per_block - 1  # one block is the padding block
         source = f"memory fraction {memory_fraction:g} of {free / GiB:.2f} GiB free"
     else:
-        free = free_memory_bytes(torch.device(device))
+        free = free_memory_bytes(torch.device(device)) - reserve_bytes
         fit = int(free * (1 - HEADROOM)) // per_block - 1
         blocks = min(max_num_seqs * one_seq, fit)
-        source = f"{1 - HEADROOM:g} of the {free / GiB:.2f} GiB free"
+        source = f"{1 - HEADROOM:g} of the {free / GiB:.2f} GiB free beside a step's"
     if blocks < one_seq:
         want = one_seq * shape.block_size
         raise KVCacheSizeError(

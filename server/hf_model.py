@@ -114,6 +114,7 @@ class HFSpec:
             kv_cache_tokens=self.kv_cache_tokens,
             kv_memory_fraction=self.kv_memory_fraction,
             fused_ops=self.fused_ops,
+            max_step_tokens=table.max_tokens,
         )
 
 

@@ -6,6 +6,7 @@ The "model" here is a pure function of each request's whole sequence, so a recom
 produce the same tokens: a preemption that lost or duplicated a token would change them."""
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -231,3 +232,20 @@ def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_
     text = out.read_text()
     assert "every request finished with all its tokens: True" in text
     assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
+
+
+def test_a_default_pool_leaves_a_steps_measured_reserve_free(monkeypatch):
+    """size_blocks takes the step's reserve off the free memory before the default share (and
+    before a memory fraction): the pool never counts on bytes a step needs."""
+    import graphplan.models.paged_kv as paged_kv
+
+    shape = paged_kv.KVCacheShape(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    per_block = shape.bytes_per_token * shape.block_size  # 2 KiB
+    monkeypatch.setattr(paged_kv, "free_memory_bytes", lambda device: 1000 * per_block)
+    size = dict(max_num_seqs=1024, max_model_len=64)  # every seat: 4096 blocks, more than fit
+    assert paged_kv.size_blocks(shape, **size) == 900 - 1  # HEADROOM 10 %, less the pad block
+    assert paged_kv.size_blocks(shape, **size, reserve_bytes=500 * per_block) == 450 - 1
+    half = dict(size, memory_fraction=0.5)
+    assert paged_kv.size_blocks(shape, **half, reserve_bytes=200 * per_block) == 400 - 1
+    with pytest.raises(paged_kv.KVCacheSizeError, match="one sequence of max_model_len=64"):
+        paged_kv.size_blocks(shape, **size, reserve_bytes=999 * per_block)

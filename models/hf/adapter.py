@@ -34,6 +34,7 @@ from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .fused_decoder import FusedDecoder, fuse, why_not_fused
 from .load import eos_token_ids, load_config, load_model, load_tokenizer
+from .step_memory import DEFAULT_STEP_TOKENS, step_reserve_bytes
 
 log = logging.getLogger("graphplan.models")
 
@@ -88,6 +89,7 @@ class PagedCausalLM(torch.nn.Module):
         kv_memory_fraction: float | None = None,
         source: str | os.PathLike | None = None,
         fused_ops: bool | None = None,
+        max_step_tokens: int | None = None,
     ):
         super().__init__()
         self.source = source
@@ -115,6 +117,11 @@ class PagedCausalLM(torch.nn.Module):
                 f"max_model_len={max_model_len} is above the model's "
                 f"max_position_embeddings={limit}"
             )
+        reserve = 0
+        if param.device.type == "cuda" and kv_cache_tokens is None:
+            reserve = step_reserve_bytes(
+                self, shape, max_num_seqs, max_model_len, max_step_tokens or DEFAULT_STEP_TOKENS
+            )
         blocks = size_blocks(
             shape,
             max_num_seqs=max_num_seqs,
@@ -122,14 +129,9 @@ class PagedCausalLM(torch.nn.Module):
             tokens=kv_cache_tokens,
             memory_fraction=kv_memory_fraction,
             device=param.device,
+            reserve_bytes=reserve,
         )
-        self.cache = PagedKVCache(shape, blocks, param.device)
-        self.tables = BlockTables(
-            num_blocks=blocks,
-            block_size=block_size,
-            num_seats=max_num_seqs,
-            max_blocks_per_seq=shape.blocks_per_seq(max_model_len),
-        )
+        self._pool(shape, blocks, max_num_seqs, max_model_len)
         self.cfg = PagedConfig(
             vocab_size=c.vocab_size,
             max_model_len=max_model_len,
@@ -153,10 +155,14 @@ class PagedCausalLM(torch.nn.Module):
         kv_cache_tokens: int | None = None,
         kv_memory_fraction: float | None = None,
         fused_ops: bool | None = None,
+        max_step_tokens: int | None = None,
     ) -> "PagedCausalLM":
         """From a local model directory's checkpoint (``load.load_model``: checked before
         anything is allocated, the weights and this KV cache against the free memory); with
-        ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``."""
+        ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``.
+        ``max_step_tokens``: the most tokens a step runs (the scheduler's token budget; default
+        ``DEFAULT_STEP_TOKENS``); on CUDA a step of that size is measured before the pool is
+        sized (models/hf/step_memory.py)."""
         register()
         config = load_config(source)
         shape = kv_shape(config, dtype, block_size)
@@ -181,6 +187,16 @@ class PagedCausalLM(torch.nn.Module):
             kv_cache_tokens=kv_cache_tokens,
             kv_memory_fraction=kv_memory_fraction,
             fused_ops=fused_ops,
+            max_step_tokens=max_step_tokens,
+        )
+
+    def _pool(self, shape, blocks: int, max_num_seqs: int, max_model_len: int) -> None:
+        self.cache = PagedKVCache(shape, blocks, self.hf.device)
+        self.tables = BlockTables(
+            num_blocks=blocks,
+            block_size=shape.block_size,
+            num_seats=max_num_seqs,
+            max_blocks_per_seq=shape.blocks_per_seq(max_model_len),
         )
 
     @property
