@@ -4,15 +4,15 @@
 
 Compiles the plan (or loads a compiled table.json), starts listening, builds the model (the tiny
 Llama, or --model's checkpoint) sized to the table, captures its graphs (progress in the log),
-then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / SIGINT drain and
-stop. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
+then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / SIGINT stop it. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
 ``--admin-token``, which other users can see in the process list), and reloads only files inside
 ``--reload-dir`` (default: the plan's folder).
-SIGINT or SIGTERM while the graphs are captured ends the process at once (exit 128 + the signal's
-number, after a line saying so); once serving, the first one drains (requests in flight finish, up
-to --drain-timeout seconds) and exits 0, a second one exits at once (128 + its number).
-Exit codes: 0 after a clean stop, 2 for an invalid plan or a bad flag, 1 for any other start-up
-failure, 128 + N after signal N cut the start or the drain short.
+SIGINT or SIGTERM at any point ends the process within 2 s with a line saying so and exit 128 + the
+signal's number: while the graphs are captured at once; once serving, requests in flight are ended
+(their clients see the stream stop) unless --drain-timeout S gives them up to S seconds to finish;
+a second signal while draining exits at once.
+Exit codes: 2 for an invalid plan or a bad flag, 1 for any other start-up failure, 128 + N after
+signal N.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout",
         type=_number(float, 0, 86400, what="a number of seconds"),
-        default=30.0,
-        help="seconds the first SIGTERM/SIGINT waits for running requests (0: none)",
+        default=0.0,
+        help="seconds a SIGTERM/SIGINT lets running requests finish before exiting (default 0: "
+        "exit within 2 s)",
     )
     p.add_argument(
         "--admin-token",
@@ -281,7 +282,11 @@ def serve(server: Server) -> int:
     failed = server.engine.state == "failed"
     log.info("stopping (%s)", "start-up failed" if failed else signal.Signals(signals[0]).name)
     server.stop()
-    return 1 if failed else 0
+    if failed:
+        return 1
+    name = signal.Signals(signals[0]).name
+    print(f"graphplan-serve: {name}: stopped", file=sys.stderr, flush=True)
+    return 128 + signals[0]
 
 
 def _exit_now(signum: int, when: str) -> None:
