@@ -119,9 +119,8 @@ class PagedCausalLM(torch.nn.Module):
             )
         reserve = 0
         if param.device.type == "cuda" and kv_cache_tokens is None:
-            reserve = step_reserve_bytes(
-                self, shape, max_num_seqs, max_model_len, max_step_tokens or DEFAULT_STEP_TOKENS
-            )
+            step = max_step_tokens or DEFAULT_STEP_TOKENS
+            reserve = step_reserve_bytes(self, self._pool, shape, max_num_seqs, max_model_len, step)
         blocks = size_blocks(
             shape,
             max_num_seqs=max_num_seqs,

@@ -22,18 +22,20 @@ SAMPLER_BYTES_PER_LOGIT = 48
 ``[rows, vocab]`` tensors alive at once)."""
 
 
-def step_reserve_bytes(model, shape, max_num_seqs: int, max_model_len: int, tokens: int) -> int:
+def step_reserve_bytes(
+    model, install_pool, shape, max_num_seqs: int, max_model_len: int, tokens: int
+) -> int:
     """The peak bytes of one eager forward of ``tokens`` tokens (as requests of at most
     ``max_model_len``, over at most ``max_num_seqs`` seats) plus the sampler's bound at
-    ``max_num_seqs`` rows. Runs on ``model`` (a PagedCausalLM being built): it installs a
-    temporary pool and leaves none."""
+    ``max_num_seqs`` rows. Runs on ``model`` (a PagedCausalLM being built) over a temporary pool
+    that ``install_pool(shape, blocks, max_num_seqs, max_model_len)`` sets up; leaves none."""
     tokens = max(1, min(tokens, max_num_seqs * max_model_len))
     chunks = [max_model_len] * (tokens // max_model_len)
     if tokens % max_model_len:
         chunks.append(tokens % max_model_len)
     blocks = sum(shape.blocks_per_seq(n) for n in chunks)
     device = model.hf.device
-    model._pool(shape, blocks, max_num_seqs, max_model_len)
+    install_pool(shape, blocks, max_num_seqs, max_model_len)
     try:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
