@@ -115,27 +115,32 @@ def drive(url: str, work: list[tuple[int, list[int], int]], poll: float = 0.01) 
 
 
 def totals(text: str) -> dict[str, float]:
-    """Sums over every series of the counters the comparison reads."""
+    """Sums over every series of the counters the comparison reads, also by graph mode (FULL:
+    decode steps, PIECEWISE: mixed ones) and by step kind."""
     want = {
-        "graphplan_graph_padding_tokens": "padding",
-        "graphplan_server_steps": "steps",
-        "graphplan_graph_replays": "replays",
-        "graphplan_eager_steps": "eager",
-        "graphplan_captured_graphs": "graphs",
+        "graphplan_graph_padding_tokens": ("padding", "mode"),
+        "graphplan_server_steps": ("steps", "kind"),
+        "graphplan_graph_replays": ("replays", ""),
+        "graphplan_eager_steps": ("eager", ""),
+        "graphplan_captured_graphs": ("graphs", ""),
     }
-    out = dict.fromkeys(want.values(), 0.0)
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        key = want.get(family.name)
-        if key is not None:
-            out[key] += sum(s.value for s in family.samples if not s.name.endswith("_created"))
+        key, label = want.get(family.name, ("", ""))
+        for sample in family.samples if key else ():
+            if not sample.name.endswith("_created"):
+                out[key] = out.get(key, 0.0) + sample.value
+                if label:
+                    part = f"{key}_{sample.labels[label].lower()}"
+                    out[part] = out.get(part, 0.0) + sample.value
     return out
 
 
 def window(before: str, after: str) -> dict:
     a, b = totals(before), totals(after)
-    d = {k: int(b[k] - a[k]) for k in ("padding", "steps", "replays", "eager")}
-    d["graphs"] = int(b["graphs"])
-    d["padding_per_step"] = d["padding"] / d["steps"] if d["steps"] else 0.0
+    d = {k: int(v - a.get(k, 0.0)) for k, v in b.items() if k != "graphs"}
+    d["graphs"] = int(b.get("graphs", 0))
+    d["padding_per_step"] = d["padding"] / d["steps"] if d.get("steps") else 0.0
     return d
 
 
@@ -198,13 +203,16 @@ def graphs_of(plan: Path) -> int:
 
 def table(before: dict, after: dict, drop: float) -> str:
     rows = [
-        "| plan | steps | graph replays | eager steps | padded tokens | per step | graphs |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| plan | steps (decode + mixed) | eager steps | padded tokens (decode + mixed) "
+        "| padded tokens per step | graphs |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, w in (("default sizes", before), ("tuned (hot-swapped)", after)):
+    for name, w in (("default sizes", before), ("tuned, hot-swapped", after)):
+        steps = f"{w['steps']} ({w.get('steps_decode', 0)} + {w.get('steps_mixed', 0)})"
+        pad = f"{w['padding']} ({w.get('padding_full', 0)} + {w.get('padding_piecewise', 0)})"
         rows.append(
-            f"| {name} | {w['steps']} | {w['replays']} | {w['eager']} | {w['padding']} "
-            f"| {w['padding_per_step']:.3f} | {w['graphs']} |"
+            f"| {name} | {steps} | {w.get('eager', 0)} | {pad} | {w['padding_per_step']:.3f} "
+            f"| {w['graphs']} |"
         )
     return "\n".join(rows) + f"\n\npadded tokens per step: {100 * drop:.1f} % fewer\n"
 
