@@ -274,11 +274,17 @@ def run(a: argparse.Namespace, tmp: Path) -> dict:
     }
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", default=str(ROOT / "plans" / "tiny-llama.yaml"))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--requests", type=positive, default=150)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-drop", type=float, default=0.30)
     p.add_argument("--json", type=Path, help="write the measurements here")
@@ -288,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tune_loop.") as tmp:
         try:
             r = run(a, Path(tmp))
+        except (OSError, RuntimeError, ValueError) as e:  # the server went away, a bad answer
+            print(f"tune_loop: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         finally:
             if a.keep:
                 shutil.copytree(tmp, a.keep, dirs_exist_ok=True)

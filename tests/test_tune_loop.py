@@ -27,3 +27,9 @@ def test_the_loop_cuts_padded_tokens_per_step_by_30_percent_without_more_graphs(
     assert after["graphs"] <= before["graphs"] == got["default_graphs"] == 30
     assert got["tuned_graphs"] <= got["default_graphs"]
     assert "padded tokens per step" in (tmp_path / "loop.md").read_text()
+
+
+def test_the_loop_exits_1_when_the_drop_is_below_min_drop(tmp_path):
+    cmd = [sys.executable, str(ROOT / "examples" / "tune_loop.py"), "--requests", "30"]
+    r = subprocess.run([*cmd, "--min-drop", "0.99"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "FAIL: drop below 99%" in r.stderr, r.stdout + r.stderr
