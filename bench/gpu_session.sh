@@ -49,6 +49,7 @@ for step in "$@"; do
     pagedflex) timeout 150 python bench/paged_attention_bench.py --methods floor,triton,flex --max-model-lens 32768 --iters 30 --out "$OUT/paged_attention_flex.md" 2>"$OUT/paged_attention_flex.err" | tail -12 ;;
     loadtest)  timeout 590 python bench/load_test.py --random-weights --clients 256 --requests 2 --out "$OUT/load_test_h100.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     realscale1b) timeout 300 python bench/real_scale.py --shape 1b --hf-batches 1 --out "$OUT/real_scale_1b.md" 2>&1 | tail -25 ;;
+    tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
     *)         echo "unknown step $step" ;;
   esac
 done
