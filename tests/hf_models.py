@@ -149,6 +149,31 @@ def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tens
     return [torch.cat(r) for r in rows]
 
 
+@torch.no_grad()
+def serve_greedy(model, runner, batcher, prompts: list[list[int]], new_tokens: int) -> None:
+    """Prompt i as request i, each for ``new_tokens`` greedy tokens, through ``batcher``
+    (server/batching.py) over ``runner`` until every request finished (``batcher.finished``)."""
+    for i, p in enumerate(prompts):
+        batcher.add(i, p, max_new_tokens=new_tokens)
+    while batcher.has_work():
+        batch = batcher.schedule()
+        if batch is None:
+            continue
+        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
+        batcher.commit(batch, logits)
+
+
+def generated(ref, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy ``generate``: the ``new_tokens`` tokens after ``prompt``."""
+    out = ref.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def tokens(n: int, seed: int, vocab: int = 128) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).tolist()

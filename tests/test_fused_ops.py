@@ -40,11 +40,13 @@ from graphplan.runtime import GraphRunner
 from hf_models import (
     LENS,
     STEPS,
+    generated,
     mixed_plan,
     mixed_schedule,
     plan,
     reference_logits,
     run_schedule,
+    serve_greedy,
     small_config,
     tokens,
 )
@@ -230,20 +232,9 @@ def test_greedy_generation_equals_transformers_generate(saved):
     runner.capture()
     prompts = [tokens(n, seed=30 + n) for n in (7, 3, 11)]
     batcher = ContinuousBatcher(max_num_seqs=4, token_budget=8, max_model_len=32, num_cache_rows=4)
+    serve_greedy(model, runner, batcher, prompts, 8)
     for i, p in enumerate(prompts):
-        batcher.add(i, p, max_new_tokens=8)
-    while batcher.has_work():
-        batch = batcher.schedule()
-        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
-        batcher.commit(batch, logits)
-    for i, p in enumerate(prompts):
-        want = ref.generate(
-            torch.tensor([p]),
-            max_new_tokens=8,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        )[0, len(p) :]
-        assert batcher.finished[i] == want.tolist(), f"prompt {i}"
+        assert batcher.finished[i] == generated(ref, p, 8), f"prompt {i}"
 
 
 def test_the_outputs_depend_on_the_context_by_far_more_than_the_tolerance(saved):

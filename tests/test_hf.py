@@ -24,10 +24,12 @@ from hf_models import (
     FAMILIES,
     LENS,
     STEPS,
+    generated,
     plan,
     reference_logits,
     reference_model,
     run_schedule,
+    serve_greedy,
     small_config,
     tokens,
 )
@@ -108,20 +110,9 @@ def test_greedy_continuous_batching_equals_transformers_generate(built):
     model, runner, ref = built
     prompts = [tokens(n, seed=30 + n) for n in (7, 3, 11)]
     batcher = ContinuousBatcher(max_num_seqs=4, token_budget=8, max_model_len=32, num_cache_rows=4)
+    serve_greedy(model, runner, batcher, prompts, 6)
     for i, p in enumerate(prompts):
-        batcher.add(i, p, max_new_tokens=6)
-    while batcher.has_work():
-        batch = batcher.schedule()
-        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
-        batcher.commit(batch, logits)
-    for i, p in enumerate(prompts):
-        want = ref.generate(
-            torch.tensor([p]),
-            max_new_tokens=6,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        )[0, len(p) :]
-        assert batcher.finished[i] == want.tolist(), f"prompt {i}"
+        assert batcher.finished[i] == generated(ref, p, 6), f"prompt {i}"
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -277,30 +277,17 @@ def test_greedy_tokens_equal_transformers_generate_with_a_pool_that_preempts(
     every request's greedy tokens are those of transformers' generate."""
     from graphplan.server.batching import ContinuousBatcher
 
-    from hf_models import tokens
+    from hf_models import generated, serve_greedy, tokens
 
     model, runner = paged_llama(llama_dir, block_size, 32)
     prompts = [tokens(n, seed=60 + n) for n in (7, 1, 11, 4)]
     batcher = ContinuousBatcher(
         max_num_seqs=4, token_budget=5, max_model_len=32, num_cache_rows=4, kv_pool=model.kv_pool
     )
-    for i, p in enumerate(prompts):
-        batcher.add(i, p, max_new_tokens=10)
-    while batcher.has_work():
-        batch = batcher.schedule()
-        if batch is None:
-            continue
-        logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
-        batcher.commit(batch, logits)
+    serve_greedy(model, runner, batcher, prompts, 10)
     assert batcher.num_preemptions > 0
     for i, p in enumerate(prompts):
-        want = transformers_llama.generate(
-            torch.tensor([p]),
-            max_new_tokens=10,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        )[0, len(p) :]
-        assert batcher.finished[i] == want.tolist(), f"prompt {i}"
+        assert batcher.finished[i] == generated(transformers_llama, p, 10), f"prompt {i}"
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
