@@ -13,6 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 YAML_STACK = ("yaml", "jsonschema", "jinja2")
 
 
+def compiled_table(plan: str, tmp_path: Path) -> Path:
+    """``plan compile`` of a shipped plan, in its own process, to ``tmp_path/t.json``."""
+    table = tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "graphplan.compiler.cli", "compile", plan, "-o", str(table)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    return table
+
+
 def modules_after(code: str, cwd=ROOT) -> set[str]:
     """Module names in sys.modules (top-level names and graphplan's subpackages) after running
     ``code`` in a fresh interpreter."""
@@ -50,22 +58,7 @@ def test_compiling_every_kind_of_plan_never_imports_torch():
 
 
 def test_the_table_module_needs_no_yaml_stack(tmp_path):
-    table = tmp_path / "t.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "graphplan.compiler.cli",
-            "compile",
-            "plans/llama3-8b-lora8.yaml",
-            "-o",
-            str(table),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    table = compiled_table("plans/llama3-8b-lora8.yaml", tmp_path)
     loaded = modules_after(
         "from graphplan.compiler.table import DispatchTable\n"
         f"t = DispatchTable.load({str(table)!r})\n"
@@ -84,22 +77,7 @@ def test_the_runtime_loads_captures_and_steps_without_the_yaml_stack(tmp_path):
     """runtime/ never imports yaml, jsonschema or jinja2: a server loads table.json, not plans.
     The probe exercises every runtime module: FULL and piecewise capture on the CPU stand-in,
     a step of each, metrics, DP (a group of one) and ubatch slicing."""
-    table = tmp_path / "t.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "graphplan.compiler.cli",
-            "compile",
-            "plans/tiny-llama.yaml",
-            "-o",
-            str(table),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    table = compiled_table("plans/tiny-llama.yaml", tmp_path)
     loaded = modules_after(
         "from graphplan import runtime\n"
         "import graphplan, graphplan.runtime.dp.agreement, graphplan.runtime.dp.runner, graphplan.runtime.dp.ubatch\n"
@@ -200,22 +178,7 @@ BLOCK_PLAN_EXTRA = (
 def test_the_runtime_serves_a_table_with_the_plan_extra_absent(tmp_path):
     """A server installs numpy + torch alone: with yaml/jsonschema/jinja2 unimportable, the
     runtime still loads a table, captures and steps."""
-    table = tmp_path / "t.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "graphplan.compiler.cli",
-            "compile",
-            "plans/tiny-llama.yaml",
-            "-o",
-            str(table),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    table = compiled_table("plans/tiny-llama.yaml", tmp_path)
     loaded = modules_after(
         BLOCK_PLAN_EXTRA + "from graphplan.runtime import GraphRunner, load_table\n"
         "from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, static_inputs\n"
