@@ -29,6 +29,7 @@ from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_input
 from graphplan.runtime import GraphRunner
 
 from timing import sync
+from tiny_shapes import BENCH, QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,27 +87,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    cfg = TinyLlamaConfig(
-        vocab_size=32000,
-        hidden=1024,
-        layers=8,
-        heads=16,
-        kv_heads=4,
-        intermediate=2816,
-        max_model_len=256,
-        num_cache_rows=512,
-    )
+    cfg = TinyLlamaConfig(**dict(BENCH, vocab_size=32000))
     if a.quick:
-        cfg = TinyLlamaConfig(
-            vocab_size=256,
-            hidden=64,
-            layers=2,
-            heads=4,
-            kv_heads=2,
-            intermediate=128,
-            max_model_len=64,
-            num_cache_rows=512,
-        )
+        cfg = TinyLlamaConfig(**QUICK)
         a.repeats = 2
     model = TinyLlama(cfg, seed=0, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     table = DispatchTable.load(DECODE_TABLE)

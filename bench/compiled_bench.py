@@ -46,6 +46,7 @@ from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, static_input
 from graphplan.runtime import CompiledModel, GraphRunner
 
 from timing import fresh_compile_caches, publish, sync, time_per_call
+from tiny_shapes import BENCH, QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,30 +203,12 @@ def main(argv=None) -> int:
         for kv in a.options.split(","):
             k, v = kv.split("=", 1)
             options[k] = {"True": True, "False": False}.get(v, int(v) if v.isdigit() else v)
-    cfg = TinyLlamaConfig(
-        vocab_size=4096,
-        hidden=1024,
-        layers=8,
-        heads=16,
-        kv_heads=4,
-        intermediate=2816,
-        max_model_len=256,
-        num_cache_rows=512,
-    )
+    cfg = TinyLlamaConfig(**BENCH)
     batches = [int(b) for b in a.batches.split(",")]
     table = DispatchTable.load(DECODE_TABLE)
     only = None
     if a.quick:
-        cfg = TinyLlamaConfig(
-            vocab_size=256,
-            hidden=64,
-            layers=2,
-            heads=4,
-            kv_heads=2,
-            intermediate=128,
-            max_model_len=64,
-            num_cache_rows=16,
-        )
+        cfg = TinyLlamaConfig(**dict(QUICK, num_cache_rows=16))
         batches, a.iters, a.repeats = [1, 8], 5, 2
         only = {g.id for g in table.graphs if g.key.num_tokens <= 8}
     sizes = [g.key.num_tokens for g in table.graphs if only is None or g.id in only]

@@ -29,19 +29,11 @@ from graphplan.runtime import CompiledModel, GraphRunner
 from graphplan.runtime.compiled.model import _shape_config
 
 from timing import fresh_compile_caches, sync, time_per_call
+from tiny_shapes import BENCH
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CFG = TinyLlamaConfig(
-    vocab_size=4096,
-    hidden=1024,
-    layers=8,
-    heads=16,
-    kv_heads=4,
-    intermediate=2816,
-    max_model_len=256,
-    num_cache_rows=512,
-)
+CFG = TinyLlamaConfig(**BENCH)
 DEV = torch.device("cuda")
 
 

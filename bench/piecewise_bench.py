@@ -42,6 +42,7 @@ from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, 
 from graphplan.runtime import DispatchTable, GraphRunner
 
 from timing import time_per_call
+from tiny_shapes import BENCH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,16 +158,7 @@ def main(argv=None) -> int:
         )
         tokens, iters, max_chunk = a.tokens or [8, 16, 32], a.iters or 5, 16
     else:
-        cfg = TinyLlamaConfig(
-            vocab_size=4096,
-            hidden=1024,
-            layers=8,
-            heads=16,
-            kv_heads=4,
-            intermediate=2816,
-            max_model_len=256,
-            num_cache_rows=64,
-        )
+        cfg = TinyLlamaConfig(**dict(BENCH, num_cache_rows=64))
         tokens, iters, max_chunk = a.tokens or DEFAULT_TOKENS, a.iters or 50, 128
     stock = tokens == DEFAULT_TOKENS and not a.quick
     mixed = (

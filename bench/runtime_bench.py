@@ -28,6 +28,7 @@ from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig, make_batch, 
 from graphplan.runtime import GraphRunner
 
 from timing import publish, sync, time_per_call
+from tiny_shapes import BENCH, QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,28 +104,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    cfg = TinyLlamaConfig(
-        vocab_size=4096,
-        hidden=1024,
-        layers=8,
-        heads=16,
-        kv_heads=4,
-        intermediate=2816,
-        max_model_len=256,
-        num_cache_rows=512,
-    )
+    cfg = TinyLlamaConfig(**BENCH)
     batches = [int(b) for b in a.batches.split(",")]
     if a.quick:
-        cfg = TinyLlamaConfig(
-            vocab_size=256,
-            hidden=64,
-            layers=2,
-            heads=4,
-            kv_heads=2,
-            intermediate=128,
-            max_model_len=64,
-            num_cache_rows=512,
-        )
+        cfg = TinyLlamaConfig(**QUICK)
         batches, a.iters, a.repeats = [1, 8], 5, 2
     dtype = torch.bfloat16 if cuda else torch.float32
     model = TinyLlama(cfg, seed=0, device=device, dtype=dtype)
