@@ -40,11 +40,10 @@ from hf_setup import (
     cli,
     prompts_for,
     setup,
-    sync,
     table_for,
 )
 from hf_setup import llama_config as llama_config  # re-exported: hf_bench's names stay importable
-from timing import publish
+from timing import publish, sync
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from hf_setup import FULL_SIZE, SMOKE_SIZE
 from server_load import get, run_server, run_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,22 +45,7 @@ PLANS = {
     "FULL_DECODE_ONLY": ROOT / "plans" / "hf-decode.yaml",
     "FULL_AND_PIECEWISE": ROOT / "plans" / "hf-mixed.yaml",
 }
-HF_LLAMA = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-)
-SMOKE_LLAMA = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+SMOKE_LLAMA = dict(SMOKE_SIZE, intermediate_size=128)
 SMOKE_SETS = [
     "scheduler.max_num_seqs=4",
     "scheduler.max_num_batched_tokens=32",
@@ -244,7 +230,7 @@ def main(argv=None) -> int:
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    size = SMOKE_LLAMA if a.smoke else HF_LLAMA
+    size = SMOKE_LLAMA if a.smoke else FULL_SIZE
     work = workload(a, size["vocab_size"])
     name = (
         torch.cuda.get_device_name()

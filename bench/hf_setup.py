@@ -29,11 +29,6 @@ SMOKE_SIZE = dict(
 )
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prompts_for(a, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(a.seed + 1)
     spread = min(16, a.prompt_len - 1)

@@ -48,8 +48,8 @@ from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
 
 from hf_bench import run_graphplan
-from hf_setup import FULL_SIZE, SMOKE_SIZE, cli, prompts_for, setup, sync, table_for
-from timing import publish
+from hf_setup import FULL_SIZE, SMOKE_SIZE, cli, prompts_for, setup, table_for
+from timing import publish, sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
