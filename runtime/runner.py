@@ -257,11 +257,9 @@ class GraphRunner:
         )
         graph.replay()
         self._stats.replayed(gid, route.padded_tokens - n)
-        outs = self._outputs
-        assert outs is not None  # a FULL graph is captured only after its static outputs
         if self._single_output:
-            return outs[0][:n]
-        return tuple(o[:n] for o in outs)
+            return self._outputs[0][:n]
+        return tuple(o[:n] for o in self._outputs)
 
     def run_eager(self, inputs: dict[str, torch.Tensor]):
         """The eager path every eager step takes, single-rank or DP (runtime/dp/runner.py): the
@@ -279,7 +277,6 @@ class GraphRunner:
             return None
         assert self._job is not None and self._done is not None  # capture() set all three
         gid = self._demand.next()
-        assert self._job is not None and self._done is not None  # set with _demand by capture()
         t0 = time.perf_counter()
         try:
             capture_one(self._job, self._done, gid)

@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphplan.runtime.piecewise.breakable import current_step, split_point
 
-from .kv_write import write_kv
+from .kv_write import write_kv, write_kv_into
 
 ATTN_IMPLEMENTATION = "graphplan_paged"
 SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -196,18 +196,15 @@ def paged_attention(
             "graphplan.models.hf.PagedCausalLM"
         )
     _, num_heads, num_tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
     if scaling is None:
         scaling = head_dim**-0.5
     b = graphplan.batch() if isinstance(graphplan, StepInputs) else graphplan
     cache = b.kv[module.layer_idx]  # [2, blocks + 1, block_size, KvH, D]
-    flat = cache.view(2, -1, kv_heads, head_dim)  # [2, slots, KvH, D]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KvH, D]
-    if torch.compiler.is_compiling():  # one op that inductor keeps in place (models/hf/kv_write.py)
-        write_kv(cache, b.slot_mapping, k_new, v_new)
-    else:  # eager and in graphs: the same two copies, without a custom op's dispatch
-        flat[0].index_copy_(0, b.slot_mapping, k_new)
-        flat[1].index_copy_(0, b.slot_mapping, v_new)
+    # compiled: one op that inductor keeps in place (models/hf/kv_write.py); eager and in graphs
+    # the same two copies without a custom op's dispatch
+    write = write_kv if torch.compiler.is_compiling() else write_kv_into
+    write(cache, b.slot_mapping, k_new, v_new)
     q = query[0].transpose(0, 1)  # [T, H, D]
     if q.stride(-1) != 1:
         q = q.contiguous()

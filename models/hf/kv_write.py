@@ -17,17 +17,26 @@ from __future__ import annotations
 import torch
 
 
+def write_kv_into(
+    cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """cache ``[2, blocks, block_size, KvH, D]`` (one layer of the pool), slots ``[T]`` int64 over
+    the layer's ``blocks * block_size`` slots, key and value ``[T, KvH, D]``: slot ``slots[t]`` of
+    K gets ``key[t]``, likewise V. Eagerly and in CUDA graphs the attention calls this directly;
+    under torch.compile it goes through ``write_kv``."""
+    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
+
+
 @torch.library.custom_op("graphplan::write_kv", mutates_args=("cache",))
 def write_kv(
     cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """cache ``[2, blocks, block_size, KvH, D]`` (one layer of the pool, passed as the layer's own
-    tensor: a view made here, not in the compiled code, which on CUDA rebuilt it out of bounds),
-    slots ``[T]`` int64 over the layer's ``blocks * block_size`` slots, key and value
-    ``[T, KvH, D]``: slot ``slots[t]`` of K gets ``key[t]``, likewise V."""
-    flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
-    flat[0].index_copy_(0, slots, key)
-    flat[1].index_copy_(0, slots, value)
+    """``write_kv_into`` as one op that declares the cache it mutates. The cache is passed as the
+    layer's own tensor and viewed here, not in the compiled code, which on CUDA rebuilt the view
+    out of bounds."""
+    write_kv_into(cache, slots, key, value)
 
 
 @write_kv.register_fake
