@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import random
-import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from sse_clients import Result, free_port, get, metric, pct, run_clients
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -59,6 +56,7 @@ MIX = {
     "8b": [((16, 64), (16, 64), 0.4), ((128, 512), (64, 256), 0.4), ((512, 1024), (32, 128), 0.2)],
     "tiny": [((4, 12), (4, 12), 0.5), ((12, 40), (8, 20), 0.5)],
 }
+LONG = "long"
 PLAN_SETS = {
     "8b": ["scheduler.max_num_seqs=256", "scheduler.max_num_batched_tokens=2048"],
     "tiny": [
@@ -67,23 +65,6 @@ PLAN_SETS = {
         "cudagraph.capture_sizes=[1,2,4,8,16,32,64]",
     ],
 }
-
-
-@dataclass
-class Result:
-    kind: str
-    max_tokens: int
-    disconnect_after: int | None
-    sent: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    done: bool = False
-    status: int = 0
-    error: str = ""
-
-    @property
-    def cancelled(self) -> bool:
-        return self.disconnect_after is not None
 
 
 def write_model(path: Path, shape: str, max_len: int) -> Path:
@@ -128,69 +109,17 @@ def workload(a) -> list[list[dict]]:
             kind = f"{plo}-{phi}/{olo}-{ohi}"
             reqs.append({"body": body, "disconnect_after": hang_up, "kind": kind})
         out.append(reqs)
+    if a.long_prompt:  # one more client: a long prompt beside the others (issue 25's 32k case)
+        body = {
+            "model": "load",
+            "prompt": [rng.randrange(1, vocab) for _ in range(a.long_prompt)],
+            "max_tokens": a.long_max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        out.append([{"body": body, "disconnect_after": None, "kind": LONG}])
     return out
-
-
-async def stream_one(port: int, spec: dict) -> Result:
-    res = Result(spec["kind"], spec["body"]["max_tokens"], spec["disconnect_after"])
-    data = json.dumps(spec["body"]).encode()
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    try:
-        res.sent = time.perf_counter()
-        writer.write(head + data)
-        await writer.drain()
-        res.status = int((await reader.readline()).split()[1])
-        chunked = False
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            chunked |= line.lower().startswith(b"transfer-encoding: chunked")
-        if res.status != 200 or not chunked:
-            res.error = (await reader.read(2000)).decode(errors="replace")
-            return res
-        buf = b""
-        while True:
-            size = int((await reader.readline()).strip() or b"0", 16)
-            if size == 0:
-                break
-            buf += (await reader.readexactly(size + 2))[:-2]
-            *events, buf = buf.split(b"\n\n")
-            for ev in events:
-                payload = ev.removeprefix(b"data: ")
-                if payload == b"[DONE]":
-                    res.done = True
-                    continue
-                obj = json.loads(payload)
-                if "error" in obj:
-                    res.error = obj["error"]["message"]
-                    continue
-                now = time.perf_counter()
-                for ch in obj["choices"]:
-                    res.token_times += [now] * len(ch.get("token_ids") or [])
-                    res.finish_reason = ch.get("finish_reason") or res.finish_reason
-            if res.cancelled and len(res.token_times) >= res.disconnect_after:
-                return res  # hang up mid-stream
-    except (ConnectionError, asyncio.IncompleteReadError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    finally:
-        writer.close()
-    return res
-
-
-async def run_clients(port: int, work) -> list[Result]:
-    async def client(reqs):
-        return [await stream_one(port, spec) for spec in reqs]
-
-    per_client = await asyncio.gather(*(client(reqs) for reqs in work))
-    return [r for rs in per_client for r in rs]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(a, model_dir: Path, port: int, log):
@@ -223,29 +152,6 @@ def launch(a, model_dir: Path, port: int, log):
     return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    pat = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$"
-    m = re.search(pat, text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
 def report(
     a, cmd, results: list[Result], wall: float, after: str, startup: float
 ) -> tuple[str, bool]:
@@ -263,19 +169,33 @@ def report(
     ttft = [1000 * (r.token_times[0] - r.sent) for r in results if r.token_times]
     itl = [1000 * (t1 - t0) for r in results for t0, t1 in zip(r.token_times, r.token_times[1:])]
     tokens = sum(len(r.token_times) for r in results)
+    long_line = ""
+    for r in results:
+        if r.kind == LONG:
+            ttft_s = r.token_times[0] - r.sent if r.token_times else float("nan")
+            long_line = (
+                f"- the long request ({a.long_prompt} prompt tokens, {r.max_tokens} out): "
+                f"{'finished whole' if r not in bad else 'FAILED: ' + (r.error or '?')}, "
+                f"{len(r.token_times)} tokens, first after {ttft_s:.1f} s, all in "
+                f"{(r.token_times[-1] - r.sent) if r.token_times else float('nan'):.1f} s"
+            )
+    preempted = metric(after, "graphplan_server_preemptions_total")
     running = metric(after, "graphplan_server_running_requests")
     used = metric(after, "graphplan_server_kv_blocks_used")
     aborted = metric(after, "graphplan_server_requests_total", 'code="499"')
     ok = not bad and running == 0 and used == 0
     lines = [
-        f"# load test: {a.clients} streaming clients x {a.requests} requests, {a.shape} shape",
+        f"# load test: {a.clients} streaming clients x {a.requests} requests"
+        + (f" + 1 of {a.long_prompt} prompt tokens" if a.long_prompt else "")
+        + f", {a.shape} shape, max_model_len {a.max_model_len}",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"device: {a.device_name}, python {platform.python_version()}",
         f"- server: `{shlex.join(cmd[1:])}`",
         f"- bench: `python {shlex.join(sys.argv)}`",
         f"- start-up (model + capture) {startup:.1f} s; run {wall:.1f} s; "
-        f"{tokens} tokens streamed, {tokens / wall:.0f} tokens/s",
+        f"{tokens} tokens streamed, {tokens / wall:.0f} tokens/s; preemptions {preempted:g}",
+        *([long_line] if long_line else []),
         "",
         "| requests | finished whole | cancelled by the client | failed |",
         "|---:|---:|---:|---:|",
@@ -298,8 +218,8 @@ def report(
     return "\n".join(lines) + "\n", ok
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
     p.add_argument(
         "--random-weights",
         action="store_true",
@@ -322,15 +242,31 @@ def main(argv=None) -> int:
     p.add_argument("--kv-memory-fraction", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=500)
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="one more client sends a prompt of this many tokens (e.g. 32000 with "
+        "--max-model-len 32768)",
+    )
+    p.add_argument("--long-max-tokens", type=int, default=256)
     p.add_argument("--out", type=Path)
-    a = p.parse_args(argv)
+    return p
+
+
+def finish_args(a):
     a.max_model_len = a.max_model_len or (64 if a.shape == "tiny" else 2048)
     a.device_name = a.device
     if a.device.startswith("cuda"):
         import torch
 
         a.device_name = torch.cuda.get_device_name()
-    work = workload(a)
+    return a
+
+
+def serve(a, work) -> dict | None:
+    """Start the server, run the clients of ``work``, scrape /metrics, stop it: the run's record,
+    or None (after printing the server's log) when it did not start."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / f"llama-{a.shape}", a.shape, a.max_model_len)
@@ -342,11 +278,12 @@ def main(argv=None) -> int:
                 while get(port, "/healthz")[0] != 200:
                     if proc.poll() is not None or time.monotonic() - t0 > a.startup_timeout:
                         print(log_path.read_text()[-4000:], file=sys.stderr)
-                        print("load_test: the server did not start", file=sys.stderr)
-                        return 1
+                        print("the server did not start", file=sys.stderr)
+                        return None
                     time.sleep(0.5)
                 startup = time.monotonic() - t0
-                print(f"server ready in {startup:.1f} s; {a.clients} clients", flush=True)
+                before = get(port, "/metrics")[1]
+                print(f"server ready in {startup:.1f} s; {len(work)} clients", flush=True)
                 t1 = time.perf_counter()
                 results = asyncio.run(run_clients(port, work))
                 wall = time.perf_counter() - t1
@@ -358,7 +295,15 @@ def main(argv=None) -> int:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-        text, ok = report(a, cmd, results, wall, after, startup)
+    return dict(cmd=cmd, results=results, wall=wall, before=before, after=after, startup=startup)
+
+
+def main(argv=None) -> int:
+    a = finish_args(parser().parse_args(argv))
+    run = serve(a, workload(a))
+    if run is None:
+        return 1
+    text, ok = report(a, run["cmd"], run["results"], run["wall"], run["after"], run["startup"])
     print(text)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ max_model_len, context and batch it prints:
   which reads the same bytes from HBM and keeps the floor within memory;
 - the ratio step / floor, tokens/s (batch / step), capture time of the plan's decode graphs, and
   the KV pool (blocks, GiB);
+- with ``--compile``, the same runner over the inductor-compiled model (rows "compiled");
 - **hf**: transformers' own decode step with a static cache under
   ``torch.compile(mode="reduce-overhead")`` at the same batch (``--hf-batches``; context 1024 only,
   its compile takes a minute per batch).
@@ -101,6 +102,9 @@ def parse_args(argv=None):
         default=0.85,
         help="CUDA: the KV pool's share of the memory free after the weights",
     )
+    p.add_argument(
+        "--compile", action="store_true", help="also GraphRunner(compile=True): inductor"
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hf-only", type=int, help=argparse.SUPPRESS)  # the baseline's child
@@ -152,8 +156,9 @@ def decode_plan(batches: list[int], max_len: int) -> dict:
     }
 
 
-def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
-    """Every (context, batch) of one max_model_len through one runner (one capture)."""
+def graphplan_steps(hf, a, device, max_len: int, rows: list[dict], compile=False) -> None:
+    """Every (context, batch) of one max_model_len through one runner (one capture; with
+    ``compile``, of the inductor-compiled model: its rows say "compiled")."""
     top = max(a.batches)
     if device.type == "cuda":  # the pool a server would have: most of what the weights leave
         pool = {"kv_memory_fraction": a.kv_fraction}
@@ -167,7 +172,9 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
         rows.append({"max_len": max_len, "note": f"KV pool refused: {e}"})
         return
     table = compile_plan(decode_plan(a.batches, max_len))
-    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False)
+    runner = GraphRunner(
+        model, table, model.static_inputs(), device=device, progress=False, compile=compile
+    )
     sync(device)
     t0 = time.perf_counter()
     runner.capture()
@@ -196,6 +203,7 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict]) -> None:
                     "capture_s": capture_s,
                     "blocks": model.cfg.num_blocks,
                     "pool_gib": pool_gib,
+                    **({"label": f"{max_len} compiled"} if compile else {}),
                 }
             )
     runner.release()  # its graphs; the model's pool goes when the caller collects
@@ -291,7 +299,7 @@ def report(a, device, load_s, rows, floors, hfs) -> tuple[str, bool]:
         ok &= verdict != "MISSED"
         h = hfs.get((r["batch"], r["ctx"]))
         lines.append(
-            f"| {r['max_len']} | {r['ctx']} | {r['batch']} | {ms(r['step'])} | "
+            f"| {r.get('label', r['max_len'])} | {r['ctx']} | {r['batch']} | {ms(r['step'])} | "
             f"{ms(f) if isinstance(f, float) else f or '-'} | "
             f"{'-' if ratio is None else f'{ratio:.2f}x'} | {f'<= {bar}x {verdict}' if bar else ''} | "
             f"{r['batch'] / r['step']:.0f} | {ms(h) if isinstance(h, float) else h or '-'} | "
@@ -299,7 +307,7 @@ def report(a, device, load_s, rows, floors, hfs) -> tuple[str, bool]:
         )
     by_len = {}
     for r in rows:
-        if "step" in r and r["batch"] == max(a.batches):
+        if "step" in r and r["batch"] == max(a.batches) and "label" not in r:
             by_len.setdefault(r["ctx"], {})[r["max_len"]] = r["step"]
     for ctx, steps in sorted(by_len.items()):
         if len(steps) > 1:
@@ -321,8 +329,10 @@ def main(argv=None) -> int:
     rows, floors, hfs = [], {}, {}
     if a.hf_only is not None:
         a.max_model_lens, a.contexts = [], []
-    for max_len in a.max_model_lens:
-        graphplan_steps(hf, a, device, max_len, rows)
+    for max_len, compile in [
+        (n, c) for n in a.max_model_lens for c in (False, True)[: 1 + a.compile]
+    ]:
+        graphplan_steps(hf, a, device, max_len, rows, compile)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

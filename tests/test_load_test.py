@@ -1,5 +1,5 @@
 """bench/load_test.py at smoke size on the CPU: the program starts a server, streams from
-concurrent clients (some hanging up), and passes only when every request not cancelled finished
+concurrent clients (some hanging up) beside one long prompt, and passes only when every request not cancelled finished
 whole and the cancelled ones freed their seats and KV blocks."""
 
 from load_test import main
@@ -19,6 +19,10 @@ def test_the_load_test_runs_at_smoke_size_and_passes(tmp_path):
         "2",
         "--disconnect",
         "0.4",
+        "--long-prompt",
+        "40",
+        "--long-max-tokens",
+        "5",
         "--out",
         str(out),
     ]
@@ -26,3 +30,20 @@ def test_the_load_test_runs_at_smoke_size_and_passes(tmp_path):
     text = out.read_text()
     assert "**PASS**" in text and "| TTFT |" in text and "| ITL |" in text
     assert "KV blocks used 0" in text and "running requests 0" in text
+    assert "the long request (40 prompt tokens, 5 out): finished whole, 5 tokens" in text
+
+
+def test_serve_overhead_runs_at_smoke_size(tmp_path):
+    """bench/serve_overhead.py: the served step's token gaps in the steady window and the replay
+    of the same decode graph, in one report (on the CPU the numbers mean nothing)."""
+    from serve_overhead import main as overhead
+
+    out = tmp_path / "overhead.md"
+    args = ["--random-weights", "--device", "cpu", "--shape", "tiny", "--clients", "3"]
+    args += ["--prompt-len", "6", "--max-tokens", "16", "--out", str(out)]
+    assert overhead(args) == 0
+    text = out.read_text()
+    assert "- 3 streaming clients, 6 prompt tokens, 16 output tokens each, greedy" in text
+    assert "steady window: all 3 clients decoding" in text
+    assert "replay (GraphRunner.step of the decode graph, batch 3, context" in text
+    assert "**host overhead" in text

@@ -1,0 +1,158 @@
+"""Host overhead of a served decode step (issue 25): the step as clients of graphplan-serve see it
+against the replay of the same decode graph, measured in one run. GPU only (``--device cpu --shape
+tiny`` checks the program).
+
+    python bench/serve_overhead.py --random-weights --out bench/results/serve_overhead.md  # 8B, 64
+    python bench/serve_overhead.py --random-weights --device cpu --shape tiny --clients 4 \\
+        --prompt-len 8 --max-tokens 24
+
+1. **Served step.** The server (a subprocess, as bench/load_test.py starts it; the plan's seats set
+   to ``--clients``) gets ``--clients`` streaming requests at once, each ``--prompt-len`` random
+   prompt tokens and exactly ``--max-tokens`` output tokens (``ignore_eos``; greedy unless
+   ``--sampled``). Every step of the *steady window* (from the moment the last client has its
+   first token, so no prompt is left to prefill, to the moment the first client has its last) is a
+   decode step of all ``--clients`` requests, and each client receives one token per step: the
+   gaps between a client's tokens inside the window are the served step's period, token to token,
+   scheduling, batch build, replay, sampling, commit and the HTTP stream included.
+2. **Replay.** After the server has exited, the same model shape is built in this process and
+   ``GraphRunner.step`` (copy in, replay of the FULL decode graph, slice out) is timed at the same
+   batch and the window's mean context, back to back (bench/real_scale.py's method).
+
+Host overhead = (median served step - replay) / median served step; the issue's bar is <= 5 % at
+batch 64 on the 8B shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import shlex
+import statistics
+import sys
+
+import torch
+
+import load_test
+import real_scale
+from sse_clients import pct
+from timing import publish
+
+BAR = 0.05
+
+
+def parse_args(argv=None):
+    p = load_test.parser(__doc__.split("\n\n")[0])
+    p.set_defaults(clients=64, requests=1, disconnect=0.0)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--sampled", action="store_true", help="temperature 0.8, top_p 0.95, seeded")
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args(argv)
+    if a.requests != 1 or a.long_prompt:
+        p.error("serve_overhead sends one request per client and no long prompt")
+    a.set = [f"scheduler.max_num_seqs={a.clients}", *a.set]
+    return load_test.finish_args(a)
+
+
+def workload(a) -> list[list[dict]]:
+    rng = random.Random(a.seed)
+    vocab = load_test.SHAPES[a.shape]["vocab_size"]
+    out = []
+    for c in range(a.clients):
+        body = {
+            "model": "load",
+            "prompt": [rng.randrange(1, vocab) for _ in range(a.prompt_len)],
+            "max_tokens": a.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.8 if a.sampled else 0.0,
+            **({"seed": c, "top_p": 0.95} if a.sampled else {}),
+        }
+        out.append([{"body": body, "disconnect_after": None, "kind": "steady"}])
+    return out
+
+
+def steady_gaps(results) -> tuple[list[float], float, int]:
+    """The token gaps (s) inside the steady window, its mean context, and how many tokens each
+    client had when the window opened."""
+    opens = max(r.token_times[0] for r in results)
+    closes = min(r.token_times[-1] for r in results)
+    gaps, first_in = [], []
+    for r in results:
+        ts = r.token_times
+        inside = [i for i, t in enumerate(ts) if opens <= t <= closes]
+        first_in += inside[:1]
+        gaps += [ts[i] - ts[i - 1] for i in inside if i > 0 and ts[i - 1] >= opens]
+    steps = statistics.mean(first_in) if first_in else 0
+    return gaps, steps, len(first_in)
+
+
+def replay_step(a, batch: int, ctx: int) -> tuple[float, float]:
+    """Seconds per ``GraphRunner.step`` of the decode graph at ``batch`` x ``ctx``, and the model's
+    build time."""
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    ns = argparse.Namespace(
+        shape=a.shape if a.shape != "tiny" else "tiny",
+        batches=[batch],
+        contexts=[ctx],
+        block_size=16,
+        kv_fraction=0.85,
+        iters=a.iters,
+        repeats=5,
+    )
+    hf, load_s = real_scale.build_model(ns, device)
+    rows: list[dict] = []
+    real_scale.graphplan_steps(hf, ns, device, a.max_model_len, rows)
+    if "step" not in rows[0]:
+        raise SystemExit(f"serve_overhead: the replay could not run: {rows[0]['note']}")
+    return rows[0]["step"], load_s
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    run = load_test.serve(a, workload(a))
+    if run is None:
+        return 1
+    results = run["results"]
+    bad = [r for r in results if r.error or len(r.token_times) != a.max_tokens]
+    if bad:
+        print(f"serve_overhead: {len(bad)} requests failed: {bad[0]}", file=sys.stderr)
+        return 1
+    gaps, tokens_before, clients_in = steady_gaps(results)
+    if len(gaps) < 10:
+        print("serve_overhead: the steady window is too short; raise --max-tokens", file=sys.stderr)
+        return 1
+    ctx = a.prompt_len + int(tokens_before + (a.max_tokens - tokens_before) / 2)
+    replay, load_s = replay_step(a, a.clients, ctx)
+    served = statistics.median(gaps)
+    overhead = (served - replay) / served
+    ok = overhead <= BAR
+    lines = [
+        f"# serve_overhead ({a.shape}), {a.device_name}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"command: `python bench/serve_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        f"server: `{shlex.join(run['cmd'][1:])}`",
+        f"torch {torch.__version__}, python {platform.python_version()}; server start-up "
+        f"{run['startup']:.1f} s; replay model built in {load_s:.1f} s",
+        "",
+        f"- {a.clients} streaming clients, {a.prompt_len} prompt tokens, {a.max_tokens} output "
+        f"tokens each, {'sampled (T 0.8, top_p 0.95, seeded)' if a.sampled else 'greedy'}",
+        f"- steady window: all {clients_in} clients decoding, {len(gaps)} token gaps; mean "
+        f"context {ctx}",
+        f"- served step (token gap in the window): p10 {pct(gaps, 10) * 1e3:.2f} ms, "
+        f"median {served * 1e3:.2f} ms, p90 {pct(gaps, 90) * 1e3:.2f} ms",
+        f"- replay (GraphRunner.step of the decode graph, batch {a.clients}, context {ctx}): "
+        f"{replay * 1e3:.2f} ms",
+        f"- **host overhead {(served - replay) * 1e3:.2f} ms = {overhead:.1%} of the served step** "
+        f"(bar <= {BAR:.0%}: {'met' if ok else 'MISSED'})",
+    ]
+    publish("\n".join(lines) + "\n", str(a.out) if a.out else None)
+    return 0 if ok or a.device == "cpu" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
