@@ -4,8 +4,9 @@ events of a stream, each built as a model of server/openai_responses.py.
 ``echo`` puts the prompt's text first in each completion choice; with ``logprobs`` too, the
 prompt's tokens come first in its logprobs (the first one null), then the generated ones, and
 ``text_offset`` runs on over both. A stream sends a choice's echoed prompt (and its logprobs)
-in that choice's first chunk, joined to its first generated text, as vLLM does: prompt logprobs
-are known once the prompt is prefilled, which is when the first token is sampled. A chat stream
+in that choice's first chunk, joined to its first generated text, as vLLM does
+(``completion_stream_generator`` in vllm/entrypoints/openai/serving_completion.py): prompt
+logprobs are known once the prompt is prefilled, which is when the first token is sampled. A chat stream
 opens each choice with a ``role`` delta; with ``stream_options.include_usage`` the last event
 before ``data: [DONE]`` is a usage chunk with no choices."""
 
@@ -113,32 +114,17 @@ async def stream(
         if job.chat:
             for c in choices:
                 first = ChatDelta(role="assistant", content="")
-                choice = ChatChunkChoice(
+                opening = ChatChunkChoice(
                     index=c.index, delta=first, logprobs=None, finish_reason=None
                 )
-                yield job.chunk([choice]).sse()
+                yield job.chunk([opening]).sse()
         try:
             async for c, d in run:
+                choice: ChatChunkChoice | CompletionChoice
                 if job.chat:
-                    yield job.chunk([_chat_chunk(c, d, tokenizer)]).sse()
-                    continue
-                head, steps = "", d.logprobs
-                if not opened[c.index]:
-                    assert job.echo is not None
-                    head, steps = job.echo[c.index // job.n], c.prompt_logprobs + steps
-                    opened[c.index] = True
-                logprobs = None
-                if _lp(c) and steps:
-                    logprobs, offsets[c.index] = completion_logprobs(
-                        steps, tokenizer, offsets[c.index]
-                    )
-                choice = CompletionChoice(
-                    index=c.index,
-                    text=head + d.text,
-                    logprobs=logprobs,
-                    finish_reason=_reason(d.finish_reason),
-                    token_ids=d.token_ids,
-                )
+                    choice = _chat_chunk(c, d, tokenizer)
+                else:
+                    choice = _completion_chunk(job, c, d, tokenizer, offsets, opened)
                 yield job.chunk([choice]).sse()
         except RequestError as e:
             yield error_model(e).sse()
@@ -149,6 +135,28 @@ async def stream(
         pass
     finally:
         cancel([r for r in reqs if not r.finished])
+
+
+def _completion_chunk(
+    job: Job, c: Choice, d: Delta, tokenizer, offsets: list[int], opened: list[bool]
+) -> CompletionChoice:
+    """A completion choice's chunk: its echoed prompt (and the prompt's logprobs) first when it is
+    the choice's first; ``offsets`` and ``opened`` are updated."""
+    head, steps = "", d.logprobs
+    if not opened[c.index]:
+        assert job.echo is not None
+        head, steps = job.echo[c.index // job.n], c.prompt_logprobs + steps
+        opened[c.index] = True
+    logprobs = None
+    if _lp(c) and steps:
+        logprobs, offsets[c.index] = completion_logprobs(steps, tokenizer, offsets[c.index])
+    return CompletionChoice(
+        index=c.index,
+        text=head + d.text,
+        logprobs=logprobs,
+        finish_reason=_reason(d.finish_reason),
+        token_ids=d.token_ids,
+    )
 
 
 def _chat_chunk(c: Choice, d: Delta, tokenizer: Tokenizer | None) -> ChatChunkChoice:

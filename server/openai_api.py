@@ -5,8 +5,11 @@ Each prompt and each of its ``n`` choices is one engine request with its own Sam
 for choice i). Text prompts and stop strings need the model's tokenizer; chat needs its chat
 template. Every completion choice also carries its generated ids as ``token_ids`` (and the prompt's
 as ``prompt_token_ids``), as vLLM does with ``return_token_ids``, so clients without a tokenizer
-can read the result. A client that disconnects, or a stop string that matches, cancels the engine
-request: its seat and KV blocks are freed at the next step."""
+can read the result. ``echo`` with ``logprobs`` asks the engine for the prompt's logprobs
+(server/prompt_logprobs.py); ``echo`` with ``max_tokens`` 0 returns the prompt alone. Responses
+are server/openai_responses.py's models, built by server/openai_answers.py. A client that
+disconnects, or a stop string that matches, cancels the engine request: its seat and KV blocks
+are freed at the next step."""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ Completions follow the legacy API (and vLLM): ``top_logprobs`` holds the ``logpr
 tokens and the chosen one (so up to ``logprobs`` + 1 entries); an entry without a logprob (the
 first prompt token with ``echo``) is null in both lists; ``text_offset`` is the running sum of the
 returned tokens' text lengths from ``offset``. A logprob of -inf is sent as -9999.0, as vLLM does
-(JSON has no infinities)."""
+(JSON has no infinities). Sources: vLLM's ``vllm/entrypoints/openai/serving_completion.py``
+(``request_output_to_completion_response``: with echo, the prompt's logprobs then the output's;
+``_create_completion_logprobs``: a position without logprobs is null in ``token_logprobs`` and
+``top_logprobs``, the top holds the token and ``logprobs`` more), OpenAI's spec
+(openai/openai-openapi ``CreateCompletionResponse.choices[].logprobs``)."""
 
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ def completion_logprobs(
     steps: Sequence[Sampled], tokenizer: Tokenizer | None, offset: int = 0
 ) -> tuple[CompletionLogprobs, int]:
     """The logprobs of ``steps`` and the offset after their last token's text."""
-    tokens, offsets, tops = [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
     for s in steps:
         text = token_text(tokenizer, s.token)
         tokens.append(text)

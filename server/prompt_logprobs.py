@@ -86,7 +86,8 @@ def launch(batch: StepBatch, logits: torch.Tensor) -> Pending | None:
     if not todo:
         return None
     dev, vocab = logits.device, logits.shape[-1]
-    rows, targets = [], []
+    rows: list[int] = []
+    targets: list[int] = []
     for s in todo:
         rows += range(s.row, s.row + s.count)
         targets += s.request.prompt[s.first : s.first + s.count]
