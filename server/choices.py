@@ -10,6 +10,7 @@ from typing import Sequence
 
 from graphplan.models import Tokenizer
 
+from .openai_responses import Usage
 from .requests import Request, Sampled
 from .stop_strings import StopMatcher
 
@@ -72,25 +73,43 @@ class Delta:
 
 
 class Choice:
-    """One request's output as the client sees it."""
+    """One request's output as the client sees it. ``prompt_only`` (echo with max_tokens 0): the
+    request runs for one token that is dropped, so the choice is its prompt's logprobs alone."""
 
-    def __init__(self, index: int, request: Request, tokenizer: Tokenizer | None, stops):
+    def __init__(
+        self,
+        index: int,
+        request: Request,
+        tokenizer: Tokenizer | None,
+        stops,
+        prompt_only: bool = False,
+    ):
         self.index, self.request = index, request
+        self.prompt_only = prompt_only
         self.detok = Detokenizer(tokenizer)
         self.matcher = StopMatcher(stops)
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[Sampled] = []
+        self.prompt_logprobs: list[Sampled] = [Sampled(request.prompt[0])]
+        """Prompt position i's entry (position 0: no logprob), as the engine sends them."""
         self.finish_reason: str | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def prompt(self, entries: list[Sampled]) -> None:
+        """The logprobs of the next prompt positions (server/prompt_logprobs.py)."""
+        self.prompt_logprobs += entries
+
     def token(self, s: Sampled) -> Delta:
         """A new token (ignored once the choice is done: a stop string ended it mid-step)."""
         if self.done:
             return Delta()
+        if self.prompt_only:
+            self.finish_reason = "length"
+            return Delta(finish_reason="length")
         self.token_ids.append(s.token)
         d = Delta(token_ids=[s.token], logprobs=[s] if s.logprob is not None else [])
         self.logprobs += d.logprobs
@@ -116,7 +135,7 @@ class Choice:
         return len(self.token_ids)
 
 
-def usage(prompts: Sequence[Sequence[int]], choices: Sequence[Choice]) -> dict:
+def usage(prompts: Sequence[Sequence[int]], choices: Sequence[Choice]) -> Usage:
     prompt = sum(len(p) for p in prompts)
     gen = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+    return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)

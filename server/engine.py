@@ -15,6 +15,7 @@ from typing import Any
 
 from graphplan.runtime import GraphRunner
 
+from . import prompt_logprobs
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
@@ -328,7 +329,9 @@ class Engine:
             logits = self.runner.step(
                 inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
             )
+            prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks
             sampled = self.sample_step(batch, logits)
+            prompt_found = prompt_lps.read() if prompt_lps is not None else {}
             sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
             by_request = dict(zip(sampling, sampled))
             events = self.batcher.commit(batch, sampled=[s.token for s in sampled])
@@ -349,6 +352,7 @@ class Engine:
                 rid.admitted, rid.admitted_at = True, now
                 self.metrics.queue_seconds.observe(now - rid.arrived)
         out: dict[int, tuple[EventSink, list]] = {}
+        prompt_logprobs.merge_into(out, prompt_found)
         for ev in events:
             r = ev.request_id
             assert isinstance(r, Request)

@@ -5,13 +5,15 @@ Each prompt and each of its ``n`` choices is one engine request with its own Sam
 for choice i). Text prompts and stop strings need the model's tokenizer; chat needs its chat
 template. Every completion choice also carries its generated ids as ``token_ids`` (and the prompt's
 as ``prompt_token_ids``), as vLLM does with ``return_token_ids``, so clients without a tokenizer
-can read the result. A client that disconnects, or a stop string that matches, cancels the engine
-request: its seat and KV blocks are freed at the next step."""
+can read the result. ``echo`` with ``logprobs`` asks the engine for the prompt's logprobs
+(server/prompt_logprobs.py); ``echo`` with ``max_tokens`` 0 returns the prompt alone. Responses
+are server/openai_responses.py's models, built by server/openai_answers.py. A client that
+disconnects, or a stop string that matches, cancels the engine request: its seat and KV blocks
+are freed at the next step."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -22,12 +24,14 @@ from starlette.responses import Response, StreamingResponse
 
 from graphplan.compiler.errors import UsageError
 
+from . import openai_answers as answers
 from .chat import ChatTemplate, TemplateError
-from .choices import Choice, Delta, usage
-from .http_io import ClientGone, events, json_response, read_body
-from .openai_format import chat_logprobs, completion_logprobs
+from .choices import Choice, Delta
+from .http_io import events, read_body
+from .openai_answers import Job
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, parse
-from .protocol import APIError, RequestError, error_body
+from .openai_responses import ModelCard, ModelList, Out
+from .protocol import APIError
 from .requests import AsyncSink, Request
 from .sampling_params import SamplingParams
 
@@ -61,23 +65,25 @@ class OpenAIFrontEnd:
 
     # -- routes -------------------------------------------------------------------------------
     async def models(self) -> Response:
-        return json_response(200, {"object": "list", "data": [self._card()]})
+        return _json(ModelList(data=[self._card()]))
 
     async def model(self, name: str) -> Response:
         self._check_model(name)
-        return json_response(200, self._card())
+        return _json(self._card())
 
     async def completions(self, request: HTTPRequest) -> Response:
         req = parse(CompletionRequest, await self._body(request))
         self._check_model(req.model)
         params = req.checked()
+        texts = req.prompts()
         prompts = [
-            self._tokens(p, "prompt" if len(req.prompts()) == 1 else f"prompt[{i}]")
-            for i, p in enumerate(req.prompts())
+            self._tokens(p, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+            for i, p in enumerate(texts)
         ]
         echo = [self._decode(p) for p in prompts] if req.echo else None
+        job = self._job(False, params, prompts, req.include_usage, echo)
         return await self._serve(
-            request, "text_completion", params, prompts, req.stream, req.include_usage, echo
+            request, job, params, req.stream, req.prompt_logprobs, req.prompt_only
         )
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
@@ -108,22 +114,32 @@ class OpenAIFrontEnd:
             ) from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = self._tokens(list(ids), "messages")
-        return await self._serve(
-            request, "chat.completion", params, [prompt], req.stream, req.include_usage, None
-        )
+        job = self._job(True, params, [prompt], req.include_usage, None)
+        return await self._serve(request, job, params, req.stream)
 
     # -- shared -------------------------------------------------------------------------------
     async def _body(self, request: HTTPRequest) -> bytes:
         return await read_body(request, self.server.max_body_bytes, self.server.idle_timeout)
 
-    def _card(self) -> dict:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "graphplan",
-            "max_model_len": self.engine.limits()["max_model_len"],
-        }
+    def _card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_name,
+            created=self.created,
+            owned_by="graphplan",
+            max_model_len=self.engine.limits()["max_model_len"],
+        )
+
+    def _job(self, chat: bool, params, prompts, include_usage: bool, echo) -> Job:
+        return Job(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            chat=chat,
+            n=params.n,
+            prompts=prompts,
+            include_usage=include_usage,
+            echo=echo,
+        )
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -158,7 +174,9 @@ class OpenAIFrontEnd:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def _requests(self, params: SamplingParams, prompts: list[list[int]], sink) -> list[Request]:
+    def _requests(
+        self, params: SamplingParams, prompts: list[list[int]], sink, prompt_logprobs: int | None
+    ) -> list[Request]:
         if len(prompts) * params.n > MAX_CHOICES:
             raise APIError(
                 400,
@@ -186,25 +204,27 @@ class OpenAIFrontEnd:
                         tag=i * params.n + j,
                         stop=stop,
                         logprobs=params.logprobs,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         return reqs
 
-    async def _serve(self, request, kind, params, prompts, stream, include_usage, echo) -> Response:
+    async def _serve(
+        self,
+        request,
+        job: Job,
+        params: SamplingParams,
+        stream: bool,
+        prompt_logprobs: int | None = None,
+        prompt_only: bool = False,
+    ) -> Response:
         sink = AsyncSink(asyncio.get_running_loop())
-        reqs = self._requests(params, prompts, sink)
+        reqs = self._requests(params, job.prompts, sink, prompt_logprobs)
         self.engine.enqueue(reqs)
-        choices = [Choice(r.tag, r, self.tokenizer, params.stop) for r in reqs]
-        chat = kind == "chat.completion"
-        meta = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": kind + (".chunk" if chat and stream else ""),
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
+        choices = [Choice(r.tag, r, self.tokenizer, params.stop, prompt_only) for r in reqs]
         run = self._run(request, sink, choices)
         if stream:
-            gen = self._sse(run, choices, prompts, meta, chat, include_usage, echo, params.n)
+            gen = answers.stream(job, run, choices, self.tokenizer, self.engine.cancel)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         try:
@@ -212,8 +232,7 @@ class OpenAIFrontEnd:
                 pass
         finally:
             self.engine.cancel([r for r in reqs if not r.finished])
-        out = [self._final(c, chat, echo, params.n, prompts) for c in choices]
-        return json_response(200, {**meta, "choices": out, "usage": usage(prompts, choices)})
+        return _json(answers.final(job, choices, self.tokenizer))
 
     async def _run(
         self, request, sink, choices: list[Choice]
@@ -225,6 +244,9 @@ class OpenAIFrontEnd:
                 continue  # a stop string ended it; the engine's last events are dropped
             if kind == "error":
                 raise value
+            if kind == "prompt_logprobs":
+                c.prompt(value)
+                continue
             d = c.token(value) if kind == "token" else c.end(value)
             if c.done:
                 left -= 1
@@ -234,97 +256,6 @@ class OpenAIFrontEnd:
             if not left:
                 return
 
-    def _final(self, c: Choice, chat: bool, echo, n: int, prompts) -> dict:
-        prompt = prompts[c.index // n]
-        if chat:
-            return {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, self.tokenizer)
-                if c.request.logprobs is not None
-                else None,
-                "finish_reason": c.finish_reason,
-            }
-        head = echo[c.index // n] if echo else ""
-        return {
-            "index": c.index,
-            "text": head + c.text,
-            "logprobs": completion_logprobs(c.logprobs, self.tokenizer, len(head))
-            if c.request.logprobs is not None
-            else None,
-            "finish_reason": c.finish_reason,
-            "token_ids": c.token_ids,
-            "prompt_token_ids": prompt,
-        }
 
-    async def _sse(self, run, choices, prompts, meta, chat, include_usage, echo, n):
-        reqs = [c.request for c in choices]
-        try:
-            if chat:
-                for c in choices:
-                    yield _sse(
-                        {
-                            **meta,
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-            elif echo:
-                for c in choices:
-                    yield _sse(
-                        {
-                            **meta,
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "text": echo[c.index // n],
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                    "token_ids": [],
-                                }
-                            ],
-                        }
-                    )
-            try:
-                async for c, d in run:
-                    yield _sse({**meta, "choices": [self._chunk(c, d, chat)]})
-            except RequestError as e:
-                yield _sse(error_body(e))
-            if include_usage:
-                yield _sse({**meta, "choices": [], "usage": usage(prompts, choices)})
-            yield b"data: [DONE]\n\n"
-        except ClientGone:
-            pass
-        finally:
-            self.engine.cancel([r for r in reqs if not r.finished])
-
-    def _chunk(self, c: Choice, d: Delta, chat: bool) -> dict:
-        lp = c.request.logprobs is not None
-        if chat:
-            return {
-                "index": c.index,
-                "delta": {"content": d.text} if d.text or d.finish_reason is None else {},
-                "logprobs": chat_logprobs(d.logprobs, self.tokenizer)
-                if lp and d.logprobs
-                else None,
-                "finish_reason": d.finish_reason,
-            }
-        return {
-            "index": c.index,
-            "text": d.text,
-            "logprobs": completion_logprobs(d.logprobs, self.tokenizer, 0)
-            if lp and d.logprobs
-            else None,
-            "finish_reason": d.finish_reason,
-            "token_ids": d.token_ids,
-        }
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+def _json(body: Out) -> Response:
+    return Response(body.body(), 200, media_type="application/json")

@@ -125,9 +125,25 @@ class CompletionRequest(Sampling):
             raise APIError(400, "'suffix' is not supported; leave it out", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "'best_of' is not supported (other than equal to 'n')", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400,
+                "'max_tokens' 0 generates nothing: it needs 'echo': true (the prompt alone, with "
+                "its logprobs when 'logprobs' is set), or use max_tokens >= 1",
+                "max_tokens",
+            )
+        # echo with max_tokens 0: the engine runs the prompt and one token, which is dropped
+        return self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: only the prompt (and its logprobs) is returned."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token: ``logprobs`` when echoed, else None (none computed)."""
+        return self.logprobs if self.echo else None
 
 
 class TextPart(Body):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from graphplan.compiler.errors import did_you_mean
 
+from .openai_responses import ErrorBody, ErrorInfo
+
 GENERATE_FIELDS = ("prompt", "prompts", "max_tokens", "stream")
 RELOAD_FIELDS = ("path", "set")
 DEFAULT_MAX_TOKENS = 16
@@ -46,16 +48,15 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def error_body(e: RequestError) -> dict:
+def error_model(e: RequestError) -> ErrorBody:
     """The one error shape of every route: OpenAI's ``{"error": {message, type, param, code}}``."""
-    return {
-        "error": {
-            "message": e.message,
-            "type": error_type(e.status),
-            "param": e.param,
-            "code": e.code,
-        }
-    }
+    info = ErrorInfo(message=e.message, type=error_type(e.status), param=e.param, code=e.code)
+    return ErrorBody(error=info)
+
+
+def error_body(e: RequestError) -> dict:
+    """``error_model`` as plain data."""
+    return error_model(e).model_dump()
 
 
 def parse_json(body: bytes):

@@ -1,7 +1,9 @@
 """What travels between the HTTP handlers and the engine thread: a ``Request`` (one prompt, one
 choice), the ``Sampled`` token it gets each step, and the sinks its events go to.
 
-Events are ``(tag, kind, value)``: ``(tag, "token", Sampled)`` for every new token, then one of
+Events are ``(tag, kind, value)``: ``(tag, "prompt_logprobs", [Sampled, ...])`` for the prompt
+positions a step computed (only when the request asks for them), ``(tag, "token", Sampled)`` for
+every new token, then one of
 ``(tag, "done", finish_reason)`` ("stop": EOS or a stop token id; "length": max_tokens) or
 ``(tag, "error", RequestError)``. The engine hands a request's events of one step to its sink in one
 call (``put_many``), so an asyncio handler is woken once per step, not once per token.
@@ -87,6 +89,12 @@ class Request:
     """Token ids that end it (EOS unless ignore_eos, and the request's stop_token_ids)."""
     logprobs: int | None = None
     """Top logprobs to return per token (None: no logprobs at all)."""
+    prompt_logprobs: int | None = None
+    """Top logprobs to return per prompt token (completions' echo with logprobs; None: none):
+    server/prompt_logprobs.py sends them as ``(tag, "prompt_logprobs", [Sampled, ...])`` events."""
+    prompt_logprobs_sent: int = 1
+    """The next prompt position whose logprob is to be sent (position 0 has none): a preempted
+    request that recomputes its prompt sends none twice."""
     out: list[int] = field(default_factory=list)
     arrived: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # first in a step (queue time ends)

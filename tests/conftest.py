@@ -16,12 +16,14 @@ _NEEDS = {
         "test_hf_piecewise.py",
         "test_hf_piecewise_gpu.py",
         "test_openai_server.py",
+        "test_openai_echo.py",
+        "test_openai_responses.py",
         "test_fused_ops.py",
         "test_fused_ops_gpu.py",
         "test_paged_attention.py",
         "test_paged_attention_gpu.py",
     ],
-    "openai": ["test_openai_server.py"],
+    "openai": ["test_openai_server.py", "test_openai_echo.py", "test_openai_responses.py"],
 }
 collect_ignore = sorted(
     {f for mod, files in _NEEDS.items() if importlib.util.find_spec(mod) is None for f in files}
