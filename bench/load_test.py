@@ -124,6 +124,7 @@ def workload(a) -> list[list[dict]]:
 
 def launch(a, model_dir: Path, port: int, log):
     cmd = [
+        *shlex.split(a.server_wrap),
         sys.executable,
         "-m",
         "graphplan.server",
@@ -191,7 +192,7 @@ def report(
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"device: {a.device_name}, python {platform.python_version()}",
-        f"- server: `{shlex.join(cmd[1:])}`",
+        f"- server: `{shlex.join(cmd[cmd.index('-m') :])}`",
         f"- bench: `python {shlex.join(sys.argv)}`",
         f"- start-up (model + capture) {startup:.1f} s; run {wall:.1f} s; "
         f"{tokens} tokens streamed, {tokens / wall:.0f} tokens/s; preemptions {preempted:g}",
@@ -250,6 +251,11 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         "--max-model-len 32768)",
     )
     p.add_argument("--long-max-tokens", type=int, default=256)
+    p.add_argument(
+        "--server-wrap",
+        default="",
+        help="a command the server runs under, e.g. 'py-spy record -o prof.txt -f raw --'",
+    )
     p.add_argument("--out", type=Path)
     return p
 

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         f"# serve_overhead ({a.shape}), {a.device_name}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"command: `python bench/serve_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
-        f"server: `{shlex.join(run['cmd'][1:])}`",
+        f"server: `{shlex.join(run['cmd'][run['cmd'].index('-m') :])}`",
         f"torch {torch.__version__}, python {platform.python_version()}; server start-up "
         f"{run['startup']:.1f} s; replay model built in {load_s:.1f} s",
         "",
