@@ -3,10 +3,12 @@ aten calls on the static buffers, as a CUDA graph holds their addresses): replay
 give exactly the eager sampler's tokens and logprobs for any mix of greedy, sampled and penalised
 requests, padded or not, and a padding row never touches a real slot."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphplan.runtime.graphs import HostSyncInCapture
 from graphplan.server import ModelSpec, Server
 from graphplan.server.batching import StepBatch
 from graphplan.server.requests import QueueSink, Request
@@ -149,6 +151,21 @@ def test_after_release_steps_run_eagerly_with_the_same_results():
     assert graphed.backend is None
     del graphed.sampler.sample  # the Python step runs again
     drive((graphed, eager), steps, {1: 2}, seed=1)
+
+
+def test_a_failed_capture_keeps_nothing_and_says_why(monkeypatch):
+    made = []
+    real = StepSampler._capture
+
+    def capture(self):
+        made.append(self)
+        monkeypatch.setattr(self.sampler, "update", lambda *a: torch.zeros(1).item())
+        real(self)
+
+    monkeypatch.setattr(StepSampler, "_capture", capture)
+    with pytest.raises(HostSyncInCapture, match=r"_local_scalar_dense"):
+        StepSampler(SLOTS, VOCAB, "cpu")  # a host read inside the step: refused at capture
+    assert made[0].backend is None  # the pool was returned
 
 
 @settings(max_examples=15, deadline=None)
