@@ -3,12 +3,17 @@ does today and against a conventional torch sampler (sort for top-k/top-p, softm
 not reproducible per request), each timed as a replayed CUDA graph on a GPU.
 
     python bench/sampling_bench.py --out bench/results/sampling_bench.md   # GPU: Llama-3 vocab
-    python bench/sampling_bench.py --device cpu --smoke                    # tiny sizes
+    python bench/sampling_bench.py --device cpu --quick                    # tiny sizes
 
 Rows: ``argmax`` (the baseline), ``torch_reference`` (sort + softmax + exponential_ + argmax),
 ``sampler`` (Sampler.sample, penalties off, no logprobs: penalty-free requests), ``sampler_full``
 (penalties on, 20 logprobs), and two parts of the sampler: ``sort`` (the per-row threshold's sort)
 and ``noise`` (the counter-based Gumbel noise). Every sampler row mixes greedy and sampled requests.
+
+A second table times the engine's whole sampling step (``StepSampler.sample``: staging, the rows'
+copy, the sampler, the host read), wall clock per step, eager against its captured graphs
+(server/step_sampler.py), for a mixed batch without and with one request asking for logprobs:
+what the graphs save is the host's launches of a few dozen small kernels per step.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import sys
 
 import torch
 
+from graphplan.server.batching import StepBatch
+from graphplan.server.requests import QueueSink, Request
 from graphplan.server.sampling import Sampler, gumbel_noise, seed_key, vocab_keys
 from graphplan.server.sampling_params import SamplingParams
+from graphplan.server.step_sampler import StepSampler
 
 from machine import machine
-from timing import graph_time_per_call, publish
+from timing import graph_time_per_call, publish, time_per_call
 
 MIX = [
     SamplingParams(temperature=0),
@@ -82,13 +90,41 @@ def measure(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
     return {name: graph_time_per_call(fn, device, iters) * 1e6 for name, fn in cases.items()}
 
 
+def engine_step(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
+    """Microseconds per ``StepSampler.sample`` of ``rows`` mixed requests, eager and replayed,
+    without and with one request asking for 5 logprobs."""
+    logits = torch.randn(rows, vocab, device=device).bfloat16() * 3
+    t = {}
+    for logprobs in (False, True):
+        reqs = [
+            Request(list(range(i, i + 64)), 1 << 20, QueueSink(), params, logprobs=None)
+            for i, params in enumerate((PENALISED, *MIX[1:], *MIX) * rows)
+        ][:rows]
+        reqs[-1].logprobs = 5 if logprobs else None
+        batch = StepBatch(
+            reqs=tuple((i, 64, (1,)) for i in range(rows)),
+            request_ids=tuple(reqs),
+            sample_rows=tuple(range(rows)),
+            num_tokens=rows,
+            max_query_len=1,
+        )
+        for graphs in (False, True):
+            s = StepSampler(rows, vocab, device, graphs=graphs)
+            key = f"{'graph' if graphs else 'eager'}{'_logprobs' if logprobs else ''}"
+            t[key] = time_per_call(lambda: s.sample(batch, logits), device, iters, 3) * 1e6
+            s.release_graphs()
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab", type=int, default=128256, help="Llama 3's vocabulary")
     ap.add_argument("--rows", default="1,8,64,256", help="requests sampled per step")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the program")
+    ap.add_argument(
+        "--smoke", "--quick", action="store_true", help="tiny sizes: checks the program"
+    )
     ap.add_argument("--out", help="also write the markdown result here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -112,6 +148,21 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r} | {t['argmax']:.1f} | {t['torch_reference']:.1f} | {t['sampler']:.1f} "
             f"| {t['sampler_full']:.1f} | {t['sort']:.1f} | {t['noise']:.1f} "
             f"| {t['sampler'] / t['argmax']:.1f}x | {t['sampler'] / t['torch_reference']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Engine sampling step (`StepSampler.sample`, wall clock incl. the host read), mixed batch",
+        "",
+        "| rows | eager us | graph us | eager / graph | eager + logprobs us "
+        "| graph + logprobs us | eager / graph + logprobs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = engine_step(r, vocab, device, args.iters)
+        lines.append(
+            f"| {r} | {t['eager']:.1f} | {t['graph']:.1f} | {t['eager'] / t['graph']:.2f}x "
+            f"| {t['eager_logprobs']:.1f} | {t['graph_logprobs']:.1f} "
+            f"| {t['eager_logprobs'] / t['graph_logprobs']:.2f}x |"
         )
     publish("\n".join(lines), args.out)
     return 0

@@ -192,6 +192,8 @@ class Engine:
             self.model = build_model(self.spec, self.table, self.device)
             self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
             self.runner = self._capture(self.table)
+            cfg = self.model.cfg  # the sampler's graphs, in their own pool
+            self.sampler = StepSampler(cfg.num_cache_rows, cfg.vocab_size, self.model.device)
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"
@@ -205,7 +207,6 @@ class Engine:
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
         )
-        self.sampler = StepSampler(cfg.num_cache_rows, cfg.vocab_size, self.model.device)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
         with self._cond:
@@ -222,6 +223,7 @@ class Engine:
             self._loop()
         finally:
             self._fail_all(RequestError(503, "server is shutting down"))
+            self.sampler.release_graphs()
 
     def _capture(self, table) -> GraphRunner:
         runner = GraphRunner(

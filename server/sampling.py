@@ -31,8 +31,11 @@ in any row, eager or replayed. The hash works on 32-bit values held in int64, wi
 2**31, so no product overflows on any device.
 
 Cost: a step is a few dozen elementwise ops, one sort, one softmax and one cumsum over [R, vocab]
-(``bench/sampling_bench.py``); its [R, vocab] temporaries (float32 and int64) live in the captured
-graph's memory pool. ``penalties=True`` keeps an int32 [max_num_seqs + 1, vocab] history.
+(``bench/sampling_bench.py``); its [R, vocab] temporaries (float32 and int64, at most ~33 bytes per
+logit alive at once, in the noise hash) live in the captured graph's memory pool. The server captures
+``sample`` + ``update`` per padded row count (server/step_sampler.py): a padding row names
+``pad_slot``, whose parameters stay neutral, so its counter and history may grow without effect.
+``penalties=True`` keeps an int32 [max_num_seqs + 1, vocab] history.
 """
 
 from __future__ import annotations
@@ -189,9 +192,9 @@ class Sampler:
         slots = torch.as_tensor(slots, dtype=torch.int64).to(self.device)
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device)
         self._steps.index_add_(0, slots, torch.ones_like(slots))
-        if self._history is not None:
+        if self._history is not None:  # scatter_add_: atomic adds, no sort, capturable
             one = torch.ones((), dtype=torch.int32, device=self.device).expand(slots.shape)
-            self._history.index_put_((slots, tokens), one, accumulate=True)
+            self._history.view(-1).scatter_add_(0, slots * self.vocab_size + tokens, one)
 
     def load_slots(self, slots: Sequence[int], size: int | None = None) -> torch.Tensor:
         """Copy a step's slots into the sampler's static slot buffer, padded with ``pad_slot`` to
@@ -208,15 +211,27 @@ class Sampler:
         self._slots[:size].copy_(torch.tensor(padded, dtype=torch.int64))
         return self._slots[:size]
 
+    def slot_state(self, slot: int) -> tuple[int, list[int]]:
+        """``slot``'s step counter and its history row as a list (empty with ``penalties=False``),
+        read back to the host: for tests and debugging, never in a step."""
+        if not (isinstance(slot, int) and 0 <= slot <= self.pad_slot):
+            raise ValueError(f"slot {slot!r} is outside 0..{self.pad_slot}")
+        history = self._history[slot].tolist() if self._history is not None else []
+        return int(self._steps[slot]), history
+
     def _check_slot(self, slot) -> None:
         if not (isinstance(slot, int) and 0 <= slot < self.max_num_seqs):
             raise ValueError(f"slot {slot!r} is outside 0..{self.max_num_seqs - 1}")
 
     # the step: device ops only, fixed shapes
 
-    def sample(self, logits: torch.Tensor, slots: torch.Tensor) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, slots: torch.Tensor, *, logprobs: bool = True
+    ) -> SampleOutput:
         """Sample one token per row of ``logits`` [R, vocab] for the slots ``slots`` [R] (int64, on
-        the device). Reads nothing back to the host, so it can be captured in a CUDA graph."""
+        the device). Reads nothing back to the host, so it can be captured in a CUDA graph.
+        ``logprobs=False`` skips the logprobs (a softmax and a top-k over [R, vocab]) of a
+        sampler built with ``max_logprobs``: a step where no request asked for them."""
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [rows, {self.vocab_size}], not {list(logits.shape)}")
         raw = logits.float()
@@ -230,12 +245,12 @@ class Sampler:
         noise = gumbel_noise(self._keys[slots], self._steps[slots], self._vocab_keys)
         noise.masked_fill_(greedy, 0.0)
         tokens = torch.where(keep, scaled + noise, float("-inf")).argmax(dim=-1)
-        if not self.max_logprobs:
+        if not (self.max_logprobs and logprobs):
             return SampleOutput(tokens)
         source = raw if self.logprobs_mode == "raw" else scaled.masked_fill(~keep, float("-inf"))
-        logprobs = torch.log_softmax(source, dim=-1)
-        top = logprobs.topk(self.max_logprobs, dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        lp = torch.log_softmax(source, dim=-1)
+        top = lp.topk(self.max_logprobs, dim=-1)
+        chosen = lp.gather(1, tokens[:, None])[:, 0]
         return SampleOutput(tokens, chosen, top.values, top.indices)
 
     def _threshold(self, scaled, top_p, top_k, min_p) -> torch.Tensor:

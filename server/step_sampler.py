@@ -1,17 +1,43 @@
 """The engine's sampling step: the batched ``Sampler`` (server/sampling.py) over the logits rows
-that sample this step, one sampler slot per KV-cache row.
+that sample this step, one sampler slot per KV-cache row, replayed as captured graphs.
 
 A request binds its row's slot the first time it samples in that row: its parameters, its seed and,
 after a preemption moved it to another row, the tokens it already generated (the step counter its
 noise reads and the history its penalties read), so a seeded request gives the same tokens alone, in
 any batch and across preemptions. A step whose every row is greedy, unpenalised and asks for no
-logprobs takes the argmax directly (the sampler's own greedy rows give the same tokens)."""
+logprobs takes the argmax directly (one kernel, cheaper than the sampler's sort; the sampler's own
+greedy rows give the same tokens).
+
+Every other step replays one graph (``graphs=True``, the default), whatever its mix of greedy,
+sampled and penalised rows. Graphs are captured once per padded row count R of ``graph_sizes``
+(powers of two up to the number of slots, and that number: a step of n rows pads to the smallest R
+>= n), each in two variants, with and without logprobs (softmax and top-k over [R, vocab] only when
+a request asked for them), largest first into the sampler's own pool (its own ``CudaGraphs``: the
+smaller graphs reuse the largest one's temporaries). A graph holds ``Sampler.sample`` and
+``Sampler.update`` (step counters and histories are device tensors) over static buffers:
+
+- ``_logits`` [slots, vocab] float32: the step's sampled rows, copied in with one ``index_select``;
+- ``_staged`` [2 * slots] int64: the step's logits rows then, from offset R, its R slots padded
+  with the sampler's ``pad_slot`` (greedy, never bound: its counter and history change, harmlessly,
+  and a real slot appears once per step, so it is updated exactly once), copied from a pinned host
+  buffer in one non-blocking copy;
+- outputs: the tokens [R] int64, or with logprobs [R, 2 + 2 * MAX_LOGPROBS] float32 (token, its
+  logprob, the top logprobs, their ids: ids below 2**24 are exact in float32), read back to the
+  host in one ``tolist()``, the step's one wait for the device.
+
+On a CPU the runtime's stand-in records each graph as a tape of aten calls on the same buffers
+(runtime/graphs.py), so CI runs exactly this replay path. Memory: the pool holds the temporaries of
+the largest graph; with the static logits it stays within ``SAMPLER_BYTES_PER_LOGIT`` per slot and
+vocabulary entry, what models/hf/step_memory.py reserves (a GPU test checks it at 64 x 32000).
+``graphs=False``, or after ``release_graphs()``, runs the same step eagerly on n rows."""
 
 from __future__ import annotations
 
 from typing import Hashable, Sequence
 
 import torch
+
+from graphplan.runtime.graphs import Graph, GraphBackend, graph_backend
 
 from .batching import StepBatch
 from .requests import Request, Sampled
@@ -20,43 +46,145 @@ from .sampling import Sampler
 MAX_LOGPROBS = 20
 
 
+def graph_sizes(max_rows: int) -> tuple[int, ...]:
+    """The padded row counts the sampler captures, largest first: ``max_rows`` and every power of
+    two below it (a step of n rows pads to at most 2n)."""
+    powers = {1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows}
+    return tuple(sorted(powers | {max_rows}, reverse=True))
+
+
 class StepSampler:
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str):
+    def __init__(
+        self, num_slots: int, vocab_size: int, device: torch.device | str, *, graphs: bool = True
+    ):
+        self.device = torch.device(device)
         self.sampler = Sampler(
-            num_slots, vocab_size, device=device, max_logprobs=MAX_LOGPROBS, penalties=True
+            num_slots, vocab_size, device=self.device, max_logprobs=MAX_LOGPROBS, penalties=True
         )
         self._owner: list[Request | None] = [None] * num_slots
+        self.sizes = graph_sizes(num_slots)
+        # [n] -> the padded row count of a step of n rows (array lookup, no search per step)
+        self._size_for = [0] + [
+            min(s for s in self.sizes if s >= n) for n in range(1, num_slots + 1)
+        ]
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(2 * num_slots, dtype=torch.int64, pin_memory=pinned)
+        self._host_np = self._host.numpy()
+        self._staged = torch.full(
+            (2 * num_slots,), self.sampler.pad_slot, dtype=torch.int64, device=self.device
+        )
+        self._logits = torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=self.device)
+        self._graphs: dict[tuple[int, bool], tuple[Graph, torch.Tensor]] = {}
+        self.backend: GraphBackend | None = None
+        self.capture_bytes = 0
+        """Bytes the capture added on the device (the sampler's pool); 0 on the CPU stand-in."""
+        if graphs:
+            self._capture()
 
+    @torch.no_grad()
     def sample(self, batch: StepBatch, logits: torch.Tensor) -> list[Sampled]:
         """One ``Sampled`` per request that samples this step, in ``batch.sampling_rows`` order."""
         rows = batch.sampling_rows
         if not rows:
             return []
         reqs = _sampling_requests(batch.request_ids, batch.sample_rows)
-        picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        n = len(rows)
         if all(r.params.greedy and not r.params.penalised and r.logprobs is None for r in reqs):
-            return [Sampled(t) for t in picked.argmax(dim=-1).tolist()]
+            index, _ = self._stage(rows, (), n)
+            return [Sampled(t) for t in logits.index_select(0, index).argmax(dim=-1).tolist()]
         slots = batch.sampling_cache_rows
         for r, slot in zip(reqs, slots):
             if self._owner[slot] is not r:
                 self._bind(r, slot)
-        view = self.sampler.load_slots(slots)
-        out = self.sampler.sample(picked, view)
-        self.sampler.update(view, out.token_ids)
-        tokens = out.token_ids.tolist()  # the step's one wait for the device
-        if all(r.logprobs is None for r in reqs) or out.logprobs is None:
-            return [Sampled(t) for t in tokens]
-        assert out.top_logprobs is not None and out.top_ids is not None
-        chosen = out.logprobs.tolist()
-        top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
+        size = self._size_for[n] if self._graphs else n
+        index, _ = self._stage(rows, slots, size)
+        picked = self._logits[:n]
+        if logits.dtype == picked.dtype:
+            torch.index_select(logits, 0, index, out=picked)
+        else:
+            picked.copy_(logits.index_select(0, index))
+        with_logprobs = any(r.logprobs is not None for r in reqs)
+        graph = self._graphs.get((size, with_logprobs))
+        if graph is None:
+            out = self._step(size, with_logprobs)
+        else:
+            graph[0].replay()
+            out = graph[1]
+        values = out[:n].tolist()  # the step's one wait for the device
+        if not with_logprobs:
+            return [Sampled(t) for t in values]
+        k = MAX_LOGPROBS
         result = []
-        for i, (r, t) in enumerate(zip(reqs, tokens)):
+        for r, v in zip(reqs, values):
             if r.logprobs is None:
-                result.append(Sampled(t))
+                result.append(Sampled(int(v[0])))
             else:
-                k = r.logprobs
-                result.append(Sampled(t, chosen[i], tuple(zip(top_ids[i][:k], top_lp[i][:k]))))
+                top = r.logprobs
+                pairs = tuple(zip(map(int, v[2 + k : 2 + k + top]), v[2 : 2 + top]))
+                result.append(Sampled(int(v[0]), v[1], pairs))
         return result
+
+    def _stage(
+        self, rows: Sequence[int], slots: Sequence[int], size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step's logits rows and its slots (padded to ``size`` with ``pad_slot``) to the
+        device in one non-blocking copy; returns their views [n] and [size]. The pinned host
+        buffer is free again: the previous step's ``tolist()`` waited for its copy."""
+        n, host = len(rows), self._host_np
+        host[:n] = rows
+        host[size : size + len(slots)] = slots
+        host[size + len(slots) : 2 * size] = self.sampler.pad_slot
+        self._staged[: 2 * size].copy_(self._host[: 2 * size], non_blocking=True)
+        return self._staged[:n], self._staged[size : 2 * size]
+
+    def _step(self, size: int, with_logprobs: bool) -> torch.Tensor:
+        """What a graph holds: sample ``size`` rows of the static logits for the staged slots,
+        record the tokens in the slots' state, and pack what the host reads."""
+        slots = self._staged[size : 2 * size]
+        out = self.sampler.sample(self._logits[:size], slots, logprobs=with_logprobs)
+        self.sampler.update(slots, out.token_ids)
+        if not with_logprobs:
+            return out.token_ids
+        assert out.logprobs is not None and out.top_logprobs is not None
+        assert out.top_ids is not None
+        return torch.cat(
+            [out.token_ids[:, None].float(), out.logprobs[:, None], out.top_logprobs]
+            + [out.top_ids.float()],
+            dim=1,
+        )
+
+    def _capture(self) -> None:
+        """Capture every (size, logprobs) graph, largest first, into the sampler's own pool, each
+        size warmed up once eagerly first (lazy kernel loading, the sort's workspace). Only
+        ``pad_slot`` is staged meanwhile, so the warm-ups and the stand-in's recording runs change
+        no real slot. On any failure, an interrupt included, nothing stays captured."""
+        backend = graph_backend(self.device)
+        self.backend = backend
+        self._staged.fill_(self.sampler.pad_slot)
+        try:
+            with torch.no_grad():
+                before = backend.memory_used()
+                for size in self.sizes:
+                    self._step(size, True)
+                    for with_logprobs in (True, False):
+                        segment = backend.open_segment()
+                        try:
+                            out = self._step(size, with_logprobs)
+                        except BaseException:
+                            segment.abort()
+                            raise
+                        self._graphs[size, with_logprobs] = (segment.close(), out)
+                self.capture_bytes = backend.memory_used() - before
+        except BaseException:
+            self.release_graphs()
+            raise
+
+    def release_graphs(self) -> None:
+        """Drop the graphs and return their pool (the engine stops); later steps run eagerly."""
+        self._graphs.clear()
+        if self.backend is not None:
+            self.backend.release()
+            self.backend = None
 
     def _bind(self, r: Request, slot: int) -> None:
         self.sampler.set_row(slot, r.params, r.prompt)

@@ -1,14 +1,20 @@
 """The sampler on CUDA (server/sampling.py): one capture of a step replayed with new parameters,
 slots and logits gives exactly the eager tokens and logprobs; a seeded request's tokens do not
-depend on the batch, and the noise is the CPU's. Skipped cleanly without CUDA."""
+depend on the batch, and the noise is the CPU's; the engine's sampler graphs
+(server/step_sampler.py) give the eager sampler's results and their pool stays within what
+models/hf/step_memory.py reserves. Skipped cleanly without CUDA."""
 
 import random
 
 import pytest
 import torch
 
+from graphplan.models.hf.step_memory import SAMPLER_BYTES_PER_LOGIT
+from graphplan.server.batching import StepBatch
+from graphplan.server.requests import QueueSink, Request
 from graphplan.server.sampling import Sampler
 from graphplan.server.sampling_params import SamplingParams
+from graphplan.server.step_sampler import StepSampler
 
 pytestmark = pytest.mark.gpu
 
@@ -89,3 +95,36 @@ def test_a_seeded_request_is_the_same_alone_batched_and_on_the_cpu():
     # could flip a near tie: allow one token in 24
     on_cpu = run(cpu, [0], 24, "cpu")
     assert sum(a == b for a, b in zip(on_cpu, tokens)) >= 23, (on_cpu, tokens)
+
+
+def test_the_step_samplers_graphs_give_the_eager_results_for_a_mixed_batch():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    graphed, eager = StepSampler(16, VOCAB, "cuda"), StepSampler(16, VOCAB, "cuda", graphs=False)
+    assert graphed.backend is not None and graphed.backend.name == "cuda"
+    seeded = PARAMS[:3] + PARAMS[4:] + [SamplingParams(temperature=1.3, min_p=0.05, seed=4)]
+    reqs = [  # greedy, sampled, penalised; every other one asks for logprobs
+        Request([k, 7], 50, QueueSink(), seeded[k % 5], logprobs=k if k % 2 else None)
+        for k in range(5)
+    ]
+    for step, n in enumerate((5, 3, 1, 4, 5, 2)):  # padded to 8, 4, 1, 4, 8, 2
+        batch = StepBatch(
+            reqs=tuple((2 * i + 1, 4 + step, (1,)) for i in range(n)),
+            request_ids=tuple(reqs[:n]),
+            sample_rows=tuple(range(n)),
+            num_tokens=n,
+            max_query_len=1,
+        )
+        logits = torch.randn(n, VOCAB, device="cuda", generator=gen).bfloat16() * 3
+        assert graphed.sample(batch, logits) == eager.sample(batch, logits), step
+    graphed.release_graphs()
+
+
+def test_the_sampler_graphs_pool_stays_within_the_reserved_bytes():
+    rows, vocab = 64, 32000
+    s = StepSampler(rows, vocab, "cuda")
+    static_logits = rows * vocab * 4  # the graphs' float32 input rows, outside the pool
+    assert 0 < s.capture_bytes
+    assert s.capture_bytes + static_logits <= SAMPLER_BYTES_PER_LOGIT * rows * vocab, (
+        s.capture_bytes / (rows * vocab)
+    )
+    s.release_graphs()

@@ -19,7 +19,9 @@ a longer prompt runs in chunks of the scheduler's budget, which the server passe
 
 SAMPLER_BYTES_PER_LOGIT = 48
 """Upper bound of the sampler's temporaries per row and vocabulary entry (a dozen float32/int64
-``[rows, vocab]`` tensors alive at once)."""
+``[rows, vocab]`` tensors alive at once): the server's sampler graphs' pool, which holds the
+largest graph's temporaries (about 33 bytes per logit, in the noise hash), plus their static
+float32 logits rows (server/step_sampler.py; tests/test_sampling_gpu.py checks the bound)."""
 
 
 def step_reserve_bytes(
