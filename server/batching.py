@@ -74,7 +74,7 @@ class TokenEvent:
     finished: bool
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, eq=False)  # one per request, compared by identity
 class _Request:
     id: Hashable
     prompt: tuple[int, ...]

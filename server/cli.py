@@ -261,6 +261,9 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     return serve(server)
 
 
+SWITCH_INTERVAL_S = 0.001
+
+
 def serve(server: Server) -> int:
     """Run until a signal (see the module docstring); the exit code."""
     stop = threading.Event()
@@ -275,6 +278,10 @@ def serve(server: Server) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, server.handle_sighup)
+    # The engine thread gives up the GIL at every device call; when it wants it back while the HTTP
+    # thread formats chunks, CPython makes it wait up to the switch interval (5 ms by default, half
+    # a decode step): 1 ms bounds what that wait adds to a step.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.start()
     while not stop.wait(0.2):  # the main thread stays free for signal handlers
         if server.engine.state == "failed":

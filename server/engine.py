@@ -19,6 +19,7 @@ from . import prompt_logprobs
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
+from .outbox import Outbox
 from .plan_swap import Swap, checked_table, swap_result, wait_for_swap
 from .protocol import RequestError
 from .requests import GREEDY, EventSink, QueueSink, Request, Sampled
@@ -45,6 +46,7 @@ class Engine:
         self.max_waiting = max_waiting
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
+        self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
         self.model: Any = None
@@ -192,14 +194,13 @@ class Engine:
             self.model = build_model(self.spec, self.table, self.device)
             self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
             self.runner = self._capture(self.table)
-            cfg = self.model.cfg  # the sampler's graphs, in their own pool
+            cfg, t = self.model.cfg, self.table  # the sampler's graphs, in their own pool
             self.sampler = StepSampler(cfg.num_cache_rows, cfg.vocab_size, self.model.device)
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"
             self._ready.set()
             return
-        cfg, t = self.model.cfg, self.table
         self.batcher = ContinuousBatcher(
             max_num_seqs=t.max_num_seqs,
             token_budget=t.max_tokens,
@@ -250,6 +251,7 @@ class Engine:
         while True:
             with self._cond:
                 while not (self._waiting or self._live or self._swaps or self._stop):
+                    self.outbox.flush()
                     self._cond.wait()
                 if self._stop:
                     return
@@ -274,6 +276,8 @@ class Engine:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
             if batch is not None:
                 self._step(batch)
+            else:
+                self.outbox.flush()
             self._live = [r for r in self._live if not r.finished]
             if batch is None and self._live:  # nothing can run yet: do not spin
                 time.sleep(0.001)
@@ -332,6 +336,7 @@ class Engine:
                 inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
             )
             prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks
+            self.outbox.flush()  # the last step's events, while this one runs on the device
             sampled = self.sample_step(batch, logits)
             prompt_found = prompt_lps.read() if prompt_lps is not None else {}
             sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
@@ -353,21 +358,13 @@ class Engine:
             if not rid.admitted:
                 rid.admitted, rid.admitted_at = True, now
                 self.metrics.queue_seconds.observe(now - rid.arrived)
-        out: dict[int, tuple[EventSink, list]] = {}
-        prompt_logprobs.merge_into(out, prompt_found)
-        for ev in events:
-            r = ev.request_id
-            assert isinstance(r, Request)
-            r.out.append(ev.token)
-            self.metrics.token(r, now)
-            items = out.setdefault(id(r.events), (r.events, []))[1]
-            items.append((r.tag, "token", by_request[r]))
-            if ev.finished:
-                self.batcher.finished.pop(r, None)
-                r.finish_reason = "stop" if ev.token in r.stop else "length"
-                self._finish(r, batched=items)
-        for sink, items in out.values():
-            sink.put_many(items)
+        prompt_logprobs.merge_into(self.outbox, prompt_found)
+        self.outbox.tokens(events, by_request, now, self._ended)
+
+    def _ended(self, r: Request, token: int, items: list) -> None:
+        self.batcher.finished.pop(r, None)
+        r.finish_reason = "stop" if token in r.stop else "length"
+        self._finish(r, batched=items)
 
     def _finish(
         self, r: Request, error: RequestError | None = None, batched: list | None = None
@@ -381,7 +378,8 @@ class Engine:
         event = (r.tag, "error", error) if error else (r.tag, "done", r.finish_reason)
         if batched is not None:
             batched.append(event)
-        else:
+        else:  # after what the outbox holds for it, in order
+            self.outbox.flush()
             r.events.put_many([event])
 
     def _fail_all(self, error: RequestError) -> None:

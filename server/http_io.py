@@ -17,6 +17,10 @@ from .requests import AsyncSink, Event
 log = logging.getLogger("graphplan.server")
 
 
+GONE: Event = (-1, "gone", None)
+"""Put in a request's event queue when its client disconnects (compared by identity)."""
+
+
 class ClientGone(Exception):
     """The client closed its connection; nothing more is sent."""
 
@@ -72,17 +76,19 @@ async def events(sink: AsyncSink, request: Request) -> AsyncIterator[Event]:
     """The engine's events for one HTTP request, until the caller stops; raises ClientGone as soon
     as the client disconnects (the caller then cancels its engine requests)."""
     gone = asyncio.ensure_future(_disconnected(request))
+
+    # the disconnect wakes the same queue the engine fills: no task or wait set per event
+    def wake(task: asyncio.Future) -> None:
+        if not task.cancelled():
+            sink.queue.put_nowait(GONE)
+
+    gone.add_done_callback(wake)
     try:
         while True:
-            while not sink.queue.empty():  # a step's events arrive together: no task for each
-                yield sink.queue.get_nowait()
-            get = asyncio.ensure_future(sink.get())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get in done:
-                yield get.result()
-                continue
-            get.cancel()
-            raise ClientGone()
+            event = await sink.get()
+            if event is GONE:
+                raise ClientGone()
+            yield event
     finally:
         gone.cancel()
 

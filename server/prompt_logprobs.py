@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import StepBatch
+from .outbox import Outbox
 from .requests import Request, Sampled
 
 ROWS_PER_BLOCK = 256
@@ -105,8 +106,8 @@ def launch(batch: StepBatch, logits: torch.Tensor) -> Pending | None:
     return Pending(todo, torch.cat(parts), k)
 
 
-def merge_into(out: dict, found: dict[Request, list[Sampled]]) -> None:
-    """Queue each request's ``(tag, "prompt_logprobs", entries)`` event in the engine's per-sink
-    ``out`` (``{id(sink): (sink, events)}``), before the step's token events."""
+def merge_into(outbox: Outbox, found: dict[Request, list[Sampled]]) -> None:
+    """Queue each request's ``(tag, "prompt_logprobs", entries)`` event in the engine's
+    ``outbox`` (server/outbox.py), before the step's token events."""
     for r, entries in found.items():
-        out.setdefault(id(r.events), (r.events, []))[1].append((r.tag, "prompt_logprobs", entries))
+        outbox.events(r.events).append((r.tag, "prompt_logprobs", entries))

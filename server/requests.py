@@ -53,11 +53,12 @@ class AsyncSink:
 
     def put_many(self, items: list[Event]) -> None:
         try:
-            self.loop.call_soon_threadsafe(self._put, items)
+            self.loop.call_soon_threadsafe(self.put_on_loop, items)
         except RuntimeError:  # the loop is closed: the server is stopping, nobody listens
             pass
 
-    def _put(self, items: list[Event]) -> None:
+    def put_on_loop(self, items: list[Event]) -> None:
+        """On the event loop's thread: queue ``items``."""
         for item in items:
             self.queue.put_nowait(item)
 
