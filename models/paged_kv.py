@@ -153,12 +153,15 @@ class BlockTables:
         self.pad_block = num_blocks
         self._free = deque(range(num_blocks))
         self._seats: list[list[int]] = [[] for _ in range(num_seats)]
+        # every seat's row, kept as blocks come and go: a step gathers its rows in one index
+        self.table = torch.full((num_seats, max_blocks_per_seq), num_blocks, dtype=torch.int32)
 
     def num_free(self) -> int:
         return len(self._free)
 
     def release(self, seat: int) -> None:
         self._free.extend(self._seats[seat])
+        self.table[seat, : len(self._seats[seat])] = self.pad_block
         self._seats[seat] = []
 
     def reserve(self, seat: int, start: int, num_tokens: int) -> None:
@@ -175,6 +178,7 @@ class BlockTables:
         while len(blocks) < want:
             if not self._free:
                 raise KVCacheSizeError(f"seat {seat}: no free KV-cache block left")
+            self.table[seat, len(blocks)] = self._free[0]
             blocks.append(self._free.popleft())
 
     def slots(self, seat: int, start: int, num_tokens: int) -> list[int]:
@@ -183,5 +187,8 @@ class BlockTables:
 
     def row(self, seat: int) -> list[int]:
         """The seat's block table, padded with the padding block to ``max_blocks_per_seq``."""
-        blocks = self._seats[seat]
-        return blocks + [self.pad_block] * (self.max_blocks - len(blocks))
+        return self.table[seat].tolist()
+
+    def rows(self, seats: list[int]) -> torch.Tensor:
+        """[len(seats), max_blocks_per_seq] int32 on the CPU: the seats' block tables."""
+        return self.table.index_select(0, torch.tensor(seats, dtype=torch.int64))

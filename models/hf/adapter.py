@@ -249,7 +249,7 @@ class PagedCausalLM(torch.nn.Module):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        rows: list[list[int]] = []  # block table rows
+        seats: list[int] = []
         seq_lens: list[int] = []
         qsl = [0]
         for seat, start, tokens in reqs:
@@ -258,7 +258,7 @@ class PagedCausalLM(torch.nn.Module):
             ids += tokens
             pos += range(start, start + n)
             slots += self.tables.slots(seat, start, n)
-            rows.append(self.tables.row(seat))
+            seats.append(seat)
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
         i64, i32, dev = torch.int64, torch.int32, self.device
@@ -266,7 +266,7 @@ class PagedCausalLM(torch.nn.Module):
             input_ids=torch.tensor(ids, dtype=i64, device=dev),
             positions=torch.tensor(pos, dtype=i64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=i64, device=dev),
-            block_tables=torch.tensor(rows, dtype=i32, device=dev),
+            block_tables=self.tables.rows(seats).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=i32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=i32, device=dev),
         )
