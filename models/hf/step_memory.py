@@ -17,11 +17,12 @@ DEFAULT_STEP_TOKENS = 8192
 """The step measured when the caller names no token budget (vLLM's default chunked-prefill budget;
 a longer prompt runs in chunks of the scheduler's budget, which the server passes)."""
 
-SAMPLER_BYTES_PER_LOGIT = 48
-"""Upper bound of the sampler's temporaries per row and vocabulary entry (a dozen float32/int64
-``[rows, vocab]`` tensors alive at once): the server's sampler graphs' pool, which holds the
-largest graph's temporaries (about 33 bytes per logit, in the noise hash), plus their static
-float32 logits rows (server/step_sampler.py; tests/test_sampling_gpu.py checks the bound)."""
+SAMPLER_BYTES_PER_LOGIT = 72
+"""Upper bound of the sampler's memory per row and vocabulary entry: the server's sampler graphs'
+pool, which holds the graphs' temporaries (measured 63.5 bytes per logit on an H100 at 64 rows x
+32000, 2026-11-25: the caching allocator's segments around a dozen float32/int64 ``[rows, vocab]``
+tensors; about 33 alive at once on the CPU), plus their static float32 logits rows (4), with room
+(server/step_sampler.py; tests/test_sampling_gpu.py checks the bound on the GPU)."""
 
 
 def step_reserve_bytes(
