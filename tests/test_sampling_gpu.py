@@ -4,6 +4,7 @@ depend on the batch, and the noise is the CPU's; the engine's sampler graphs
 (server/step_sampler.py) give the eager sampler's results and their pool stays within what
 models/hf/step_memory.py reserves. Skipped cleanly without CUDA."""
 
+import gc
 import random
 
 import pytest
@@ -121,6 +122,9 @@ def test_the_step_samplers_graphs_give_the_eager_results_for_a_mixed_batch():
 
 def test_the_sampler_graphs_pool_stays_within_the_reserved_bytes():
     rows, vocab = 64, 32000
+    gc.collect()  # what earlier tests left must not be freed or cached inside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     s = StepSampler(rows, vocab, "cuda")
     static_logits = rows * vocab * 4  # the graphs' float32 input rows, outside the pool
     assert 0 < s.capture_bytes
