@@ -2,8 +2,8 @@
 one decoder layer of a Llama-3-8B-shaped model (random bf16 weights built from its config, no
 download), with ``fused_ops`` on and off on the same weights, against the floor that
 bench/real_scale.py measures (its ``floor_step``: every linear layer as ``F.linear`` plus SDPA
-decode, in one CUDA graph) and its GEMMs alone. GPU only (``--device cpu --shape tiny`` checks
-the program: CPU ops stand in for kernels).
+decode, in one CUDA graph) and its GEMMs alone. GPU only: a result needs a CUDA device; ``--device
+cpu --shape tiny`` checks the program: CPU ops stand in for kernels.
 
     python bench/fused_ops_bench.py --out bench/results/fused_ops_bench.md   # 8B, batch 1 and 64
     python bench/fused_ops_bench.py --shape 1b --batches 1                   # a quick run

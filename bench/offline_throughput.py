@@ -1,7 +1,7 @@
 """Offline throughput at real scale: 1,000 requests with ShareGPT-like lengths, all submitted at
 once to the engine loop (continuous batching with chunked prefill, KV blocks on demand) over a
-Llama-3-8B-shaped model under graphplan's graphs. GPU only (``--device cpu --shape tiny`` checks
-the program).
+Llama-3-8B-shaped model under graphplan's graphs. GPU only: a result needs a CUDA device; ``--device
+cpu --shape tiny`` checks the program.
 
     python bench/offline_throughput.py --out bench/results/offline_throughput.md     # 8B, H100
     python bench/offline_throughput.py --device cpu --shape tiny --requests 16 --max-len 64

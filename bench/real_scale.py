@@ -1,6 +1,6 @@
 """Decode at real scale: a Llama-3-8B-shaped (or 1B) transformers model under graphplan's FULL
-decode graphs, against the floor measured in the same process. GPU only (``--device cpu`` with
-``--shape tiny`` checks the program).
+decode graphs, against the floor measured in the same process. GPU only: a result needs a CUDA
+device; ``--device cpu`` with ``--shape tiny`` checks the program.
 
     python bench/real_scale.py --out bench/results/real_scale.md            # 8B, the issue's grid
     python bench/real_scale.py --shape 1b --batches 1,8 --contexts 1024     # a quick run

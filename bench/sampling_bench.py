@@ -1,6 +1,7 @@
 """What sampling inside the step costs (server/sampling.py), against the greedy argmax the server
-does today and against a conventional torch sampler (sort for top-k/top-p, softmax, torch's RNG:
-not reproducible per request), each timed as a replayed CUDA graph on a GPU.
+does today and against a conventional torch sampler (sort for top-k/top-p, softmax, torch's RNG: not
+reproducible per request), each timed as a replayed CUDA graph on a GPU. GPU only: a result needs a
+CUDA device; ``--quick`` on the CPU checks the program.
 
     python bench/sampling_bench.py --out bench/results/sampling_bench.md   # GPU: Llama-3 vocab
     python bench/sampling_bench.py --device cpu --quick                    # tiny sizes

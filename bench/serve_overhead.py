@@ -1,6 +1,6 @@
 """Host overhead of a served decode step (issue 25): the step as clients of graphplan-serve see it
-against the replay of the same decode graph, measured in one run. GPU only (``--device cpu --shape
-tiny`` checks the program).
+against the replay of the same decode graph, measured in one run. GPU only: a result needs a CUDA
+device; ``--device cpu --shape tiny`` checks the program.
 
     python bench/serve_overhead.py --random-weights --out bench/results/serve_overhead.md  # 8B, 64
     python bench/serve_overhead.py --random-weights --device cpu --shape tiny --clients 4 \\
