@@ -105,8 +105,12 @@ class Model(Protocol):
         """The step's inputs as the runner's buffers: names, rows, dtypes, safe padding."""
         ...
 
-    def make_batch(self, reqs: Sequence[Request]) -> dict[str, torch.Tensor]:
-        """The step's keyword tensors for these requests, in order (token rows concatenated)."""
+    def make_batch(
+        self, reqs: Sequence[Request], *, non_blocking: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The step's keyword tensors for these requests, in order (token rows concatenated).
+        ``non_blocking``: without waiting for steps already launched on the device
+        (``graphplan.runtime.buffers.to_device``; the server's async scheduling)."""
         ...
 
     def release(self, seat: int) -> None:

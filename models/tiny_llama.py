@@ -24,6 +24,8 @@ import argparse
 import torch
 from torch import nn
 
+from graphplan.runtime.buffers import to_device
+
 from .reference import LOGIT_TOL, greedy, greedy_mismatch, logits_mismatch, reference_generate
 from .tiny_llama_layers import (
     ATTENTION_OP,
@@ -128,9 +130,9 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     # -- the Model protocol (the module functions below stay for existing callers) ----------
-    def make_batch(self, reqs) -> dict[str, torch.Tensor]:
+    def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """``(cache_row, start_pos, token_ids)`` per request -> forward's keyword arguments."""
-        return make_batch(self, reqs)
+        return make_batch(self, reqs, non_blocking=non_blocking)
 
     def static_inputs(self) -> list:
         return static_inputs(self)
@@ -181,8 +183,11 @@ def init_weights(model: TinyLlama, seed: int) -> None:
 # ---- batches ----
 
 
-def make_batch(model: TinyLlama, reqs: list[tuple[int, int, list[int]]]) -> dict[str, torch.Tensor]:
-    """reqs: (cache_row, start_pos, token_ids) per request -> forward's keyword arguments."""
+def make_batch(
+    model: TinyLlama, reqs: list[tuple[int, int, list[int]]], *, non_blocking: bool = False
+) -> dict[str, torch.Tensor]:
+    """reqs: (cache_row, start_pos, token_ids) per request -> forward's keyword arguments
+    (``non_blocking``: ``Model.make_batch``)."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -196,6 +201,15 @@ def make_batch(model: TinyLlama, reqs: list[tuple[int, int, list[int]]]) -> dict
         seq_lens.append(start + n)
         qsl.append(qsl[-1] + n)
     i64, i32, dev = torch.int64, torch.int32, model.device
+    if non_blocking:
+        host = dict(
+            input_ids=torch.tensor(ids, dtype=i64),
+            positions=torch.tensor(pos, dtype=i64),
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            seq_lens=torch.tensor(seq_lens, dtype=i32),
+            query_start_loc=torch.tensor(qsl, dtype=i32),
+        )
+        return {k: to_device(v, dev) for k, v in host.items()}
     return dict(
         input_ids=torch.tensor(ids, dtype=i64, device=dev),
         positions=torch.tensor(pos, dtype=i64, device=dev),

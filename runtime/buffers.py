@@ -15,6 +15,15 @@ from graphplan.compiler.errors import BatchError
 PER = ("token", "req", "req+1")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned memory
+    and a copy ordered on the stream (a plain ``.to`` waits for every step already launched, which
+    async scheduling must not); elsewhere a plain ``.to``."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StaticInput:
     """One named model input that the runner keeps a static buffer for."""

@@ -37,6 +37,9 @@ from typing import Hashable, Sequence
 
 from graphplan.models.protocol import BlockPool
 
+PLACEHOLDER = -1
+"""A speculated token not read yet (``ContinuousBatcher.speculate``); never a real token id."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepBatch:
@@ -302,6 +305,74 @@ class ContinuousBatcher:
             r.output.append(int(tok))
             done = len(r.output) >= r.max_new_tokens or int(tok) in r.stop
             events.append(TokenEvent(request_id=rid, token=int(tok), finished=done))
+            if done:
+                self.finished[rid] = r.output
+                self._retire(r)
+        return events
+
+    # -- async scheduling (server/pipeline.py) ----------------------------------------------
+    def speculate(self, batch: StepBatch) -> bool:
+        """Step ``batch`` was launched and its tokens are not read yet: record a placeholder
+        token for each of its requests (what ``commit_tokens`` advances, no events, nothing
+        retired), so that ``schedule()`` hands out the next step now. Only in the steady decode
+        state where that next step is surely every one of these requests decoding once more:
+        each decodes one token and samples, they are all the running requests (those of them that
+        finished since are skipped), none waits, none
+        reaches its ``max_new_tokens`` at ``batch``, and the free KV blocks hold every request's
+        next token (no preemption). Returns False, changing nothing, otherwise.
+        ``resolve(batch, tokens)`` puts the real tokens in place."""
+        by_id = {r.id: r for r in self._running}
+        reqs = [by_id.get(rid) for rid in batch.request_ids]
+        live = [r for r in reqs if r is not None]  # the others finished at the step before
+        if self._waiting or not live or len(live) != len(self._running):
+            return False
+        if len(live) > self.token_budget:
+            return False
+        need = 0
+        for r, (_, start, toks), row in zip(reqs, batch.reqs, batch.sample_rows):
+            if len(toks) != 1 or row < 0:
+                return False
+            if r is None:
+                continue
+            if r.pending != 1 or r.computed != start:
+                return False
+            if len(r.output) + 1 >= r.max_new_tokens:
+                return False
+            if self.kv_pool is not None:
+                bs = self._blocks.block_size  # blocks for positions [0, computed + 2)
+                need += -(-(r.computed + 2) // bs) - -(-(r.computed + 1) // bs)
+        if self.kv_pool is not None and need > self._blocks.num_free():
+            return False
+        for r in live:
+            r.computed += 1
+            r.output.append(PLACEHOLDER)
+        return True
+
+    def unspeculate(self, batch: StepBatch) -> None:
+        """Undo ``speculate(batch)`` (the next step was not what it expected)."""
+        by_id = {r.id: r for r in self._running}
+        for r in filter(None, map(by_id.get, batch.request_ids)):
+            assert r.output and r.output[-1] == PLACEHOLDER
+            r.output.pop()
+            r.computed -= 1
+
+    def resolve(self, batch: StepBatch, tokens: Sequence[int]) -> list[TokenEvent]:
+        """The tokens of a speculated ``batch`` (one per request, batch order): each replaces its
+        placeholder, with its ``TokenEvent``; a request that ends here finishes and is retired
+        (its seat and blocks free). The next step, already launched, holds it too: its token
+        there is dropped, as ``commit_tokens`` drops the tokens of requests no longer running.
+        That step's writes into the freed blocks are ordered on the device before any later
+        step's that reuses them."""
+        by_id = {r.id: r for r in self._running}
+        events = []
+        for rid, tok in zip(batch.request_ids, tokens):
+            r = by_id.get(rid)
+            if r is None:  # aborted meanwhile
+                continue
+            assert r.output and r.output[-1] == PLACEHOLDER, "resolve without speculate"
+            r.output[-1] = tok = int(tok)
+            done = len(r.output) >= r.max_new_tokens or tok in r.stop
+            events.append(TokenEvent(request_id=rid, token=tok, finished=done))
             if done:
                 self.finished[rid] = r.output
                 self._retire(r)

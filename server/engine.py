@@ -15,11 +15,11 @@ from typing import Any
 
 from graphplan.runtime import GraphRunner
 
-from . import prompt_logprobs
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
 from .outbox import Outbox
+from .pipeline import Pipeline
 from .plan_swap import Swap, checked_table, swap_result, wait_for_swap
 from .protocol import RequestError
 from .requests import GREEDY, EventSink, QueueSink, Request, Sampled
@@ -40,6 +40,7 @@ class Engine:
         progress: bool = True,
         max_waiting: int = 1024,
         on_demand: bool | None = None,
+        async_scheduling: bool = False,
     ):
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
@@ -47,6 +48,7 @@ class Engine:
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
+        self.pipeline = Pipeline(self, async_scheduling)  # the step (server/pipeline.py)
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
         self.model: Any = None
@@ -259,6 +261,11 @@ class Engine:
                 self._swaps.clear()
                 self._live = self._live + new  # before the clear: stop() never sees neither
                 self._waiting.clear()
+            if self.pipeline.busy:  # async scheduling: a step is in flight
+                if not (new or swaps or self._pending) and self.pipeline.advance():
+                    self._live = [r for r in self._live if not r.finished]
+                    continue
+                self.pipeline.drain()
             for r in new:
                 self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
                 self.metrics.prompt_tokens.inc(len(r.prompt))
@@ -329,37 +336,7 @@ class Engine:
         return self.sampler.sample(batch, logits)
 
     def _step(self, batch: StepBatch) -> None:
-        t0 = time.perf_counter()
-        try:
-            inputs = self.model.make_batch(batch.reqs)
-            logits = self.runner.step(
-                inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
-            )
-            prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks
-            self.outbox.flush()  # the last step's events, while this one runs on the device
-            sampled = self.sample_step(batch, logits)
-            prompt_found = prompt_lps.read() if prompt_lps is not None else {}
-            sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
-            by_request = dict(zip(sampling, sampled))
-            events = self.batcher.commit(batch, sampled=[s.token for s in sampled])
-        except Exception as e:
-            log.exception("engine step of %d requests failed; failing them", batch.num_reqs)
-            self.metrics.step_errors.inc()
-            err = RequestError(500, f"internal error in the engine step: {type(e).__name__}: {e}")
-            for rid in batch.request_ids:
-                assert isinstance(rid, Request)
-                self.batcher.abort(rid)
-                self._finish(rid, err)
-            return
-        now = time.perf_counter()
-        self.metrics.step(now - t0, batch, self.table.q)
-        for rid in batch.request_ids:
-            assert isinstance(rid, Request)
-            if not rid.admitted:
-                rid.admitted, rid.admitted_at = True, now
-                self.metrics.queue_seconds.observe(now - rid.arrived)
-        prompt_logprobs.merge_into(self.outbox, prompt_found)
-        self.outbox.tokens(events, by_request, now, self._ended)
+        self.pipeline.step(batch)
 
     def _ended(self, r: Request, token: int, items: list) -> None:
         self.batcher.finished.pop(r, None)

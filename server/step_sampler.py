@@ -68,8 +68,13 @@ class StepSampler:
             min(s for s in self.sizes if s >= n) for n in range(1, num_slots + 1)
         ]
         pinned = self.device.type == "cuda"
-        self._host = torch.zeros(2 * num_slots, dtype=torch.int64, pin_memory=pinned)
-        self._host_np = self._host.numpy()
+        # two pinned staging buffers, used in turn: with async scheduling a step stages while
+        # the previous one's copy may still wait on the device (it is done once its tokens are
+        # read, before the step after next stages)
+        self._hosts = [
+            torch.zeros(2 * num_slots, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
+        ]
+        self._turn = 0
         self._staged = torch.full(
             (2 * num_slots,), self.sampler.pad_slot, dtype=torch.int64, device=self.device
         )
@@ -81,17 +86,25 @@ class StepSampler:
         if graphs:
             self._capture()
 
-    @torch.no_grad()
     def sample(self, batch: StepBatch, logits: torch.Tensor) -> list[Sampled]:
         """One ``Sampled`` per request that samples this step, in ``batch.sampling_rows`` order."""
+        return self.launch(batch, logits).read()
+
+    @torch.no_grad()
+    def launch(self, batch: StepBatch, logits: torch.Tensor, *, keep: bool = False) -> Pending:
+        """Start the step's sampling on the device; ``read()`` the result. ``keep`` (async
+        scheduling, server/pipeline.py): the tokens stay valid while later steps sample (a copy
+        of the graph's output), as ``Pending.tokens`` on the device, and their copy to the host
+        starts now, so ``read()`` waits for this step alone, not for a step launched after it.
+        Without logprobs only."""
         rows = batch.sampling_rows
         if not rows:
-            return []
+            return Pending([], None, None, (), False)
         reqs = _sampling_requests(batch.request_ids, batch.sample_rows)
         n = len(rows)
         if all(r.params.greedy and not r.params.penalised and r.logprobs is None for r in reqs):
             index, _ = self._stage(rows, (), n)
-            return [Sampled(t) for t in logits.index_select(0, index).argmax(dim=-1).tolist()]
+            return _pending(logits.index_select(0, index).argmax(dim=-1), reqs, False, keep)
         slots = batch.sampling_cache_rows
         for r, slot in zip(reqs, slots):
             if self._owner[slot] is not r:
@@ -104,37 +117,28 @@ class StepSampler:
         else:
             picked.copy_(logits.index_select(0, index))
         with_logprobs = any(r.logprobs is not None for r in reqs)
+        assert not (keep and with_logprobs), "async scheduling keeps steps with logprobs sync"
         graph = self._graphs.get((size, with_logprobs))
         if graph is None:
             out = self._step(size, with_logprobs)
         else:
             graph[0].replay()
             out = graph[1]
-        values = out[:n].tolist()  # the step's one wait for the device
-        if not with_logprobs:
-            return [Sampled(t) for t in values]
-        k = MAX_LOGPROBS
-        result = []
-        for r, v in zip(reqs, values):
-            if r.logprobs is None:
-                result.append(Sampled(int(v[0])))
-            else:
-                top = r.logprobs
-                pairs = tuple(zip(map(int, v[2 + k : 2 + k + top]), v[2 : 2 + top]))
-                result.append(Sampled(int(v[0]), v[1], pairs))
-        return result
+        return _pending(out[:n].clone() if keep else out[:n], reqs, with_logprobs, keep)
 
     def _stage(
         self, rows: Sequence[int], slots: Sequence[int], size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step's logits rows and its slots (padded to ``size`` with ``pad_slot``) to the
         device in one non-blocking copy; returns their views [n] and [size]. The pinned host
-        buffer is free again: the previous step's ``tolist()`` waited for its copy."""
-        n, host = len(rows), self._host_np
+        buffer is free again: the read of the step before the previous waited for its copy."""
+        self._turn ^= 1
+        n, pinned = len(rows), self._hosts[self._turn]
+        host = pinned.numpy()
         host[:n] = rows
         host[size : size + len(slots)] = slots
         host[size + len(slots) : 2 * size] = self.sampler.pad_slot
-        self._staged[: 2 * size].copy_(self._host[: 2 * size], non_blocking=True)
+        self._staged[: 2 * size].copy_(pinned[: 2 * size], non_blocking=True)
         return self._staged[:n], self._staged[size : 2 * size]
 
     def _step(self, size: int, with_logprobs: bool) -> torch.Tensor:
@@ -197,6 +201,44 @@ class StepSampler:
         for i, owner in enumerate(self._owner):
             if owner is r:
                 self._owner[i] = None
+
+
+class Pending:
+    """A launched sampling step: ``tokens`` [n] int64 on the device (``launch(keep=True)``), and
+    ``read()``, the step's one wait: for its own copy to the host (an event) when kept, else for
+    the device."""
+
+    def __init__(self, values, tokens, done, reqs, with_logprobs: bool):
+        self._values, self.tokens, self._done = values, tokens, done
+        self._reqs, self._with_logprobs = reqs, with_logprobs
+
+    def read(self) -> list[Sampled]:
+        if self._done is not None:
+            self._done.synchronize()
+        values = self._values.tolist() if isinstance(self._values, torch.Tensor) else self._values
+        if not self._with_logprobs:
+            return [Sampled(t) for t in values]
+        k = MAX_LOGPROBS
+        result = []
+        for r, v in zip(self._reqs, values):
+            if r.logprobs is None:
+                result.append(Sampled(int(v[0])))
+            else:
+                top = r.logprobs
+                pairs = tuple(zip(map(int, v[2 + k : 2 + k + top]), v[2 : 2 + top]))
+                result.append(Sampled(int(v[0]), v[1], pairs))
+        return result
+
+
+def _pending(out: torch.Tensor, reqs: list[Request], with_logprobs: bool, keep: bool) -> Pending:
+    if not keep:
+        return Pending(out, None, None, reqs, with_logprobs)
+    if out.device.type != "cuda":
+        return Pending(out, out, None, reqs, with_logprobs)
+    host = out.to("cpu", non_blocking=True)  # into pinned memory, ordered before later steps
+    done = torch.cuda.Event()
+    done.record()
+    return Pending(host, out, done, reqs, with_logprobs)
 
 
 def _sampling_requests(ids: Sequence[Hashable], sample_rows: Sequence[int]) -> list[Request]:

@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from graphplan.runtime.buffers import StaticInput
+from graphplan.runtime.buffers import StaticInput, to_device
 from graphplan.runtime.piecewise.breakable import current_step
 
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
@@ -244,8 +244,9 @@ class PagedCausalLM(torch.nn.Module):
         return out.logits[0].float()
 
     # -- batches ----------------------------------------------------------------------------
-    def make_batch(self, reqs) -> dict[str, torch.Tensor]:
-        """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments."""
+    def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:
+        """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments
+        (``non_blocking``: ``graphplan.models.Model.make_batch``)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -262,6 +263,16 @@ class PagedCausalLM(torch.nn.Module):
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
         i64, i32, dev = torch.int64, torch.int32, self.device
+        if non_blocking:
+            host = dict(
+                input_ids=torch.tensor(ids, dtype=i64),
+                positions=torch.tensor(pos, dtype=i64),
+                slot_mapping=torch.tensor(slots, dtype=i64),
+                block_tables=self.tables.rows(seats),
+                seq_lens=torch.tensor(seq_lens, dtype=i32),
+                query_start_loc=torch.tensor(qsl, dtype=i32),
+            )
+            return {k: to_device(v, dev) for k, v in host.items()}
         return dict(
             input_ids=torch.tensor(ids, dtype=i64, device=dev),
             positions=torch.tensor(pos, dtype=i64, device=dev),

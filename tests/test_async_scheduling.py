@@ -1,0 +1,246 @@
+"""Async scheduling (server/pipeline.py): launching step N+1 before step N's tokens are read gives
+exactly the tokens and finish reasons of the synchronous engine, in every workload (stops mid-
+pipeline, seeded sampling, arrivals, cancellations, preemption, n > 1), speculates in the steady
+decode state, drops a stopped request's token of the step after, and leaks no seat or KV block."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server import load_table_from_text, plan_text
+
+from graphplan.server import Engine, ModelSpec
+from graphplan.server.batching import PLACEHOLDER, ContinuousBatcher, TokenEvent
+from graphplan.server.hf_model import HFSpec
+from graphplan.server.requests import GREEDY, QueueSink, Request
+from graphplan.server.sampling_params import SamplingParams
+
+from hf_models import write_model_dir
+
+SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
+
+
+def _engine(spec, plan: str, async_scheduling: bool) -> Engine:
+    e = Engine(
+        load_table_from_text(plan),
+        "plan.yaml",
+        spec=spec,
+        progress=False,
+        async_scheduling=async_scheduling,
+    )
+    e.start()
+    assert e.wait_ready(60), e.error
+    return e
+
+
+@pytest.fixture(scope="module")
+def engines():
+    pair = {a: _engine(SPEC, plan_text(), a) for a in (False, True)}
+    yield pair
+    for e in pair.values():
+        e.stop(5)
+
+
+def _wait_idle(e: Engine, timeout: float = 10) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not (e._live or e._waiting or e.pipeline.busy) and e.kv_blocks_used() == 0:
+            assert not e.batcher.has_work()
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"engine not idle: {e.kv_blocks_used()} KV blocks used")
+
+
+def run(e: Engine, waves, cancel_after: dict | None = None) -> dict:
+    """``waves``: lists of (prompt, max_tokens, stop, params); wave k+1 is submitted once the
+    first request of wave k has 2 tokens. ``cancel_after``: {request index: tokens} cancels it
+    after that many tokens. Returns {index: (tokens, finish reason or error status)}."""
+    sink = QueueSink()
+    reqs: list[Request] = []
+    results: dict = {}
+    cancel_after = cancel_after or {}
+
+    def submit(wave):
+        batch = [
+            Request(list(p), m, sink, params, tag=len(reqs) + i, stop=tuple(stop))
+            for i, (p, m, stop, params) in enumerate(wave)
+        ]
+        reqs.extend(batch)
+        e.enqueue(batch)
+
+    submit(waves[0])
+    starts, next_wave = [0], 1
+    toks: dict[int, list[int]] = {}
+    while len(results) < sum(map(len, waves)):
+        tag, kind, value = sink.get(30)
+        if kind == "token":
+            toks.setdefault(tag, []).append(value.token)
+            if tag in cancel_after and len(toks[tag]) == cancel_after[tag]:
+                e.cancel([reqs[tag]])
+        elif kind == "done":
+            results[tag] = (toks.get(tag, []), value)
+        elif kind == "error":
+            results[tag] = (toks.get(tag, []), value.status)
+        first = starts[-1]
+        if next_wave < len(waves) and (len(toks.get(first, [])) >= 2 or first in results):
+            starts.append(len(reqs))
+            submit(waves[next_wave])
+            next_wave += 1
+    _wait_idle(e)
+    return results
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 37 + i * 11) % 120 + 3 for i in range(n)]
+
+
+def greedy_waves(k: int = 10):
+    return [[(prompt(i, 3 + i % 5), 4 + (i * 7) % 17, (), GREEDY) for i in range(k)]]
+
+
+def test_greedy_requests_of_different_lengths_match_and_speculate(engines):
+    before = engines[True].pipeline.speculated
+    waves = greedy_waves(10)
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated > before
+    assert engines[False].pipeline.speculated == 0
+
+
+def test_the_steady_decode_state_speculates_every_step_but_the_last(engines):
+    """Four requests of 20 tokens: a prefill step (synchronous), 19 decode steps, of which every
+    one but the last (each request's 20th token: max_tokens) launches the next before its read."""
+    before = engines[True].pipeline.speculated
+    waves = [[(prompt(i, 4), 20, (), GREEDY) for i in range(4)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated - before == 18
+
+
+def test_stop_tokens_hit_at_different_steps_mid_pipeline(engines):
+    free = run(engines[False], greedy_waves(8))
+    waves = [[]]
+    for i in range(8):
+        toks = free[i][0]
+        stop = (toks[min(1 + i % 4, len(toks) - 1)],)  # a token it generates: stops there
+        waves[0].append((prompt(i, 3 + i % 5), 4 + (i * 7) % 17, stop, GREEDY))
+    sync = run(engines[False], waves)
+    assert run(engines[True], waves) == sync
+    assert sum(r == "stop" for _, r in sync.values()) >= 6
+
+
+def test_seeded_sampling_and_n_choices_match(engines):
+    def params(i):
+        return SamplingParams(temperature=1.0, seed=7 + i % 3, top_k=20, presence_penalty=0.3)
+
+    # n=3 as the server sends it: three requests of one prompt, seeds seed + index
+    waves = [[(prompt(i // 3, 5), 12 + i % 4, (), params(i)) for i in range(9)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+
+
+def test_arrivals_while_others_decode(engines):
+    waves = [
+        [(prompt(i, 4), 20, (), GREEDY) for i in range(3)],
+        [(prompt(10 + i, 6), 8 + i, (), GREEDY) for i in range(3)],
+        [(prompt(20 + i, 2), 5, (), GREEDY) for i in range(2)],
+    ]
+    assert run(engines[True], waves) == run(engines[False], waves)
+
+
+def test_a_cancellation_mid_stream(engines):
+    waves = greedy_waves(6)
+    waves[0][2] = (prompt(2, 4), 20, (), GREEDY)
+    got = {a: run(engines[a], waves, cancel_after={2: 3}) for a in (False, True)}
+    for a in (False, True):
+        assert got[a].pop(2)[1] == 499
+    assert got[True] == got[False]
+
+
+def test_the_batcher_drops_the_token_after_a_stop():
+    """Exact token lists: step N speculated, N+1 scheduled on the placeholder, N stops the
+    request; N+1's token is dropped, and the other request gets both."""
+    b = ContinuousBatcher(max_num_seqs=4, token_budget=8, max_model_len=32, num_cache_rows=4)
+    b.add("a", [1, 2], 10, stop_token_ids=[99])
+    b.add("b", [3], 10)
+    b.commit_tokens(first := b.schedule(), [5, 6])  # prefill; first tokens
+    assert first is not None
+    n = b.schedule()
+    assert n is not None and n.reqs == ((0, 2, (5,)), (1, 1, (6,)))
+    assert b.speculate(n)
+    n1 = b.schedule()  # scheduled before N's tokens are known
+    assert n1 is not None and n1.reqs == ((0, 3, (PLACEHOLDER,)), (1, 2, (PLACEHOLDER,)))
+    assert b.resolve(n, [99, 7]) == [
+        TokenEvent(request_id="a", token=99, finished=True),
+        TokenEvent(request_id="b", token=7, finished=False),
+    ]
+    assert b.finished["a"] == [5, 99]
+    assert b.commit_tokens(n1, [42, 8]) == [TokenEvent(request_id="b", token=8, finished=False)]
+    assert b.finished["a"] == [5, 99]
+    n2 = b.schedule()
+    assert n2 is not None and n2.reqs == ((1, 3, (8,)),)
+
+
+def test_speculation_backs_off_at_max_tokens_and_with_waiting_requests():
+    b = ContinuousBatcher(max_num_seqs=1, token_budget=8, max_model_len=32, num_cache_rows=1)
+    b.add("a", [1], 3)
+    b.commit_tokens(b.schedule(), [5])
+    b.add("w", [2], 3)  # waits for the seat
+    n = b.schedule()
+    assert n is not None and not b.speculate(n)  # someone waits
+    b.commit_tokens(n, [6])
+    n = b.schedule()
+    assert n is not None and not b.speculate(n)  # its token at n is its last
+    assert b._running[0].output == [5, 6]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("hf") / "m")
+
+
+def test_a_small_kv_pool_preempts_and_speculation_backs_off(hf_dir):
+    """Four requests in a pool of six 16-token blocks: preemption happens; async == sync."""
+    spec = HFSpec(model=str(hf_dir), max_model_len=64, kv_cache_tokens=96, block_size=16)
+    plan = plan_text(mode="FULL_DECODE_ONLY", sizes=(1, 2, 4))
+
+    def params(i):
+        return SamplingParams(temperature=1.0, seed=i, presence_penalty=0.5)
+
+    waves = [[([10 + i] * 12, 36, (), params(i)) for i in range(4)]]
+    got = {}
+    for a in (False, True):
+        e = _engine(spec, plan, a)
+        try:
+            got[a] = run(e, waves)
+            assert e.metrics.value("graphplan_server_preemptions_total") > 0
+            if a:
+                assert e.pipeline.speculated > 0
+        finally:
+            e.stop(5)
+    assert got[True] == got[False]
+
+
+_lock = threading.Lock()
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 9))
+    reqs = []
+    for _ in range(n):
+        seed = draw(st.integers(0, 50))
+        stop = draw(st.lists(st.integers(3, 127), max_size=3))
+        reqs.append((prompt(seed, draw(st.integers(1, 8))), draw(st.integers(1, 14)), stop, GREEDY))
+    cut = draw(st.integers(1, n))
+    return [reqs[:cut], reqs[cut:]] if cut < n else [reqs]
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(waves=workloads())
+def test_async_equals_sync_on_random_workloads(engines, waves):
+    with _lock:
+        assert run(engines[True], waves) == run(engines[False], waves)
