@@ -49,6 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--sampled", action="store_true", help="temperature 0.8, top_p 0.95, seeded")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="serve with --async-scheduling (each step launched before the previous one's read)",
+    )
     a = p.parse_args(argv)
     if a.requests != 1 or a.long_prompt:
         p.error("serve_overhead sends one request per client and no long prompt")

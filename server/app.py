@@ -43,6 +43,7 @@ class Server:
         idle_timeout: float = 30.0,
         on_demand: bool | None = None,
         max_waiting: int = 1024,
+        async_scheduling: bool = False,
     ):
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(
@@ -60,6 +61,7 @@ class Server:
             progress=progress,
             on_demand=on_demand,
             max_waiting=max_waiting,
+            async_scheduling=async_scheduling,
         )
         self.app = build_app(self)  # reads the tokenizer and chat template: errors now
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         "cudagraph.on_demand.start_sizes, every other graph on its first use "
         "(/healthz turns 200 sooner); default: the plan's cudagraph.on_demand.enabled",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="in the steady decode state, launch each step before reading the previous step's "
+        "tokens, so the host's scheduling overlaps the device's work (steps with logprobs, "
+        "arrivals, cancellations, preemption and max_tokens run synchronously); "
+        "the same tokens either way",
+    )
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
     p.add_argument(
         "--max-waiting",
@@ -251,6 +259,7 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             idle_timeout=a.idle_timeout,
             on_demand=a.on_demand,
             max_waiting=a.max_waiting,
+            async_scheduling=a.async_scheduling,
         )
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)
