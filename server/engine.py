@@ -93,6 +93,10 @@ class Engine:
             return self.model.cfg.num_cache_rows - self.num_running() if self.model else 0
         return pool.num_free()
 
+    def quiet(self) -> bool:
+        """No request waits to join and no plan swap is pending (async scheduling may go on)."""
+        return not (self._waiting or self._swaps or self._pending is not None)
+
     def kv_blocks_used(self) -> int:
         return max(0, self._kv_total - self.kv_blocks_free())
 
@@ -276,7 +280,7 @@ class Engine:
             for r in self._live:
                 if r.cancelled:
                     self.batcher.abort(r)
-                    self._finish(r, RequestError(499, "cancelled: the client left or stopped it"))
+                    self.finish(r, RequestError(499, "cancelled: the client left or stopped it"))
             preempted = self.batcher.num_preemptions
             batch = self.batcher.schedule()
             if self.batcher.num_preemptions > preempted:
@@ -338,12 +342,12 @@ class Engine:
     def _step(self, batch: StepBatch) -> None:
         self.pipeline.step(batch)
 
-    def _ended(self, r: Request, token: int, items: list) -> None:
+    def ended(self, r: Request, token: int, items: list) -> None:
         self.batcher.finished.pop(r, None)
         r.finish_reason = "stop" if token in r.stop else "length"
-        self._finish(r, batched=items)
+        self.finish(r, batched=items)
 
-    def _finish(
+    def finish(
         self, r: Request, error: RequestError | None = None, batched: list | None = None
     ) -> None:
         if r.finished:
@@ -373,5 +377,5 @@ class Engine:
         for r in [*self._live, *waiting]:
             if self.batcher is not None:
                 self.batcher.abort(r)
-            self._finish(r, error)
+            self.finish(r, error)
         self._live = []

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -42,9 +42,6 @@ from .batching import StepBatch
 from .protocol import RequestError
 from .requests import Request, Sampled
 from .step_sampler import Pending
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 log = logging.getLogger("graphplan.server")
 
@@ -59,8 +56,8 @@ class _Flight:
 
 
 class Pipeline:
-    def __init__(self, engine: Engine, async_scheduling: bool = False):
-        self.engine = engine
+    def __init__(self, engine: Any, async_scheduling: bool = False):
+        self.engine = engine  # the Engine whose step this is (its model, runner, batcher...)
         self.async_scheduling = async_scheduling
         self.speculated = 0
         """Steps launched before the previous step's tokens were read."""
@@ -169,7 +166,7 @@ class Pipeline:
     def _eligible(self, batch: StepBatch) -> bool:
         """The conditions on requests and the engine (the batcher checks its own)."""
         e = self.engine
-        if e._waiting or e._swaps or e._pending is not None:
+        if not e.quiet():
             return False
         for r in _requests(batch):
             if r.cancelled or r.logprobs is not None or r.prompt_logprobs is not None:
@@ -186,7 +183,7 @@ class Pipeline:
                 e.metrics.queue_seconds.observe(now - rid.arrived)
         sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
         by_request = dict(zip(sampling, sampled))
-        e.outbox.tokens(events, by_request, now, e._ended)
+        e.outbox.tokens(events, by_request, now, e.ended)
 
     def _fail(self, batches: list[StepBatch], exc: Exception) -> None:
         e = self.engine
@@ -201,7 +198,7 @@ class Pipeline:
         err = RequestError(500, f"internal error in the engine step: {type(exc).__name__}: {exc}")
         for r in reqs.values():
             e.batcher.abort(r)
-            e._finish(r, err)
+            e.finish(r, err)
 
 
 def _requests(batch: StepBatch) -> list[Request]:
