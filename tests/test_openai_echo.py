@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-from graphplan.server import Server
 from graphplan.server.hf_model import HFSpec
 
 from hf_models import reference_logits, reference_model, tokens, write_model_dir
+from served import openai_client, start_server
 
 NAME = "tiny-echo"
 BUDGET = 8  # tokens per step: a prompt of more is prefilled in chunks over several steps
@@ -36,17 +36,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    plan = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.write_text(PLAN)
-    s = Server(plan, spec=HFSpec(model=str(model_dir), max_model_len=64), progress=False).start()
-    assert s.wait_ready(60), s.engine.error
+    s = start_server(tmp_path_factory, model_dir, PLAN, max_model_len=64)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import ValidationError
 
-from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
-
 from hf_models import write_model_dir
+from served import start_server, with_chat_template
 
 NAME = "tiny-shapes"
 PLAN = (
@@ -54,14 +52,8 @@ ECHO_FIRST = ("choices.*.logprobs.token_logprobs.0", "choices.*.logprobs.top_log
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = write_model_dir(tmp_path_factory.mktemp("hf") / NAME)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    plan = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.write_text(PLAN)
-    s = Server(plan, spec=HFSpec(model=str(path), max_model_len=64), progress=False).start()
-    assert s.wait_ready(60), s.engine.error
+    path = with_chat_template(write_model_dir(tmp_path_factory.mktemp("hf") / NAME), TEMPLATE)
+    s = start_server(tmp_path_factory, path, PLAN, max_model_len=64)
     yield s
     s.stop()
 

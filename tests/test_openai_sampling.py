@@ -18,7 +18,8 @@ import torch
 from graphplan.server import Server
 from graphplan.server.hf_model import HFSpec
 
-from hf_models import reference_logits, reference_model, write_model_dir
+from hf_models import generated, reference_logits, reference_model, write_model_dir
+from served import openai_client, start_server, with_chat_template
 
 NAME = "tiny-chat"
 PLAN = (
@@ -36,27 +37,19 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = write_model_dir(tmp_path_factory.mktemp("hf") / NAME)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return with_chat_template(write_model_dir(tmp_path_factory.mktemp("hf") / NAME), TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    plan = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.write_text(PLAN)
-    spec = HFSpec(model=str(model_dir), max_model_len=64)
-    s = Server(plan, spec=spec, progress=False, idle_timeout=5).start()
-    assert s.wait_ready(60), s.engine.error
+    s = start_server(tmp_path_factory, model_dir, PLAN, max_model_len=64, idle_timeout=5)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +62,6 @@ def aclient(server):
 @pytest.fixture(scope="module")
 def ref(server):
     return reference_model(server.engine.model)
-
-
-def greedy(ref, prompt: list[int], n: int) -> list[int]:
-    out = ref.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=n,
-        do_sample=False,
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def words(ids: list[int]) -> str:
@@ -95,7 +78,7 @@ def test_chat_renders_the_models_template_and_answers_greedily(client, ref):
         extra_body={"ignore_eos": True},
     )
     prompt = [3, 7, 8, 4, 9, 5]  # w1 w5 w6 w2 w7 w3
-    want = greedy(ref, prompt, 5)
+    want = generated(ref, prompt, 5)
     msg = res.choices[0].message
     assert res.object == "chat.completion" and res.id.startswith("chatcmpl-")
     assert msg.role == "assistant" and msg.content == words(want)
@@ -115,7 +98,7 @@ def test_chat_streams_deltas_and_a_final_usage_chunk(client, ref):
             extra_body={"ignore_eos": True},
         )
     )
-    want = greedy(ref, [3, 11, 11, 11, 5], 6)
+    want = generated(ref, [3, 11, 11, 11, 5], 6)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.split() == words(want).split()
@@ -242,7 +225,7 @@ def test_logprobs_are_the_models_own_and_greedy_picks_the_top_one(client, ref):
 
 def test_stop_strings_end_the_text_across_token_boundaries_and_are_never_sent(client, ref):
     prompt = [20, 21, 22]
-    full = greedy(ref, prompt, 10)
+    full = generated(ref, prompt, 10)
     text = words(full)
     # a stop string that starts inside the 3rd word and ends inside the 4th
     third = text.split()[2]

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
 
-from hf_models import reference_model, write_model_dir
+from hf_models import generated, reference_model, write_model_dir
+from served import openai_client, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,34 +31,21 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    plan = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.write_text(PLAN)
-    s = Server(plan, spec=HFSpec(model=str(model_dir), max_model_len=32), progress=False).start()
-    assert s.wait_ready(60), s.engine.error
+    s = start_server(tmp_path_factory, model_dir, PLAN, max_model_len=32)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def reference(server):
     """transformers' greedy generate on the served weights (the model's own attention)."""
     ref = reference_model(server.engine.model)
-
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        out = ref.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-        return out[0, len(prompt) :].tolist()
-
-    return greedy
+    return lambda prompt, n: generated(ref, prompt, n)
 
 
 def test_models_lists_the_served_model(client):
