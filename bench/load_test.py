@@ -30,27 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_shapes import SHAPES
 from sse_clients import Result, free_port, get, metric, pct, run_clients
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "8b": dict(  # Llama-3-8B
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
-}
 # (prompt tokens, max_tokens) ranges of each kind of request, and how often it comes
 MIX = {
     "8b": [((16, 64), (16, 64), 0.4), ((128, 512), (64, 256), 0.4), ((512, 1024), (32, 128), 0.2)],
@@ -71,17 +54,26 @@ def write_model(path: Path, shape: str, max_len: int) -> Path:
     """config.json alone: the server draws the weights from --seed (--random-weights)."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        **SHAPES[shape],
-        max_position_embeddings=max_len,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    shape_args = {**SHAPES[shape], "max_position_embeddings": max_len, "tie_word_embeddings": False}
+    cfg = LlamaConfig(**shape_args, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(path)
     return path
+
+
+def request_body(prompt: list[int], max_tokens: int, seed: int | None = None) -> dict:
+    """A streamed completion of exactly ``max_tokens`` tokens: greedy, or with a ``seed`` sampled
+    (temperature 0.8, top_p 0.95)."""
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
+    return {
+        "model": "load",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        **sampling,
+        **({} if seed is None else {"top_p": 0.95}),
+    }
 
 
 def workload(a) -> list[list[dict]]:
@@ -96,35 +88,22 @@ def workload(a) -> list[list[dict]]:
             (plo, phi), (olo, ohi), _ = rng.choices(mix, weights=[m[2] for m in mix])[0]
             n_out = rng.randint(olo, ohi)
             sampled = rng.random() < 0.5
-            body = {
-                "model": "load",
-                "prompt": [rng.randrange(1, vocab) for _ in range(rng.randint(plo, phi))],
-                "max_tokens": n_out,
-                "stream": True,
-                "ignore_eos": True,
-                "temperature": 0.8 if sampled else 0.0,
-                **({"seed": c * 1000 + r, "top_p": 0.95} if sampled else {}),
-            }
+            prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(plo, phi))]
+            body = request_body(prompt, n_out, c * 1000 + r if sampled else None)
             hang_up = rng.randint(1, max(1, n_out // 2)) if rng.random() < a.disconnect else None
             kind = f"{plo}-{phi}/{olo}-{ohi}"
             reqs.append({"body": body, "disconnect_after": hang_up, "kind": kind})
         out.append(reqs)
     if a.long_prompt:  # one more client: a long prompt beside the others (issue 25's 32k case)
-        body = {
-            "model": "load",
-            "prompt": [rng.randrange(1, vocab) for _ in range(a.long_prompt)],
-            "max_tokens": a.long_max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
+        body = request_body(
+            [rng.randrange(1, vocab) for _ in range(a.long_prompt)], a.long_max_tokens
+        )
         out.append([{"body": body, "disconnect_after": None, "kind": LONG}])
     return out
 
 
 def launch(a, model_dir: Path, port: int, log):
     cmd = [
-        *shlex.split(a.server_wrap),
         sys.executable,
         "-m",
         "graphplan.server",
@@ -194,7 +173,7 @@ def report(
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"device: {a.device_name}, python {platform.python_version()}",
-        f"- server: `{shlex.join(cmd[cmd.index('-m') :])}`",
+        f"- server: `{shlex.join(cmd[1:])}`",
         f"- bench: `python {shlex.join(sys.argv)}`",
         f"- start-up (model + capture) {startup:.1f} s; run {wall:.1f} s; "
         f"{tokens} tokens streamed, {tokens / wall:.0f} tokens/s; preemptions {preempted:g}",
@@ -229,7 +208,7 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         required=True,
         help="required: the model's weights are random (drawn from its config)",
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--shape", choices=sorted(MIX), default="8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--plan", type=Path, default=ROOT / "plans" / "hf-mixed.yaml")
     p.add_argument("--set", action="append", default=[], help="more plan overrides")
@@ -253,11 +232,6 @@ def parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentPars
         "--max-model-len 32768)",
     )
     p.add_argument("--long-max-tokens", type=int, default=256)
-    p.add_argument(
-        "--server-wrap",
-        default="",
-        help="a command the server runs under, e.g. 'py-spy record -o prof.txt -f raw --'",
-    )
     p.add_argument("--out", type=Path)
     return p
 

@@ -44,44 +44,10 @@ from graphplan.compiler import GraphplanError, compile_plan
 from graphplan.models.hf import ATTN_IMPLEMENTATION, KVCacheSizeError, PagedCausalLM, load_model
 from graphplan.runtime import GraphRunner
 
+from llama_shapes import SHAPES
 from timing import graph_time_per_call, publish, sync, time_per_call
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA3 = dict(
-    vocab_size=128256,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
-SHAPES = {
-    "8b": dict(
-        LLAMA3,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        tie_word_embeddings=False,
-    ),
-    "1b": dict(
-        LLAMA3,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        tie_word_embeddings=True,
-        head_dim=64,
-    ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-    ),
-}
 BARS = {(1, 1024): 1.10, (64, 1024): 1.15, (64, 8192): 1.25}
 GiB = 1 << 30
 REUSE_KV_ABOVE = 256 << 20
@@ -329,13 +295,13 @@ def main(argv=None) -> int:
     rows, floors, hfs = [], {}, {}
     if a.hf_only is not None:
         a.max_model_lens, a.contexts = [], []
-    for max_len, compile in [
-        (n, c) for n in a.max_model_lens for c in (False, True)[: 1 + a.compile]
-    ]:
-        graphplan_steps(hf, a, device, max_len, rows, compile)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    variants = (False, True) if a.compile else (False,)  # plain, then the compiled model
+    for max_len in a.max_model_lens:
+        for compile in variants:
+            graphplan_steps(hf, a, device, max_len, rows, compile)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for ctx in a.contexts:
         for b in a.batches:
             floors[(b, ctx)] = floor_step(hf, a, device, b, ctx)

@@ -36,6 +36,7 @@ import torch
 
 import load_test
 import real_scale
+from llama_shapes import SHAPES
 from sse_clients import pct
 from timing import publish
 
@@ -63,18 +64,11 @@ def parse_args(argv=None):
 
 def workload(a) -> list[list[dict]]:
     rng = random.Random(a.seed)
-    vocab = load_test.SHAPES[a.shape]["vocab_size"]
+    vocab = SHAPES[a.shape]["vocab_size"]
     out = []
     for c in range(a.clients):
-        body = {
-            "model": "load",
-            "prompt": [rng.randrange(1, vocab) for _ in range(a.prompt_len)],
-            "max_tokens": a.max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0.8 if a.sampled else 0.0,
-            **({"seed": c, "top_p": 0.95} if a.sampled else {}),
-        }
+        prompt = [rng.randrange(1, vocab) for _ in range(a.prompt_len)]
+        body = load_test.request_body(prompt, a.max_tokens, c if a.sampled else None)
         out.append([{"body": body, "disconnect_after": None, "kind": "steady"}])
     return out
 
@@ -101,7 +95,7 @@ def replay_step(a, batch: int, ctx: int) -> tuple[float, float]:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     ns = argparse.Namespace(
-        shape=a.shape if a.shape != "tiny" else "tiny",
+        shape=a.shape,
         batches=[batch],
         contexts=[ctx],
         block_size=16,
@@ -140,7 +134,7 @@ def main(argv=None) -> int:
         f"# serve_overhead ({a.shape}), {a.device_name}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"command: `python bench/serve_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
-        f"server: `{shlex.join(run['cmd'][run['cmd'].index('-m') :])}`",
+        f"server: `{shlex.join(run['cmd'][1:])}`",
         f"torch {torch.__version__}, python {platform.python_version()}; server start-up "
         f"{run['startup']:.1f} s; replay model built in {load_s:.1f} s",
         "",
