@@ -303,11 +303,7 @@ class ContinuousBatcher:
             if tok is None:
                 raise ValueError(f"request {rid!r} samples a token this step, but got None")
             r.output.append(int(tok))
-            done = len(r.output) >= r.max_new_tokens or int(tok) in r.stop
-            events.append(TokenEvent(request_id=rid, token=int(tok), finished=done))
-            if done:
-                self.finished[rid] = r.output
-                self._retire(r)
+            events.append(self._ended_or_not(r))
         return events
 
     # -- async scheduling (server/pipeline.py) ----------------------------------------------
@@ -338,9 +334,8 @@ class ContinuousBatcher:
                 return False
             if len(r.output) + 1 >= r.max_new_tokens:
                 return False
-            if self.kv_pool is not None:
-                bs = self._blocks.block_size  # blocks for positions [0, computed + 2)
-                need += -(-(r.computed + 2) // bs) - -(-(r.computed + 1) // bs)
+            if self.kv_pool is not None:  # the next step's token, after the placeholder's
+                need += self._grow(r, 2) - self._grow(r, 1)
         if self.kv_pool is not None and need > self._blocks.num_free():
             return False
         for r in live:
@@ -370,13 +365,18 @@ class ContinuousBatcher:
             if r is None:  # aborted meanwhile
                 continue
             assert r.output and r.output[-1] == PLACEHOLDER, "resolve without speculate"
-            r.output[-1] = tok = int(tok)
-            done = len(r.output) >= r.max_new_tokens or tok in r.stop
-            events.append(TokenEvent(request_id=rid, token=tok, finished=done))
-            if done:
-                self.finished[rid] = r.output
-                self._retire(r)
+            r.output[-1] = int(tok)
+            events.append(self._ended_or_not(r))
         return events
+
+    def _ended_or_not(self, r: _Request) -> TokenEvent:
+        """The event of ``r``'s newest token; a request that ends with it is retired."""
+        tok = r.output[-1]
+        done = len(r.output) >= r.max_new_tokens or tok in r.stop
+        if done:
+            self.finished[r.id] = r.output
+            self._retire(r)
+        return TokenEvent(request_id=r.id, token=tok, finished=done)
 
     def _retire(self, r: _Request) -> None:
         self._running.remove(r)
