@@ -31,5 +31,7 @@ def start_server(tmp_path_factory, model_dir: Path, plan: str, max_model_len: in
     return s
 
 
-def openai_client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def openai_client(server: Server, kind=openai.OpenAI):
+    """The official client (``kind``: ``openai.OpenAI`` or ``openai.AsyncOpenAI``) of ``server``,
+    without retries."""
+    return kind(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -128,9 +128,7 @@ def test_a_text_prompt_is_echoed_with_its_logprobs_and_logprobs_0_gives_the_toke
 def test_prompts_and_choices_batched_together_each_get_their_own_prompt_logprobs(
     server, client, truth
 ):
-    aclient = openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60
-    )
+    aclient = openai_client(server, openai.AsyncOpenAI)
     prompts = [prompt_of(n, seed=10 + n) for n in (13, 5, 2, 17)]
 
     async def together():

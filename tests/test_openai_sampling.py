@@ -54,9 +54,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def aclient(server):
-    return openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60
-    )
+    return openai_client(server, openai.AsyncOpenAI)
 
 
 @pytest.fixture(scope="module")
