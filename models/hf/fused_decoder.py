@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from graphplan.runtime.compiled.merge_linear import end_to_end
+
 from .attention import ATTN_IMPLEMENTATION
 from .fused_ops import add_rmsnorm_, rmsnorm, rotary_, rotary_tables, silu_mul, use_triton
 
@@ -112,27 +114,11 @@ def why_not_fused(hf) -> str | None:
     return None
 
 
-def _end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor whose rows are ``tensors`` when their storage already holds them end to end
-    (a model fused before), else None."""
-    first, offset = tensors[0], tensors[0].storage_offset()
-    for t in tensors:
-        if (
-            not t.is_contiguous()
-            or t.storage_offset() != offset
-            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-        ):
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
-
-
 @torch.no_grad()
 def relay(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """One tensor holding ``params`` end to end along dim 0; each parameter's ``.data`` becomes
     its rows of it (values unchanged; the old storages are freed once nothing else holds them)."""
-    found = _end_to_end([p.data for p in params])
+    found = end_to_end([p.data for p in params])
     if found is not None:
         return found
     merged = torch.cat([p.data for p in params], dim=0)

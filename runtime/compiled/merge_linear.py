@@ -42,9 +42,10 @@ def _args(node):
     return x, w, b
 
 
-def _end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor that holds ``tensors`` end to end along dim 0, when their storage already does
-    (a second compile of the same model), else None."""
+    (a second compile of the same model, or of a model whose projections the fused decoder,
+    models/hf/fused_decoder.py, laid out once), else None."""
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
@@ -62,7 +63,7 @@ def _end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 def _relay(tensors: list[torch.Tensor]) -> bool:
     """Lay ``tensors`` out end to end along dim 0 in one new tensor; each tensor's ``.data``
     becomes its rows of it (values unchanged). False when they already were."""
-    if _end_to_end(tensors) is not None:
+    if end_to_end(tensors) is not None:
         return False
     with torch.no_grad():
         merged = torch.cat([t.detach() for t in tensors], dim=0)
@@ -156,8 +157,8 @@ def _groups(gm, example: dict) -> list[tuple]:
         weights, biases = [c[1] for c in calls], [c[2] for c in calls]
         if not _mergeable(weights, biases):
             continue
-        weight = _end_to_end(weights)
-        bias = None if biases[0] is None else _end_to_end(biases)
+        weight = end_to_end(weights)
+        bias = None if biases[0] is None else end_to_end(biases)
         if weight is not None and (biases[0] is None or bias is not None):
             groups.append(([c[0] for c in calls], [w.shape[0] for w in weights], weight, bias))
     return groups
