@@ -18,12 +18,18 @@ _NEEDS = {
         "test_openai_server.py",
         "test_openai_echo.py",
         "test_openai_responses.py",
+        "test_openai_async.py",
         "test_fused_ops.py",
         "test_fused_ops_gpu.py",
         "test_paged_attention.py",
         "test_paged_attention_gpu.py",
     ],
-    "openai": ["test_openai_server.py", "test_openai_echo.py", "test_openai_responses.py"],
+    "openai": [
+        "test_openai_server.py",
+        "test_openai_echo.py",
+        "test_openai_responses.py",
+        "test_openai_async.py",
+    ],
 }
 collect_ignore = sorted(
     {f for mod, files in _NEEDS.items() if importlib.util.find_spec(mod) is None for f in files}
