@@ -53,6 +53,9 @@ for step in "$@"; do
     overhead)  timeout 500 python bench/serve_overhead.py --random-weights --out "$OUT/serve_overhead.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     overhead-async) timeout 500 python bench/serve_overhead.py --random-weights --async-scheduling --out "$OUT/serve_overhead_async.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     overhead-sampled) timeout 500 python bench/serve_overhead.py --random-weights --sampled --out "$OUT/serve_overhead_sampled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
+    overhead-sampled-async) timeout 500 python bench/serve_overhead.py --random-weights --sampled --async-scheduling --out "$OUT/serve_overhead_sampled_async.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
+    overhead-sampled-fused) timeout 500 python bench/serve_overhead.py --random-weights --sampled --async-scheduling --fused-sampler --out "$OUT/serve_overhead_sampled_fused.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
+    sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
     *)         echo "unknown step $step" ;;

@@ -128,8 +128,9 @@ def launch(a, model_dir: Path, port: int, log):
         cmd += ["--set", s]
     if a.kv_memory_fraction:
         cmd += ["--kv-memory-fraction", str(a.kv_memory_fraction)]
-    if getattr(a, "async_scheduling", False):  # bench/serve_overhead.py's switch
-        cmd.append("--async-scheduling")
+    for switch in ("async_scheduling", "fused_sampler"):  # bench/serve_overhead.py's switches
+        if getattr(a, switch, False):
+            cmd.append("--" + switch.replace("_", "-"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 

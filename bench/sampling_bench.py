@@ -7,7 +7,10 @@ CUDA device; ``--quick`` on the CPU checks the program.
     python bench/sampling_bench.py --device cpu --quick                    # tiny sizes
 
 Rows: ``argmax`` (the baseline), ``torch_reference`` (sort + softmax + exponential_ + argmax),
-``sampler`` (Sampler.sample, penalties off, no logprobs: penalty-free requests), ``sampler_full``
+``sampler`` (Sampler.sample, penalties off, no logprobs: penalty-free requests), ``no_sort`` (the
+same with ``truncate=False``: a step whose rows set no top-k/top-p/min-p), ``fused`` and
+``fused_no_sort`` (the same two with ``Sampler(fused=True)``: noise, mask and argmax as one Triton
+kernel, server/sampling_kernels.py; "n/a" where the kernel cannot run), ``sampler_full``
 (penalties on, 20 logprobs), and two parts of the sampler: ``sort`` (the per-row threshold's sort)
 and ``noise`` (the counter-based Gumbel noise). Every sampler row mixes greedy and sampled requests.
 
@@ -56,13 +59,14 @@ def reference(logits: torch.Tensor) -> torch.Tensor:
     return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-def sampler_for(rows: int, vocab: int, device, full: bool) -> Sampler:
+def sampler_for(rows: int, vocab: int, device, full: bool, fused: bool = False) -> Sampler:
     s = Sampler(
         rows,
         vocab,
         device=device,
         max_logprobs=20 if full else 0,
         penalties=full,
+        fused=fused,
         rng=random.Random(0),
     )
     for slot in range(rows):
@@ -84,11 +88,24 @@ def measure(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
         "argmax": lambda: logits.argmax(dim=-1),
         "torch_reference": lambda: reference(logits),
         "sampler": lambda: lean.sample(logits, slots),
+        "no_sort": lambda: lean.sample(logits, slots, truncate=False),
         "sampler_full": lambda: full.sample(logits, full_slots),
         "sort": lambda: scaled.sort(dim=-1),
         "noise": lambda: gumbel_noise(keys, steps, token_keys),
     }
-    return {name: graph_time_per_call(fn, device, iters) * 1e6 for name, fn in cases.items()}
+    try:
+        fused = sampler_for(rows, vocab, device, False, fused=True)
+    except ValueError:  # no kernel here: those cells say n/a
+        fused = None
+    if fused is not None:
+        cases["fused"] = lambda: fused.sample(logits, slots)
+        cases["fused_no_sort"] = lambda: fused.sample(logits, slots, truncate=False)
+    t = {name: graph_time_per_call(fn, device, iters) * 1e6 for name, fn in cases.items()}
+    return {name: t.get(name, float("nan")) for name in (*cases, "fused", "fused_no_sort")}
+
+
+def us(x: float) -> str:
+    return "n/a" if x != x else f"{x:.1f}"
 
 
 def engine_step(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
@@ -139,15 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"{now}, {where}; `python bench/sampling_bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         "",
-        "| rows | argmax us | torch_reference us | sampler us | sampler_full us | sort us "
-        "| noise us | sampler / argmax | sampler / torch_reference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rows | argmax us | torch_reference us | sampler us | no_sort us | fused us "
+        "| fused_no_sort us | sampler_full us | sort us | noise us | sampler / argmax "
+        "| sampler / torch_reference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = measure(r, vocab, device, args.iters)
+        cells = ("argmax", "torch_reference", "sampler", "no_sort", "fused", "fused_no_sort")
+        cells += ("sampler_full", "sort", "noise")
         lines.append(
-            f"| {r} | {t['argmax']:.1f} | {t['torch_reference']:.1f} | {t['sampler']:.1f} "
-            f"| {t['sampler_full']:.1f} | {t['sort']:.1f} | {t['noise']:.1f} "
+            f"| {r} | {' | '.join(us(t[c]) for c in cells)} "
             f"| {t['sampler'] / t['argmax']:.1f}x | {t['sampler'] / t['torch_reference']:.2f}x |"
         )
     lines += [

@@ -55,6 +55,11 @@ def parse_args(argv=None):
         action="store_true",
         help="serve with --async-scheduling (each step launched before the previous one's read)",
     )
+    p.add_argument(
+        "--fused-sampler",
+        action="store_true",
+        help="serve with --fused-sampler (the sampler's noise, mask and argmax as one Triton kernel)",
+    )
     a = p.parse_args(argv)
     if a.requests != 1 or a.long_prompt:
         p.error("serve_overhead sends one request per client and no long prompt")

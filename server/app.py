@@ -44,6 +44,7 @@ class Server:
         on_demand: bool | None = None,
         max_waiting: int = 1024,
         async_scheduling: bool = False,
+        fused_sampler: bool = False,
     ):
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(
@@ -62,6 +63,7 @@ class Server:
             on_demand=on_demand,
             max_waiting=max_waiting,
             async_scheduling=async_scheduling,
+            fused_sampler=fused_sampler,
         )
         self.app = build_app(self)  # reads the tokenizer and chat template: errors now
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

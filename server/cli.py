@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         "arrivals, cancellations, preemption and max_tokens run synchronously); "
         "the same tokens either way",
     )
+    p.add_argument(
+        "--fused-sampler",
+        action="store_true",
+        help="sample with one Triton kernel for the noise, the mask and the argmax "
+        "(server/sampling_kernels.py; CUDA only) instead of the torch ops",
+    )
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
     p.add_argument(
         "--max-waiting",
@@ -213,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
+    if a.fused_sampler and not a.device.startswith("cuda"):
+        parser.error(
+            f"--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not {a.device}"
+        )
     d = ModelSpec()
     logging.basicConfig(
         level=a.log_level,
@@ -260,6 +270,7 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             on_demand=a.on_demand,
             max_waiting=a.max_waiting,
             async_scheduling=a.async_scheduling,
+            fused_sampler=a.fused_sampler,
         )
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)

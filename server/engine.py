@@ -41,10 +41,12 @@ class Engine:
         max_waiting: int = 1024,
         on_demand: bool | None = None,
         async_scheduling: bool = False,
+        fused_sampler: bool = False,
     ):
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
+        self.fused_sampler = fused_sampler  # StepSampler(fused=...): server/sampling_kernels.py
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
@@ -201,7 +203,9 @@ class Engine:
             self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
             self.runner = self._capture(self.table)
             cfg, t = self.model.cfg, self.table  # the sampler's graphs, in their own pool
-            self.sampler = StepSampler(cfg.num_cache_rows, cfg.vocab_size, self.model.device)
+            self.sampler = StepSampler(
+                cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=self.fused_sampler
+            )
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"

@@ -40,6 +40,8 @@ logit alive at once, in the noise hash) live in the captured graph's memory pool
 
 from __future__ import annotations
 
+import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -77,12 +79,16 @@ def vocab_keys(vocab_size: int, device=None) -> torch.Tensor:
     return mix32((v * 0x2545F491 + 0x68E31DA4) & M32)
 
 
+def noise_row_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each row's 32-bit noise key at its step, from its seed key [R] and step [R]."""
+    step_keys = mix32((steps * 0x3C6EF372 + 0x1B873593) & M32)
+    return mix32(keys ^ step_keys)
+
+
 def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     """[R, vocab] float32 Gumbel noise, a pure function of each row's seed key [R], step [R] and
     the token keys [vocab] (``vocab_keys``): no generator state, so any batch reproduces it."""
-    step_keys = mix32((steps * 0x3C6EF372 + 0x1B873593) & M32)
-    row_keys = mix32(keys ^ step_keys)  # [R]
-    bits = mix32(row_keys[:, None] ^ vocab)  # [R, vocab] in [0, 2**32)
+    bits = mix32(noise_row_keys(keys, steps)[:, None] ^ vocab)  # [R, vocab] in [0, 2**32)
     # 23 bits + 1/2: u in (0, 1) exactly representable, so log(u) < 0 and -log(-log u) finite
     u = ((bits >> 9).float() + 0.5) * 2.0**-23
     return u.log_().neg_().log_().neg_()
@@ -116,6 +122,7 @@ class Sampler:
         max_logprobs: int = 0,
         logprobs_mode: str = "raw",
         penalties: bool = True,
+        fused: bool = False,
         rng: random.Random | None = None,
     ):
         if max_num_seqs < 1 or not 1 <= vocab_size < 2**24:
@@ -131,6 +138,8 @@ class Sampler:
         self.device = torch.device(device)
         self.max_logprobs, self.logprobs_mode = max_logprobs, logprobs_mode
         self.penalties = penalties
+        self._kernels = _sampling_kernels(self.device) if fused else None
+        """``fused``: the noise, mask and argmax as one Triton kernel (server/sampling_kernels.py)."""
         self.pad_slot = max_num_seqs
         self._rng = rng or random.Random()
         rows, dev = max_num_seqs + 1, self.device
@@ -226,28 +235,59 @@ class Sampler:
     # the step: device ops only, fixed shapes
 
     def sample(
-        self, logits: torch.Tensor, slots: torch.Tensor, *, logprobs: bool = True
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        logprobs: bool = True,
+        truncate: bool = True,
+        penalise: bool = True,
     ) -> SampleOutput:
         """Sample one token per row of ``logits`` [R, vocab] for the slots ``slots`` [R] (int64, on
         the device). Reads nothing back to the host, so it can be captured in a CUDA graph.
-        ``logprobs=False`` skips the logprobs (a softmax and a top-k over [R, vocab]) of a
-        sampler built with ``max_logprobs``: a step where no request asked for them."""
+
+        Three switches leave out work that no row of the step needs (the caller knows its rows'
+        parameters; a switch left on is always correct):
+        ``logprobs=False`` skips the logprobs (a softmax and a top-k over [R, vocab]) of a sampler
+        built with ``max_logprobs``: no request asked for them. ``truncate=False`` skips the
+        thresholds (a sort, a softmax and a cumsum over [R, vocab]): no row truncates
+        (``SamplingParams.truncates``), so every token is kept. ``penalise=False`` skips the
+        history: no row is penalised (``SamplingParams.penalised``). Each gives the same tokens
+        as the switch left on: with every token kept the threshold only drops tokens whose
+        probability is 0 in float32, which Gumbel-max can never pick (their scaled logit is
+        over 87 below the row's largest, the noise spans less than 20)."""
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [rows, {self.vocab_size}], not {list(logits.shape)}")
         raw = logits.float()
         p = self._floats[slots]  # [R, 7]
         temp, top_p, top_k, min_p = (p[:, i : i + 1] for i in range(4))
         greedy = temp < 1e-5  # [R, 1]
-        x = _penalised(raw, self._history[slots], p) if self._history is not None else raw
+        x = raw
+        if penalise and self._history is not None:
+            x = _penalised(raw, self._history[slots], p)
         scaled = x / torch.where(greedy, 1.0, temp)
-        threshold = self._threshold(scaled, top_p, top_k, min_p)
-        keep = scaled >= torch.where(greedy, float("-inf"), threshold)
-        noise = gumbel_noise(self._keys[slots], self._steps[slots], self._vocab_keys)
-        noise.masked_fill_(greedy, 0.0)
-        tokens = torch.where(keep, scaled + noise, float("-inf")).argmax(dim=-1)
+        threshold: torch.Tensor | None = None  # [R, 1]; greedy rows keep every token
+        if truncate:
+            cut = self._threshold(scaled, top_p, top_k, min_p)
+            threshold = torch.where(greedy, float("-inf"), cut)
+        if self._kernels is not None:
+            if threshold is None:
+                threshold = scaled.new_full((scaled.shape[0], 1), float("-inf"))
+            row_keys = noise_row_keys(self._keys[slots], self._steps[slots])
+            tokens = self._kernels.gumbel_argmax(scaled, threshold[:, 0], row_keys, greedy[:, 0])
+        else:
+            noise = gumbel_noise(self._keys[slots], self._steps[slots], self._vocab_keys)
+            noisy = scaled + noise.masked_fill_(greedy, 0.0)
+            if threshold is not None:
+                noisy.masked_fill_(scaled < threshold, float("-inf"))
+            tokens = noisy.argmax(dim=-1)
         if not (self.max_logprobs and logprobs):
             return SampleOutput(tokens)
-        source = raw if self.logprobs_mode == "raw" else scaled.masked_fill(~keep, float("-inf"))
+        source = raw
+        if self.logprobs_mode == "processed":
+            source = (
+                scaled if threshold is None else scaled.masked_fill(scaled < threshold, -math.inf)
+            )
         lp = torch.log_softmax(source, dim=-1)
         top = lp.topk(self.max_logprobs, dim=-1)
         chosen = lp.gather(1, tokens[:, None])[:, 0]
@@ -262,6 +302,18 @@ class Sampler:
         probs = torch.softmax(ordered.masked_fill(ordered < threshold, float("-inf")), dim=-1)
         dropped = (probs.cumsum(dim=-1) <= 1 - top_p).sum(dim=-1, keepdim=True)
         return torch.maximum(threshold, ordered.gather(1, dropped.clamp_(max=vocab - 1)))
+
+
+def _sampling_kernels(device: torch.device):
+    """server/sampling_kernels.py where its Triton kernel can run on ``device`` (CUDA, or any
+    device under ``TRITON_INTERPRET=1``); a ValueError saying why not otherwise."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused=True needs a CUDA device (or TRITON_INTERPRET=1), not {device}")
+    try:
+        from . import sampling_kernels
+    except ImportError as e:
+        raise ValueError(f"fused=True needs triton ({e})") from None
+    return sampling_kernels
 
 
 def _penalised(x: torch.Tensor, history: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,12 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def truncates(self) -> bool:
+        """A sampled request that keeps fewer than all tokens (top_k, top_p or min_p on): the
+        sampler then finds each row's threshold (a sort over the vocabulary)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
     def penalised(self) -> bool:
         """Any penalty away from its neutral value (the sampler then reads the row's history)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)

@@ -11,8 +11,10 @@ greedy rows give the same tokens).
 Every other step replays one graph (``graphs=True``, the default), whatever its mix of greedy,
 sampled and penalised rows. Graphs are captured once per padded row count R of ``graph_sizes``
 (powers of two up to the number of slots, and that number: a step of n rows pads to the smallest R
->= n), each in two variants, with and without logprobs (softmax and top-k over [R, vocab] only when
-a request asked for them), largest first into the sampler's own pool (its own ``CudaGraphs``: the
+>= n), each in eight variants (``Work``): with or without logprobs (a softmax and a top-k over
+[R, vocab], only when a request asked for them), truncation thresholds (a sort over [R, vocab], only
+when a row has top_k, top_p or min_p on) and penalties (only when a row is penalised), so a step
+pays for what its rows ask and nothing else; largest first into the sampler's own pool (its own ``CudaGraphs``: the
 smaller graphs reuse the largest one's temporaries). A graph holds ``Sampler.sample`` and
 ``Sampler.update`` (step counters and histories are device tensors) over static buffers:
 
@@ -29,11 +31,15 @@ On a CPU the runtime's stand-in records each graph as a tape of aten calls on th
 (runtime/graphs.py), so CI runs exactly this replay path. Memory: the pool holds the temporaries of
 the largest graph; with the static logits it stays within ``SAMPLER_BYTES_PER_LOGIT`` per slot and
 vocabulary entry, what models/hf/step_memory.py reserves (a GPU test checks it at 64 x 32000).
-``graphs=False``, or after ``release_graphs()``, runs the same step eagerly on n rows."""
+``graphs=False``, or after ``release_graphs()``, runs the same step eagerly on n rows. ``fused``
+(``serve --fused-sampler``): the sampler's noise, mask and argmax as one Triton kernel
+(server/sampling_kernels.py), in the same graphs."""
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar, Hashable, Sequence
 
 import torch
 
@@ -55,11 +61,22 @@ def graph_sizes(max_rows: int) -> tuple[int, ...]:
 
 class StepSampler:
     def __init__(
-        self, num_slots: int, vocab_size: int, device: torch.device | str, *, graphs: bool = True
+        self,
+        num_slots: int,
+        vocab_size: int,
+        device: torch.device | str,
+        *,
+        graphs: bool = True,
+        fused: bool = False,
     ):
         self.device = torch.device(device)
         self.sampler = Sampler(
-            num_slots, vocab_size, device=self.device, max_logprobs=MAX_LOGPROBS, penalties=True
+            num_slots,
+            vocab_size,
+            device=self.device,
+            max_logprobs=MAX_LOGPROBS,
+            penalties=True,
+            fused=fused,
         )
         self._owner: list[Request | None] = [None] * num_slots
         self.sizes = graph_sizes(num_slots)
@@ -79,7 +96,7 @@ class StepSampler:
             (2 * num_slots,), self.sampler.pad_slot, dtype=torch.int64, device=self.device
         )
         self._logits = torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=self.device)
-        self._graphs: dict[tuple[int, bool], tuple[Graph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, Work], tuple[Graph, torch.Tensor]] = {}
         self.backend: GraphBackend | None = None
         self.capture_bytes = 0
         """Bytes the capture added on the device (the sampler's pool); 0 on the CPU stand-in."""
@@ -116,15 +133,15 @@ class StepSampler:
             torch.index_select(logits, 0, index, out=picked)
         else:
             picked.copy_(logits.index_select(0, index))
-        with_logprobs = any(r.logprobs is not None for r in reqs)
-        assert not (keep and with_logprobs), "async scheduling keeps steps with logprobs sync"
-        graph = self._graphs.get((size, with_logprobs))
+        work = Work.of(reqs)
+        assert not (keep and work.logprobs), "async scheduling keeps steps with logprobs sync"
+        graph = self._graphs.get((size, work))
         if graph is None:
-            out = self._step(size, with_logprobs)
+            out = self._step(size, work)
         else:
             graph[0].replay()
             out = graph[1]
-        return _pending(out[:n].clone() if keep else out[:n], reqs, with_logprobs, keep)
+        return _pending(out[:n].clone() if keep else out[:n], reqs, work.logprobs, keep)
 
     def _stage(
         self, rows: Sequence[int], slots: Sequence[int], size: int
@@ -141,13 +158,19 @@ class StepSampler:
         self._staged[: 2 * size].copy_(pinned[: 2 * size], non_blocking=True)
         return self._staged[:n], self._staged[size : 2 * size]
 
-    def _step(self, size: int, with_logprobs: bool) -> torch.Tensor:
-        """What a graph holds: sample ``size`` rows of the static logits for the staged slots,
-        record the tokens in the slots' state, and pack what the host reads."""
+    def _step(self, size: int, work: Work) -> torch.Tensor:
+        """What a graph holds: sample ``size`` rows of the static logits for the staged slots
+        doing ``work``, record the tokens in the slots' state, and pack what the host reads."""
         slots = self._staged[size : 2 * size]
-        out = self.sampler.sample(self._logits[:size], slots, logprobs=with_logprobs)
+        out = self.sampler.sample(
+            self._logits[:size],
+            slots,
+            logprobs=work.logprobs,
+            truncate=work.truncate,
+            penalise=work.penalise,
+        )
         self.sampler.update(slots, out.token_ids)
-        if not with_logprobs:
+        if not work.logprobs:
             return out.token_ids
         assert out.logprobs is not None and out.top_logprobs is not None
         assert out.top_ids is not None
@@ -158,7 +181,7 @@ class StepSampler:
         )
 
     def _capture(self) -> None:
-        """Capture every (size, logprobs) graph, largest first, into the sampler's own pool, each
+        """Capture every (size, work) graph, largest first, into the sampler's own pool, each
         size warmed up once eagerly first (lazy kernel loading, the sort's workspace). Only
         ``pad_slot`` is staged meanwhile, so the warm-ups and the stand-in's recording runs change
         no real slot. On any failure, an interrupt included, nothing stays captured."""
@@ -169,15 +192,15 @@ class StepSampler:
             with torch.no_grad():
                 before = backend.memory_used()
                 for size in self.sizes:
-                    self._step(size, True)
-                    for with_logprobs in (True, False):
+                    self._step(size, Work.ALL)
+                    for work in Work.every():
                         segment = backend.open_segment()
                         try:
-                            out = self._step(size, with_logprobs)
+                            out = self._step(size, work)
                         except BaseException:
                             segment.abort()
                             raise
-                        self._graphs[size, with_logprobs] = (segment.close(), out)
+                        self._graphs[size, work] = (segment.close(), out)
                 self.capture_bytes = backend.memory_used() - before
         except BaseException:
             self.release_graphs()
@@ -201,6 +224,34 @@ class StepSampler:
         for i, owner in enumerate(self._owner):
             if owner is r:
                 self._owner[i] = None
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a step's sampling does beyond Gumbel-max over the scaled logits: the logprobs, the
+    truncation thresholds, the penalties (``Sampler.sample``'s switches). A step does what any of
+    its rows needs; a graph is captured for each combination."""
+
+    logprobs: bool
+    truncate: bool
+    penalise: bool
+
+    ALL: ClassVar[Work]
+
+    @staticmethod
+    def of(reqs: Sequence[Request]) -> Work:
+        return Work(
+            logprobs=any(r.logprobs is not None for r in reqs),
+            truncate=any(r.params.truncates for r in reqs),
+            penalise=any(r.params.penalised for r in reqs),
+        )
+
+    @staticmethod
+    def every() -> list[Work]:
+        return [Work(*flags) for flags in itertools.product((True, False), repeat=3)]
+
+
+Work.ALL = Work(True, True, True)
 
 
 class Pending:

@@ -14,15 +14,13 @@
   transformers calls it, and models it does not apply to keep transformers' forward.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
@@ -51,7 +49,6 @@ from hf_models import (
     tokens,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(atol=1e-4, rtol=1e-4)
 SHAPES = settings(max_examples=25, deadline=None)
 
@@ -139,26 +136,7 @@ def test_rotary_in_place_is_apply_rotary_pos_emb_at_each_tokens_position(
 
 
 def test_the_triton_kernels_equal_the_plain_forms_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/fused_interpreted.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+    run_interpreted("fused_interpreted.py")
 
 
 # ---- the whole model --------------------------------------------------------------------------

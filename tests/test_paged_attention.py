@@ -12,23 +12,18 @@ float32 logits within atol = rtol = 1e-4 of transformers', its greedy tokens ide
 """
 
 import dataclasses
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from interpreted import run_interpreted
 from paged_cases import dense_reference, make_case, relative_error
 
 from graphplan.models.hf import attention
 from graphplan.models.hf.attention import attend_torch, make_paged_batch, paged_attention
 from graphplan.models.paged_kv import BlockTables
 
-ROOT = Path(__file__).resolve().parents[1]
 DECODE = dict(seq_lens=[7, 1, 40, 16, 23], q_lens=[1, 1, 1, 1, 1])
 MIXED = dict(seq_lens=[9, 33, 1, 20, 12], q_lens=[9, 1, 1, 6, 3])
 
@@ -316,35 +311,9 @@ INTERPRETER_SECONDS = 60
 
 @pytest.mark.slow
 def test_the_triton_kernels_under_the_interpreter_equal_the_dense_reference():
-    """tests/triton_interpreted.py in a fresh process: Triton chooses its interpreter when a kernel
-    (and triton.language's own helpers) are decorated, so TRITON_INTERPRET=1 must be set before
-    triton is first imported. Skipped without Triton, or when the interpreter is too slow here."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (the kernels are tested on the GPU)")
-    try:
-        run = _run_interpreted()
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"the Triton interpreter took over {INTERPRETER_SECONDS} s on this machine")
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-
-
-def _run_interpreted() -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/triton_interpreted.py",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=INTERPRETER_SECONDS,
-    )
+    """tests/triton_interpreted.py in a fresh process with TRITON_INTERPRET=1 (tests/interpreted.py).
+    Skipped without Triton, or when the interpreter is too slow here."""
+    run_interpreted("triton_interpreted.py", timeout=INTERPRETER_SECONDS)
 
 
 def test_the_warm_up_calls_each_kernel_with_the_runners_int32_metadata(monkeypatch):

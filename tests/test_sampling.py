@@ -7,6 +7,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from interpreted import run_interpreted
 
 from graphplan.runtime.graphs import CpuGraphStandIn
 from graphplan.server.openai_protocol import APIError
@@ -133,6 +136,67 @@ def test_truncation_leaves_exactly_the_tokens_it_should(params, support):
     for _ in range(2):  # two steps of 256 seeds
         seen |= set(sample_once(sampler, params, LOGITS).tolist())
     assert seen == support
+
+
+@given(
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    penalty=st.sampled_from([0.0, 0.7]),
+    scale=st.sampled_from([1.0, 30.0, 300.0]),  # 300: most tokens have probability 0 in float32
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_leaving_out_the_sort_or_the_penalties_changes_no_token(temperature, penalty, scale, seed):
+    """``truncate=False`` (no row truncates) and ``penalise=False`` (no row is penalised) give
+    the tokens and raw logprobs of the full sampler, over logits where most tokens have
+    probability 0 (which the full sampler's threshold drops and Gumbel-max can never pick)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 6, 97
+    sampler = Sampler(rows, vocab, max_logprobs=3)
+    for i in range(rows):
+        sampler.set_row(
+            i, SamplingParams(temperature=temperature, seed=seed + i, presence_penalty=penalty)
+        )
+    slots = sampler.load_slots(list(range(rows)))
+    for _ in range(3):
+        logits = torch.randn(rows, vocab, generator=gen) * scale
+        full = sampler.sample(logits, slots)
+        lean = sampler.sample(logits, slots, truncate=False, penalise=penalty != 0)
+        assert torch.equal(lean.token_ids, full.token_ids)
+        assert lean.logprobs is not None and full.logprobs is not None
+        assert torch.equal(lean.logprobs, full.logprobs)
+        sampler.update(slots, full.token_ids)
+
+
+def test_a_step_without_truncation_never_sorts_and_one_with_it_does(monkeypatch):
+    sampler = Sampler(2, 50)
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    sampler.set_row(0, SamplingParams(temperature=0.8, seed=1))
+    logits = torch.randn(1, 50)
+    sampler.sample(logits, sampler.load_slots([0]), truncate=False)
+    assert sorts == []
+    sampler.sample(logits, sampler.load_slots([0]))
+    assert sorts == [1]
+
+
+def test_which_params_truncate_and_which_penalise():
+    assert [
+        SamplingParams(**kw).truncates
+        for kw in (
+            dict(),
+            dict(top_k=-1),
+            dict(top_k=0, top_p=1, min_p=0),
+            dict(top_k=5),
+            dict(top_p=0.9),
+            dict(min_p=0.1),
+            dict(temperature=0, top_k=5),  # greedy: nothing to truncate
+        )
+    ] == [False, False, False, True, True, True, False]
+    assert [
+        SamplingParams(**kw).penalised
+        for kw in (dict(), dict(presence_penalty=0.1), dict(repetition_penalty=1.0))
+    ] == [False, True, False]
 
 
 def test_ties_with_the_kth_logit_are_kept_by_top_k():
@@ -304,10 +368,27 @@ def test_a_cleared_row_is_greedy_again():
     assert sampler.sample(flat, torch.tensor([0])).token_ids.tolist() == [4]
 
 
-def test_the_benchmark_runs_at_smoke_size(tmp_path):
+def test_the_benchmark_runs_at_smoke_size(tmp_path, monkeypatch):
     import sampling_bench
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     out = tmp_path / "sampling.md"
     assert sampling_bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 4 |")]
-    assert [row.count("|") for row in rows] == [10, 8]  # the sampler's parts; the engine's step
+    assert [row.count("|") for row in rows] == [13, 8]  # the sampler's parts; the engine's step
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert cells[5:7] == ["n/a", "n/a"]  # the fused kernel: no CUDA and no interpreter here
+    assert all(float(c) > 0 for c in cells[1:5] + cells[7:10])
+
+
+def test_the_fused_kernel_gives_the_torch_forms_tokens_under_tritons_interpreter():
+    run_interpreted("sampling_interpreted.py")
+
+
+def test_a_fused_sampler_needs_a_device_its_kernel_runs_on(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(
+        ValueError, match=r"fused=True needs a CUDA device \(or TRITON_INTERPRET=1\)"
+    ):
+        Sampler(2, 50, fused=True)

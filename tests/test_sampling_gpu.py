@@ -1,8 +1,10 @@
 """The sampler on CUDA (server/sampling.py): one capture of a step replayed with new parameters,
 slots and logits gives exactly the eager tokens and logprobs; a seeded request's tokens do not
-depend on the batch, and the noise is the CPU's; the engine's sampler graphs
-(server/step_sampler.py) give the eager sampler's results and their pool stays within what
-models/hf/step_memory.py reserves. Skipped cleanly without CUDA."""
+depend on the batch, and the noise is the CPU's; the fused kernel (server/sampling_kernels.py)
+picks the torch form's tokens but for rounding ties; the engine's sampler graphs
+(server/step_sampler.py), with the torch ops and with the fused kernel, give the eager sampler's
+results, and their pool stays within what models/hf/step_memory.py reserves. Skipped cleanly
+without CUDA."""
 
 import random
 import subprocess
@@ -14,7 +16,7 @@ import torch
 from graphplan.models.hf.step_memory import SAMPLER_BYTES_PER_LOGIT
 from graphplan.server.batching import StepBatch
 from graphplan.server.requests import QueueSink, Request
-from graphplan.server.sampling import Sampler
+from graphplan.server.sampling import Sampler, gumbel_noise
 from graphplan.server.sampling_params import SamplingParams
 from graphplan.server.step_sampler import StepSampler
 
@@ -99,9 +101,11 @@ def test_a_seeded_request_is_the_same_alone_batched_and_on_the_cpu():
     assert sum(a == b for a, b in zip(on_cpu, tokens)) >= 23, (on_cpu, tokens)
 
 
-def test_the_step_samplers_graphs_give_the_eager_results_for_a_mixed_batch():
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_step_samplers_graphs_give_the_eager_results_for_a_mixed_batch(fused):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    graphed, eager = StepSampler(16, VOCAB, "cuda"), StepSampler(16, VOCAB, "cuda", graphs=False)
+    graphed = StepSampler(16, VOCAB, "cuda", fused=fused)
+    eager = StepSampler(16, VOCAB, "cuda", graphs=False, fused=fused)
     assert graphed.backend is not None and graphed.backend.name == "cuda"
     seeded = PARAMS[:3] + PARAMS[4:] + [SamplingParams(temperature=1.3, min_p=0.05, seed=4)]
     reqs = [  # greedy, sampled, penalised; every other one asks for logprobs
@@ -138,3 +142,36 @@ def test_the_sampler_graphs_pool_stays_within_the_reserved_bytes():
     assert capture_bytes + static_logits <= SAMPLER_BYTES_PER_LOGIT * rows * vocab, (
         capture_bytes / (rows * vocab)
     )
+
+
+def test_the_fused_kernel_picks_the_torch_forms_token_but_for_rounding_ties():
+    """Sampler(fused=True) (server/sampling_kernels.py) against the torch form over 16 steps of
+    mixed rows, truncating and not: the same token, except where the torch form's two best scores
+    are within a float32 rounding of each other (the kernel's log may round the other way)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    fused, plain = (
+        Sampler(ROWS, VOCAB, device="cuda", penalties=False, fused=f, rng=random.Random(0))
+        for f in (True, False)
+    )
+    unpenalised = [p for p in PARAMS if not p.penalised] + [SamplingParams(seed=9)]
+    for s in (fused, plain):
+        for slot in range(ROWS):
+            s.set_row(slot, unpenalised[slot % len(unpenalised)])
+    slots = [fused.load_slots(list(range(ROWS))), plain.load_slots(list(range(ROWS)))]
+    differ = 0
+    for step in range(16):
+        logits = torch.randn(ROWS, VOCAB, device="cuda", generator=gen) * 3
+        truncate = step % 2 == 0
+        got, want = (
+            s.sample(logits, v, truncate=truncate).token_ids for s, v in zip((fused, plain), slots)
+        )
+        for row in (got != want).nonzero()[:, 0].tolist():
+            differ += 1
+            scaled = logits[row] / max(unpenalised[row % len(unpenalised)].temperature, 1e-5)
+            keys = plain._keys[row : row + 1], plain._steps[row : row + 1]
+            noisy = scaled + gumbel_noise(*keys, plain._vocab_keys)[0]
+            a, b = noisy[got[row]].item(), noisy[want[row]].item()
+            assert abs(a - b) <= 4e-6 * max(abs(a), 1.0), (step, row, a, b)
+        for s, v in zip((fused, plain), slots):
+            s.update(v, want)
+    assert differ <= 2  # 128 tokens: a rounding tie is rare

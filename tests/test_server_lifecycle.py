@@ -41,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--layers", "0"], "--layers: '0' must be at least 1"),
         (["--max-model-len", "x"], "--max-model-len: 'x' is not an integer"),
         (["--log-level", "LOUD"], "--log-level: invalid choice: 'LOUD'"),
+        (
+            ["--device", "cpu", "--fused-sampler"],
+            "--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not cpu",
+        ),
     ],
 )
 def test_every_bad_cli_value_is_a_usage_error(flags, message, capsys):

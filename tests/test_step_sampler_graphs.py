@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphplan.runtime.graphs import HostSyncInCapture
-from graphplan.server import ModelSpec, Server
+from graphplan.server import ModelSpec, Server, sampling
 from graphplan.server.batching import StepBatch
 from graphplan.server.requests import QueueSink, Request
-from graphplan.server.sampling import PROMPT_BIT
+from graphplan.server.sampling import PROMPT_BIT, Sampler
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import MAX_LOGPROBS, StepSampler, graph_sizes
+from graphplan.server.step_sampler import MAX_LOGPROBS, StepSampler, Work, graph_sizes
 
 VOCAB = 48
 SLOTS = 8
@@ -27,6 +27,8 @@ PARAMS = [
     ),
     SamplingParams(temperature=0, frequency_penalty=1.0),  # greedy but penalised: not the argmax
     SamplingParams(temperature=0.6, top_k=4, top_p=0.7, min_p=0.01, seed=4),
+    SamplingParams(temperature=0.9, seed=5),  # no truncation: a step of these skips the sort
+    SamplingParams(temperature=0.7, presence_penalty=0.4, seed=6),  # penalised, no truncation
 ]
 
 
@@ -141,6 +143,40 @@ def test_an_all_greedy_step_takes_the_argmax_and_binds_no_slot():
     out = graphed.sample(step_batch([(request(0), 3), (request(0), 1), (request(0), 0)]), logits)
     assert [s.token for s in out] == logits[[4, 6, 8]].argmax(dim=-1).tolist()
     assert all(graphed.sampler.slot_state(s)[0] == 0 for s in range(SLOTS))
+
+
+def test_a_step_does_the_work_its_rows_ask_for_and_no_more(monkeypatch):
+    """The step's ``Work``: a sort only when a row truncates, the history only when a row is
+    penalised, logprobs only when a row asks; the graphs replay each variant like eager."""
+    reqs = [request(kind) for kind in range(len(PARAMS))]
+    works = [Work.of([r]) for r in reqs]
+    assert [(w.truncate, w.penalise) for w in works] == [
+        (False, False),  # greedy (the argmax path never reaches the sampler)
+        (True, False),
+        (True, True),
+        (True, True),
+        (False, True),
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+    assert Work.of([reqs[6], reqs[7], request(1, logprobs=2)]) == Work(True, True, True)
+    assert len(set(Work.every())) == 8 and Work.ALL in Work.every()
+
+    _, eager = samplers()
+    calls = []
+    for owner, name in ((Sampler, "_threshold"), (sampling, "_penalised")):  # sort; history
+        real = getattr(owner, name)
+        monkeypatch.setattr(
+            owner, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k)
+        )
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(3))
+    for kinds, want in [((6, 6), []), ((6, 7), ["_penalised"]), ((6, 1), ["_threshold"])]:
+        calls.clear()
+        eager.sample(step_batch([(request(k), i) for i, k in enumerate(kinds)]), logits[:7])
+        assert calls == want, kinds
+    monkeypatch.undo()
+    drive(samplers(), [[(6, 0), (14, 6)], [(7, 1), (6, 0)], [(6, 0), (1, 2)]], {})
 
 
 def test_after_release_steps_run_eagerly_with_the_same_results():
