@@ -1,22 +1,27 @@
 """Host overhead of a served decode step (issue 25): the step as clients of graphplan-serve see it
-against the replay of the same decode graph, measured in one run. GPU only: a result needs a CUDA
-device; ``--device cpu --shape tiny`` checks the program.
+against the replay of the same decode graph, measured in one run, for one or more ways of serving
+(``--variants``) side by side. GPU only: a result needs a CUDA device; ``--device cpu --shape
+tiny`` checks the program.
 
     python bench/serve_overhead.py --random-weights --out bench/results/serve_overhead.md  # 8B, 64
+    python bench/serve_overhead.py --random-weights --variants greedy,greedy+async,sampled+async
     python bench/serve_overhead.py --random-weights --device cpu --shape tiny --clients 4 \\
         --prompt-len 8 --max-tokens 24
 
-1. **Served step.** The server (a subprocess, as bench/load_test.py starts it; the plan's seats set
-   to ``--clients``) gets ``--clients`` streaming requests at once, each ``--prompt-len`` random
-   prompt tokens and exactly ``--max-tokens`` output tokens (``ignore_eos``; greedy unless
-   ``--sampled``). Every step of the *steady window* (from the moment the last client has its
+A variant is ``greedy`` or ``sampled`` (temperature 0.8, top_p 0.95, seeded), then optionally
+``+async`` (the server's ``--async-scheduling``) and ``+fused`` (``--fused-sampler``).
+
+1. **Served step.** For each variant, a server (a subprocess, as bench/load_test.py starts it; the
+   plan's seats set to ``--clients``) gets ``--clients`` streaming requests at once, each
+   ``--prompt-len`` random prompt tokens and exactly ``--max-tokens`` output tokens
+   (``ignore_eos``). Every step of the *steady window* (from the moment the last client has its
    first token, so no prompt is left to prefill, to the moment the first client has its last) is a
    decode step of all ``--clients`` requests, and each client receives one token per step: the
    gaps between a client's tokens inside the window are the served step's period, token to token,
    scheduling, batch build, replay, sampling, commit and the HTTP stream included.
-2. **Replay.** After the server has exited, the same model shape is built in this process and
+2. **Replay.** After the last server has exited, the same model shape is built in this process and
    ``GraphRunner.step`` (copy in, replay of the FULL decode graph, slice out) is timed at the same
-   batch and the window's mean context, back to back (bench/real_scale.py's method).
+   batch and the first variant's mean context, back to back (bench/real_scale.py's method).
 
 Host overhead = (median served step - replay) / median served step; the issue's bar is <= 5 % at
 batch 64 on the 8B shape.
@@ -48,32 +53,46 @@ def parse_args(argv=None):
     p.set_defaults(clients=64, requests=1, disconnect=0.0)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--sampled", action="store_true", help="temperature 0.8, top_p 0.95, seeded")
+    p.add_argument(
+        "--variants",
+        default="greedy",
+        help="comma-separated: greedy or sampled, each optionally +async and +fused "
+        "(e.g. greedy,greedy+async,sampled+async+fused)",
+    )
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="serve with --async-scheduling (each step launched before the previous one's read)",
-    )
-    p.add_argument(
-        "--fused-sampler",
-        action="store_true",
-        help="serve with --fused-sampler (the sampler's noise, mask and argmax as one Triton kernel)",
-    )
     a = p.parse_args(argv)
     if a.requests != 1 or a.long_prompt:
         p.error("serve_overhead sends one request per client and no long prompt")
+    try:
+        a.variants = [variant(v) for v in a.variants.split(",")]
+    except ValueError as e:
+        p.error(str(e))
     a.set = [f"scheduler.max_num_seqs={a.clients}", *a.set]
     return load_test.finish_args(a)
 
 
-def workload(a) -> list[list[dict]]:
+def variant(name: str) -> argparse.Namespace:
+    """``greedy`` or ``sampled``, then ``+async`` and/or ``+fused``: the variant's switches."""
+    kind, *extra = name.strip().split("+")
+    if kind not in ("greedy", "sampled") or len(set(extra)) != len(extra):
+        raise ValueError(f"--variants: {name!r} must be greedy or sampled, then +async, +fused")
+    if set(extra) - {"async", "fused"}:
+        raise ValueError(f"--variants: {name!r}: the options are +async and +fused")
+    return argparse.Namespace(
+        name=name.strip(),
+        sampled=kind == "sampled",
+        async_scheduling="async" in extra,
+        fused_sampler="fused" in extra,
+    )
+
+
+def workload(a, sampled: bool) -> list[list[dict]]:
     rng = random.Random(a.seed)
     vocab = SHAPES[a.shape]["vocab_size"]
     out = []
     for c in range(a.clients):
         prompt = [rng.randrange(1, vocab) for _ in range(a.prompt_len)]
-        body = load_test.request_body(prompt, a.max_tokens, c if a.sampled else None)
+        body = load_test.request_body(prompt, a.max_tokens, c if sampled else None)
         out.append([{"body": body, "disconnect_after": None, "kind": "steady"}])
     return out
 
@@ -116,44 +135,68 @@ def replay_step(a, batch: int, ctx: int) -> tuple[float, float]:
     return rows[0]["step"], load_s
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    run = load_test.serve(a, workload(a))
+def served(a, v: argparse.Namespace) -> dict | None:
+    """One variant's server run: its steady-window token gaps and mean context, or None (said on
+    stderr) when it failed."""
+    run = load_test.serve(argparse.Namespace(**{**vars(a), **vars(v)}), workload(a, v.sampled))
     if run is None:
-        return 1
+        return None
     results = run["results"]
     bad = [r for r in results if r.error or len(r.token_times) != a.max_tokens]
     if bad:
-        print(f"serve_overhead: {len(bad)} requests failed: {bad[0]}", file=sys.stderr)
-        return 1
+        print(f"serve_overhead: {v.name}: {len(bad)} requests failed: {bad[0]}", file=sys.stderr)
+        return None
     gaps, tokens_before, clients_in = steady_gaps(results)
     if len(gaps) < 10:
-        print("serve_overhead: the steady window is too short; raise --max-tokens", file=sys.stderr)
-        return 1
+        print(f"serve_overhead: {v.name}: the steady window is too short; raise --max-tokens",
+              file=sys.stderr)  # fmt: skip
+        return None
     ctx = a.prompt_len + int(tokens_before + (a.max_tokens - tokens_before) / 2)
+    return dict(run, gaps=gaps, ctx=ctx, clients_in=clients_in)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    runs = []
+    for v in a.variants:
+        run = served(a, v)
+        if run is None:
+            return 1
+        runs.append((v, run))
+    ctx = runs[0][1]["ctx"]
     replay, load_s = replay_step(a, a.clients, ctx)
-    served = statistics.median(gaps)
-    overhead = (served - replay) / served
-    ok = overhead <= BAR
     lines = [
         f"# serve_overhead ({a.shape}), {a.device_name}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"command: `python bench/serve_overhead.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
-        f"server: `{shlex.join(run['cmd'][1:])}`",
-        f"torch {torch.__version__}, python {platform.python_version()}; server start-up "
-        f"{run['startup']:.1f} s; replay model built in {load_s:.1f} s",
+        f"torch {torch.__version__}, python {platform.python_version()}; replay model built in "
+        f"{load_s:.1f} s",
         "",
         f"- {a.clients} streaming clients, {a.prompt_len} prompt tokens, {a.max_tokens} output "
-        f"tokens each, {'sampled (T 0.8, top_p 0.95, seeded)' if a.sampled else 'greedy'}",
-        f"- steady window: all {clients_in} clients decoding, {len(gaps)} token gaps; mean "
-        f"context {ctx}",
-        f"- served step (token gap in the window): p10 {pct(gaps, 10) * 1e3:.2f} ms, "
-        f"median {served * 1e3:.2f} ms, p90 {pct(gaps, 90) * 1e3:.2f} ms",
+        f"tokens each (sampled: temperature 0.8, top_p 0.95, seeded)",
         f"- replay (GraphRunner.step of the decode graph, batch {a.clients}, context {ctx}): "
         f"{replay * 1e3:.2f} ms",
-        f"- **host overhead {(served - replay) * 1e3:.2f} ms = {overhead:.1%} of the served step** "
-        f"(bar <= {BAR:.0%}: {'met' if ok else 'MISSED'})",
+        "",
+        "| variant | steady window | served step p10 / median / p90 | host overhead | bar |",
+        "|---|---|---|---|---|",
     ]
+    ok = True
+    for v, run in runs:
+        gaps = run["gaps"]
+        step = statistics.median(gaps)
+        overhead = (step - replay) / step
+        ok &= overhead <= BAR
+        lines.append(
+            f"| {v.name} | {run['clients_in']} clients, {len(gaps)} gaps, context {run['ctx']} "
+            f"| {pct(gaps, 10) * 1e3:.2f} / {step * 1e3:.2f} / {pct(gaps, 90) * 1e3:.2f} ms "
+            f"| **{(step - replay) * 1e3:.2f} ms = {overhead:.1%}** "
+            f"| {'met' if overhead <= BAR else 'MISSED'} (<= {BAR:.0%}) |"
+        )
+    lines.append("")
+    for v, run in runs:
+        lines.append(
+            f"- {v.name}: server `{shlex.join(run['cmd'][1:])}`, start-up {run['startup']:.1f} s"
+        )
     publish("\n".join(lines) + "\n", str(a.out) if a.out else None)
     return 0 if ok or a.device == "cpu" else 2
 

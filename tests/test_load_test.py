@@ -2,6 +2,8 @@
 concurrent clients (some hanging up) beside one long prompt, and passes only when every request not cancelled finished
 whole and the cancelled ones freed their seats and KV blocks."""
 
+import pytest
+
 from load_test import main
 
 
@@ -41,9 +43,30 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     out = tmp_path / "overhead.md"
     args = ["--random-weights", "--device", "cpu", "--shape", "tiny", "--clients", "3"]
     args += ["--prompt-len", "6", "--max-tokens", "16", "--out", str(out)]
-    assert overhead(args) == 0
+    assert overhead([*args, "--variants", "greedy,sampled+async"]) == 0
     text = out.read_text()
-    assert "- 3 streaming clients, 6 prompt tokens, 16 output tokens each, greedy" in text
-    assert "steady window: all 3 clients decoding" in text
+    assert "- 3 streaming clients, 6 prompt tokens, 16 output tokens each" in text
     assert "replay (GraphRunner.step of the decode graph, batch 3, context" in text
-    assert "**host overhead" in text
+    rows = [
+        line for line in text.splitlines() if line.startswith("| greedy") or "| sampled" in line
+    ]
+    assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async"]
+    assert all("| 3 clients, " in r and " ms = " in r for r in rows)
+    assert "--async-scheduling" in text.split("- sampled+async: server")[1]
+    assert "--async-scheduling" not in text.split("- greedy: server")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize(
+    "variants, message",
+    [
+        ("greedy+fast", "'greedy+fast': the options are +async and +fused"),
+        ("beam", "'beam' must be greedy or sampled, then +async, +fused"),
+        ("sampled+async+async", "'sampled+async+async' must be greedy or sampled"),
+    ],
+)
+def test_serve_overhead_refuses_an_unknown_variant(variants, message, capsys):
+    from serve_overhead import main as overhead
+
+    with pytest.raises(SystemExit) as e:
+        overhead(["--random-weights", "--device", "cpu", "--variants", variants])
+    assert e.value.code == 2 and message in capsys.readouterr().err
