@@ -24,11 +24,12 @@ from hf_models import write_model_dir
 SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
 
 
-def _engine(spec, plan: str, async_scheduling: bool) -> Engine:
+def _engine(spec, plan: str, async_scheduling: bool, device: str = "cpu") -> Engine:
     e = Engine(
         load_table_from_text(plan),
         "plan.yaml",
         spec=spec,
+        device=device,
         progress=False,
         async_scheduling=async_scheduling,
     )
