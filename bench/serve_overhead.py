@@ -9,7 +9,9 @@ tiny`` checks the program.
         --prompt-len 8 --max-tokens 24
 
 A variant is ``greedy`` or ``sampled`` (temperature 0.8, top_p 0.95, seeded), then optionally
-``+async`` (the server's ``--async-scheduling``) and ``+fused`` (``--fused-sampler``).
+``+async`` (the server's ``--async-scheduling``), ``+fused`` (``--fused-sampler``) and ``+engine``
+(no HTTP: the server's ``Engine`` in a child process, its tokens read from a queue as they come,
+bench/engine_steps.py; what a served variant adds to its ``+engine`` twin is HTTP's share).
 
 1. **Served step.** For each variant, a server (a subprocess, as bench/load_test.py starts it; the
    plan's seats set to ``--clients``) gets ``--clients`` streaming requests at once, each
@@ -31,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -75,14 +80,17 @@ def variant(name: str) -> argparse.Namespace:
     """``greedy`` or ``sampled``, then ``+async`` and/or ``+fused``: the variant's switches."""
     kind, *extra = name.strip().split("+")
     if kind not in ("greedy", "sampled") or len(set(extra)) != len(extra):
-        raise ValueError(f"--variants: {name!r} must be greedy or sampled, then +async, +fused")
-    if set(extra) - {"async", "fused"}:
-        raise ValueError(f"--variants: {name!r}: the options are +async and +fused")
+        raise ValueError(
+            f"--variants: {name!r} must be greedy or sampled, then +async, +fused, +engine"
+        )
+    if set(extra) - {"async", "fused", "engine"}:
+        raise ValueError(f"--variants: {name!r}: the options are +async, +fused and +engine")
     return argparse.Namespace(
         name=name.strip(),
         sampled=kind == "sampled",
         async_scheduling="async" in extra,
         fused_sampler="fused" in extra,
+        engine="engine" in extra,
     )
 
 
@@ -135,10 +143,40 @@ def replay_step(a, batch: int, ctx: int) -> tuple[float, float]:
     return rows[0]["step"], load_s
 
 
+def engine_only(a, v: argparse.Namespace, work: list[list[dict]]) -> dict | None:
+    """bench/engine_steps.py in a child process: the run's record as load_test.serve gives it."""
+    cfg = dict(
+        shape=a.shape,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        plan=str(a.plan),
+        set=a.set,
+        async_scheduling=v.async_scheduling,
+        fused_sampler=v.fused_sampler,
+        startup_timeout=a.startup_timeout,
+        bodies=[client[0]["body"] for client in work],
+    )
+    cmd = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), json.dumps(cfg)]
+    child = subprocess.run(cmd, capture_output=True, text=True, timeout=a.startup_timeout + 600)
+    if child.returncode != 0:
+        print(child.stdout[-2000:] + child.stderr[-4000:], file=sys.stderr)
+        print(f"serve_overhead: {v.name}: the engine run failed", file=sys.stderr)
+        return None
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    results = [argparse.Namespace(**r) for r in out["results"]]
+    shown = [cmd[0], "bench/engine_steps.py", "(no HTTP)"]
+    flags = [f"--{k.replace('_', '-')}" for k in ("async_scheduling", "fused_sampler") if cfg[k]]
+    return dict(cmd=shown + flags, results=results, startup=out["startup"])
+
+
 def served(a, v: argparse.Namespace) -> dict | None:
-    """One variant's server run: its steady-window token gaps and mean context, or None (said on
+    """One variant's run: its steady-window token gaps and mean context, or None (said on
     stderr) when it failed."""
-    run = load_test.serve(argparse.Namespace(**{**vars(a), **vars(v)}), workload(a, v.sampled))
+    work = workload(a, v.sampled)
+    if v.engine:
+        run = engine_only(a, v, work)
+    else:
+        run = load_test.serve(argparse.Namespace(**{**vars(a), **vars(v)}), work)
     if run is None:
         return None
     results = run["results"]

@@ -43,24 +43,25 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     out = tmp_path / "overhead.md"
     args = ["--random-weights", "--device", "cpu", "--shape", "tiny", "--clients", "3"]
     args += ["--prompt-len", "6", "--max-tokens", "16", "--out", str(out)]
-    assert overhead([*args, "--variants", "greedy,sampled+async"]) == 0
+    assert overhead([*args, "--variants", "greedy,sampled+async,greedy+engine"]) == 0
     text = out.read_text()
     assert "- 3 streaming clients, 6 prompt tokens, 16 output tokens each" in text
     assert "replay (GraphRunner.step of the decode graph, batch 3, context" in text
     rows = [
         line for line in text.splitlines() if line.startswith("| greedy") or "| sampled" in line
     ]
-    assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async"]
+    assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async", "| greedy+engine"]
     assert all("| 3 clients, " in r and " ms = " in r for r in rows)
     assert "--async-scheduling" in text.split("- sampled+async: server")[1]
     assert "--async-scheduling" not in text.split("- greedy: server")[1].split("\n")[0]
+    assert "- greedy+engine: server `bench/engine_steps.py '(no HTTP)'`" in text
 
 
 @pytest.mark.parametrize(
     "variants, message",
     [
-        ("greedy+fast", "'greedy+fast': the options are +async and +fused"),
-        ("beam", "'beam' must be greedy or sampled, then +async, +fused"),
+        ("greedy+fast", "'greedy+fast': the options are +async, +fused and +engine"),
+        ("beam", "'beam' must be greedy or sampled, then +async, +fused, +engine"),
         ("sampled+async+async", "'sampled+async+async' must be greedy or sampled"),
     ],
 )
