@@ -174,14 +174,17 @@ class ContinuousBatcher:
         free = self.kv_pool.num_free() if self.kv_pool is not None else None
         picked: list[tuple[_Request, tuple[int, ...]]] = []
         for r in list(self._running):  # decodes, oldest first; may preempt the newest
-            if r.pending != 1 or not budget or r not in self._running:
+            # one preempted by an earlier decode of this step is skipped here: it recomputes
+            # its whole sequence (pending = prompt + output >= 2)
+            if r.pending != 1 or not budget:
                 continue
             if free is not None:
-                free = self._make_room(r, self._grow(r, 1), free, picked)
+                grow = self._grow(r, 1)
+                free = self._make_room(r, grow, free, picked)
                 if free is None:  # r itself was preempted
                     free = self._free_after(picked)
                     break
-                free -= self._grow(r, 1)
+                free -= grow
             picked.append((r, r.chunk(1)))
             budget -= 1
         for r in self._running:  # the next chunk of prompts already started
