@@ -52,6 +52,7 @@ for step in "$@"; do
     longctx)   timeout 560 python bench/load_test.py --random-weights --clients 63 --requests 1 --disconnect 0 --long-prompt 32000 --long-max-tokens 512 --max-model-len 32768 --set scheduler.max_num_seqs=64 --out "$OUT/long_context.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     overhead)  timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+engine,greedy+async --out "$OUT/serve_overhead.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     overhead-sampled) timeout 590 python bench/serve_overhead.py --random-weights --variants sampled,sampled+async,sampled+async+fused --out "$OUT/serve_overhead_sampled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    hoststep)  timeout 200 python bench/host_step.py --out "$OUT/host_step.md" 2>&1 | tail -6; timeout 200 python bench/host_step.py --sampled --out "$OUT/host_step_sampled.md" 2>&1 | tail -4 ;;
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;

@@ -71,3 +71,17 @@ def test_serve_overhead_refuses_an_unknown_variant(variants, message, capsys):
     with pytest.raises(SystemExit) as e:
         overhead(["--random-weights", "--device", "cpu", "--variants", variants])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_host_step_times_each_phase_of_a_steady_decode_step(tmp_path):
+    from host_step import PHASES
+    from host_step import main as host_step
+
+    out = tmp_path / "host.md"
+    assert host_step(["--device", "cpu", "--batch", "4", "--steps", "5", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## host_step: 4 decodes a step, greedy, cpu" in text
+    row = text.strip().splitlines()[-1]
+    cells = [float(c) for c in row.strip("| ").split(" | ")]
+    assert len(cells) == len(PHASES) + 1 and all(c > 0 for c in cells)
+    assert cells[-1] == pytest.approx(sum(cells[:-1]) - cells[PHASES.index("read")], abs=3)
