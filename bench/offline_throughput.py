@@ -52,6 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt and longest output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-fraction", type=float, default=0.85)
+    p.add_argument(
+        "--logits",
+        choices=("rows", "all"),
+        default="rows",
+        help="rows (the server's): the LM head on the sampled rows only, outside the graphs; "
+        "all: every token's logits inside the step",
+    )
     p.add_argument("--out")
     a = p.parse_args(argv)
     a.quick, a.iters, a.repeats, a.block_size = False, 1, 1, 16
@@ -91,9 +98,11 @@ def run(model, runner, table, prompts, outputs, device) -> dict:
     with torch.no_grad():
         while batcher.has_work():
             batch = batcher.schedule()
-            logits = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
+            out = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
+            rows = torch.tensor(batch.sampling_rows, dtype=torch.int64).to(device)
+            sampled = model.logits(out, rows).argmax(dim=-1) if len(rows) else []
             now = time.perf_counter()
-            for ev in batcher.commit(batch, logits):  # reads the tokens: the step is done
+            for ev in batcher.commit(batch, sampled=sampled):  # reads the tokens: the step is done
                 first.setdefault(ev.request_id, now - t0)
             steps += 1
     sync(device)
@@ -119,7 +128,9 @@ def main(argv=None) -> int:
         if device.type == "cuda"
         else {"kv_cache_tokens": table.max_num_seqs * max_len}
     )
-    model = PagedCausalLM(hf, max_num_seqs=table.max_num_seqs, max_model_len=max_len, **pool)
+    model = PagedCausalLM(
+        hf, max_num_seqs=table.max_num_seqs, max_model_len=max_len, logits=a.logits, **pool
+    )
     runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False)
     sync(device)
     t0 = time.perf_counter()
@@ -140,7 +151,8 @@ def main(argv=None) -> int:
         f"command: `python bench/offline_throughput.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         f"torch {torch.__version__}; plan {table.settings.name} ({len(table.graphs)} graphs, "
         f"captured in {capture_s:.1f} s); model built in {load_s:.1f} s; KV pool "
-        f"{model.cfg.num_blocks} blocks ({model.cache.nbytes() / (1 << 30):.1f} GiB)",
+        f"{model.cfg.num_blocks} blocks ({model.cache.nbytes() / (1 << 30):.1f} GiB); logits "
+        f"{model.logits_mode}",
         "",
         f"- requests: {a.requests} (prompts {a.min_len}-{a.max_len}, outputs {a.min_len}-"
         f"{a.max_len} tokens, log-uniform, seed {a.seed}); {in_tok} prompt and {out_tok} output "

@@ -81,8 +81,18 @@ class Model(Protocol):
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         """The step: ``make_batch``'s tensors (or the runner's static buffers) as keywords ->
-        logits ``[num_tokens, vocab_size]`` float32. Shapes depend only on the token and request
-        counts, so the runner can capture it."""
+        logits ``[num_tokens, vocab_size]`` float32, or, for a model that applies its LM head in
+        ``logits`` (``PagedCausalLM(logits="rows")``), its last hidden states ``[num_tokens,
+        hidden]``. Shapes depend only on the token and request counts, so the runner can
+        capture it."""
+        ...
+
+    def logits(
+        self, out: torch.Tensor, rows: torch.Tensor, *, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The float32 logits ``[len(rows), vocab_size]`` of the step's token rows ``rows`` (int64,
+        on the device) from ``out``, what the step returned; written into ``into`` when given (a
+        float32 tensor of that shape) and returned. No host reads."""
         ...
 
     @property

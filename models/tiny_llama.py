@@ -130,6 +130,14 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     # -- the Model protocol (the module functions below stay for existing callers) ----------
+    def logits(self, out, rows, *, into=None) -> torch.Tensor:
+        """Rows of the step's logits (forward returns every token's)."""
+        return (
+            out.index_select(0, rows)
+            if into is None
+            else torch.index_select(out, 0, rows, out=into)
+        )
+
     def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """``(cache_row, start_pos, token_ids)`` per request -> forward's keyword arguments."""
         return make_batch(self, reqs, non_blocking=non_blocking)

@@ -115,6 +115,7 @@ class HFSpec:
             kv_memory_fraction=self.kv_memory_fraction,
             fused_ops=self.fused_ops,
             max_step_tokens=table.max_tokens,
+            logits="rows",  # the LM head on the rows a step reads, outside the graphs
         )
 
 

@@ -41,6 +41,7 @@ from . import prompt_logprobs
 from .batching import StepBatch
 from .protocol import RequestError
 from .requests import Request, Sampled
+from .step_logits import StepLogits
 from .step_sampler import Pending
 
 log = logging.getLogger("graphplan.server")
@@ -75,9 +76,8 @@ class Pipeline:
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}
             inputs = e.model.make_batch(batch.reqs, **nb)
-            logits = e.runner.step(
-                inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
-            )
+            out = e.runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
+            logits = StepLogits.of(e.model, out)  # read at the rows a step samples (and prompts')
             prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks
             if self.async_scheduling and prompt_lps is None and self._eligible(batch):
                 assert e.sampler is not None
@@ -145,11 +145,9 @@ class Pipeline:
             if idx != list(range(len(f.batch.request_ids))):
                 tokens = tokens.index_select(0, to_device(torch.tensor(idx), tokens.device))
             inputs["input_ids"] = tokens
-            logits = e.runner.step(
-                inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len
-            )
+            out = e.runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
             assert e.sampler is not None
-            pending = e.sampler.launch(batch, logits, keep=True)
+            pending = e.sampler.launch(batch, StepLogits.of(e.model, out), keep=True)
             self.speculated += 1
             e.outbox.flush()  # the last step's events, while this one runs on the device
             sampled = f.pending.read()

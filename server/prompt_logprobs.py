@@ -24,6 +24,7 @@ import torch
 from .batching import StepBatch
 from .outbox import Outbox
 from .requests import Request, Sampled
+from .step_logits import StepLogits, step_logits
 
 ROWS_PER_BLOCK = 256
 """log_softmax temporaries are [ROWS_PER_BLOCK, vocab] float32 at most."""
@@ -80,13 +81,15 @@ class Pending:
         return out
 
 
-def launch(batch: StepBatch, logits: torch.Tensor) -> Pending | None:
-    """Start the step's prompt logprobs on ``logits`` [num_tokens (or more), vocab]; None when no
-    request in ``batch`` has prompt positions to send."""
+def launch(batch: StepBatch, logits: StepLogits | torch.Tensor) -> Pending | None:
+    """Start the step's prompt logprobs on the step's ``logits`` (server/step_logits.py; a tensor:
+    every token row's), read at the prompt positions' rows; None when no request in ``batch``
+    has prompt positions to send."""
     todo = spans(batch)
     if not todo:
         return None
-    dev, vocab = logits.device, logits.shape[-1]
+    logits = step_logits(logits)
+    dev, vocab = logits.device, logits.vocab
     rows: list[int] = []
     targets: list[int] = []
     for s in todo:
@@ -97,7 +100,7 @@ def launch(batch: StepBatch, logits: torch.Tensor) -> Pending | None:
     parts = []
     for b in range(0, len(rows), ROWS_PER_BLOCK):
         block = index[:, b : b + ROWS_PER_BLOCK]
-        lp = torch.log_softmax(logits.index_select(0, block[0]).float(), dim=-1)
+        lp = torch.log_softmax(logits.rows(block[0]), dim=-1)
         part = [lp.gather(1, block[1][:, None]).double()]
         if k:
             top = lp.topk(k, dim=-1)

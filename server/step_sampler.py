@@ -48,6 +48,7 @@ from graphplan.runtime.graphs import Graph, GraphBackend, graph_backend
 from .batching import StepBatch
 from .requests import Request, Sampled
 from .sampling import Sampler
+from .step_logits import StepLogits, step_logits
 
 MAX_LOGPROBS = 20
 
@@ -103,13 +104,16 @@ class StepSampler:
         if graphs:
             self._capture()
 
-    def sample(self, batch: StepBatch, logits: torch.Tensor) -> list[Sampled]:
+    def sample(self, batch: StepBatch, logits: StepLogits | torch.Tensor) -> list[Sampled]:
         """One ``Sampled`` per request that samples this step, in ``batch.sampling_rows`` order."""
         return self.launch(batch, logits).read()
 
     @torch.no_grad()
-    def launch(self, batch: StepBatch, logits: torch.Tensor, *, keep: bool = False) -> Pending:
-        """Start the step's sampling on the device; ``read()`` the result. ``keep`` (async
+    def launch(
+        self, batch: StepBatch, logits: StepLogits | torch.Tensor, *, keep: bool = False
+    ) -> Pending:
+        """Start the step's sampling on the device; ``read()`` the result. ``logits``: the step's
+        (server/step_logits.py; a tensor: every token row's), read at the sampled rows. ``keep`` (async
         scheduling, server/pipeline.py): the tokens stay valid while later steps sample (a copy
         of the graph's output), as ``Pending.tokens`` on the device, and their copy to the host
         starts now, so ``read()`` waits for this step alone, not for a step launched after it.
@@ -117,22 +121,19 @@ class StepSampler:
         rows = batch.sampling_rows
         if not rows:
             return Pending([], None, None, (), False)
+        logits = step_logits(logits)
         reqs = _sampling_requests(batch.request_ids, batch.sample_rows)
         n = len(rows)
         if all(r.params.greedy and not r.params.penalised and r.logprobs is None for r in reqs):
             index, _ = self._stage(rows, (), n)
-            return _pending(logits.index_select(0, index).argmax(dim=-1), reqs, False, keep)
+            return _pending(logits.rows(index).argmax(dim=-1), reqs, False, keep)
         slots = batch.sampling_cache_rows
         for r, slot in zip(reqs, slots):
             if self._owner[slot] is not r:
                 self._bind(r, slot)
         size = self._size_for[n] if self._graphs else n
         index, _ = self._stage(rows, slots, size)
-        picked = self._logits[:n]
-        if logits.dtype == picked.dtype:
-            torch.index_select(logits, 0, index, out=picked)
-        else:
-            picked.copy_(logits.index_select(0, index))
+        logits.rows(index, into=self._logits[:n])
         work = Work.of(reqs)
         assert not (keep and work.logprobs), "async scheduling keeps steps with logprobs sync"
         graph = self._graphs.get((size, work))

@@ -42,10 +42,10 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
 
     out = tmp_path / "overhead.md"
     args = ["--random-weights", "--device", "cpu", "--shape", "tiny", "--clients", "3"]
-    args += ["--prompt-len", "6", "--max-tokens", "16", "--out", str(out)]
+    args += ["--prompt-len", "6", "--max-tokens", "32", "--out", str(out)]
     assert overhead([*args, "--variants", "greedy,sampled+async,greedy+engine"]) == 0
     text = out.read_text()
-    assert "- 3 streaming clients, 6 prompt tokens, 16 output tokens each" in text
+    assert "- 3 streaming clients, 6 prompt tokens, 32 output tokens each" in text
     assert "replay (GraphRunner.step of the decode graph, batch 3, context" in text
     rows = [
         line for line in text.splitlines() if line.startswith("| greedy") or "| sampled" in line

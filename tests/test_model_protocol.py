@@ -70,6 +70,7 @@ def protocol_members(protocol) -> set[str]:
 
 EXERCISED = {
     "__call__",
+    "logits",
     "cfg",
     "device",
     "kv_cache",
@@ -105,6 +106,10 @@ def test_every_protocol_member_works_on_both_models(model):
     before = model.kv_cache.clone()
     logits = model(**batch)
     assert logits.shape == (4, cfg.vocab_size) and logits.dtype == torch.float32
+    rows = torch.tensor([3, 0], device=model.device)
+    assert torch.equal(model.logits(logits, rows), logits[[3, 0]])
+    into = torch.empty(2, cfg.vocab_size)
+    assert model.logits(logits, rows, into=into) is into and torch.equal(into, logits[[3, 0]])
     assert not torch.equal(model.kv_cache, before)  # the step wrote its K/V into the cache
     assert model.kv_cache.device == model.device
     model.release(2)

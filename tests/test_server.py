@@ -161,10 +161,11 @@ def record_logits(server) -> dict:
     engine = server.engine
     sample = engine.sample_step
 
-    def recording(batch, logits):
+    def recording(batch, logits):  # a StepLogits (server/step_logits.py)
         for rid, i in zip(batch.request_ids, batch.sample_rows):
             if i >= 0:
-                rows.setdefault(rid, []).append(logits[i].to("cpu", torch.float32, copy=True))
+                row = logits.rows(torch.tensor([i], device=logits.device))[0]
+                rows.setdefault(rid, []).append(row.to("cpu", torch.float32, copy=True))
         return sample(batch, logits)
 
     engine.sample_step = recording

@@ -8,6 +8,10 @@ requests (prefill chunks and decodes mixed) is the forward's input, all fixed-sh
     block_tables [R, max_blocks_per_seq] int32 (padding: the padding block),
     seq_lens [R] int32, query_start_loc [R + 1] int32   ->   logits [T, vocab] float32
 
+or, with ``logits="rows"``, the last hidden states [T, hidden] (the model's dtype): the LM head then
+runs in ``logits(out, rows)`` on the rows a step reads (its sampled tokens, prompt logprobs),
+outside the captured graphs, as vLLM computes logits only at its ``logits_indices``.
+
 A token attends to the slots of its request's block table at positions <= its own; eager batches
 with prefill chunks read ``seq_lens`` and ``query_start_loc`` on the host to attend each prompt
 chunk over its real length (graphs never read them back: see ``attention.make_paged_batch``).
@@ -37,6 +41,23 @@ from .load import eos_token_ids, load_config, load_model, load_tokenizer
 from .step_memory import DEFAULT_STEP_TOKENS, step_reserve_bytes
 
 log = logging.getLogger("graphplan.models")
+
+HEAD_ONLY = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+"""CausalLM classes whose logits are their LM head over the decoder's last hidden states and nothing
+more (no soft-capping or scaling after it, unlike e.g. Gemma 2's or Granite's): ``logits="rows"``
+applies to them."""
+
+
+def why_not_rows(hf_model) -> str | None:
+    """Why ``logits="rows"`` does not apply to ``hf_model``, or None when it does."""
+    name = type(hf_model).__name__
+    if name not in HEAD_ONLY:
+        return (
+            f"{name} is not one whose logits are its LM head alone ({', '.join(sorted(HEAD_ONLY))})"
+        )
+    return None
 
 
 def kv_shape(config, dtype: torch.dtype, block_size: int) -> KVCacheShape:
@@ -76,7 +97,14 @@ class PagedCausalLM(torch.nn.Module):
     to, keep transformers' forward (logged; ``fused_reason`` says why). The ``fused_ops``
     attribute switches between the two on a fused model (the weights are shared: compare them
     on one model); set it before a runner captures. Code that torch.compile traces runs
-    transformers' forward (inductor fuses it itself)."""
+    transformers' forward (inductor fuses it itself).
+
+    ``logits``: ``"all"`` (the default) returns every token's float32 logits from ``forward``;
+    ``"rows"`` returns the last hidden states, and ``logits(out, rows)`` applies the LM head to the
+    rows a step reads: a mixed step of T tokens from R requests runs the head on R rows, not T,
+    and no ``[T, vocab]`` float32 tensor is made (the graphs' static outputs are ``[T, hidden]``).
+    A model it does not apply to (``why_not_rows``) keeps ``"all"`` (logged; ``logits_reason``
+    says why). The server serves with ``"rows"``."""
 
     def __init__(
         self,
@@ -90,8 +118,11 @@ class PagedCausalLM(torch.nn.Module):
         source: str | os.PathLike | None = None,
         fused_ops: bool | None = None,
         max_step_tokens: int | None = None,
+        logits: str = "all",
     ):
         super().__init__()
+        if logits not in ("all", "rows"):
+            raise ValueError(f"logits must be 'all' or 'rows', not {logits!r}")
         self.source = source
         register()
         hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # transformers' public switch
@@ -109,6 +140,12 @@ class PagedCausalLM(torch.nn.Module):
         elif fused_ops:
             log.warning("fused_ops: %s; running transformers' forward", self.fused_reason)
         self._fused_on = self.fused is not None
+        self.logits_reason = why_not_rows(hf_model) if logits == "rows" else None
+        if self.logits_reason is not None:
+            log.warning(
+                "logits='rows': %s; every token's logits come from forward", self.logits_reason
+            )
+        self.logits_mode = "rows" if logits == "rows" and self.logits_reason is None else "all"
         limit = getattr(c, "max_position_embeddings", None)
         if limit and max_model_len > limit:
             from ..paged_kv import KVCacheSizeError
@@ -155,13 +192,14 @@ class PagedCausalLM(torch.nn.Module):
         kv_memory_fraction: float | None = None,
         fused_ops: bool | None = None,
         max_step_tokens: int | None = None,
+        logits: str = "all",
     ) -> "PagedCausalLM":
         """From a local model directory's checkpoint (``load.load_model``: checked before
         anything is allocated, the weights and this KV cache against the free memory); with
         ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``.
         ``max_step_tokens``: the most tokens a step runs (the scheduler's token budget; default
         ``DEFAULT_STEP_TOKENS``); on CUDA a step of that size is measured before the pool is
-        sized (models/hf/step_memory.py)."""
+        sized (models/hf/step_memory.py). ``logits``: see the class docstring."""
         register()
         config = load_config(source)
         shape = kv_shape(config, dtype, block_size)
@@ -187,6 +225,7 @@ class PagedCausalLM(torch.nn.Module):
             kv_memory_fraction=kv_memory_fraction,
             fused_ops=fused_ops,
             max_step_tokens=max_step_tokens,
+            logits=logits,
         )
 
     def _pool(self, shape, blocks: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -236,12 +275,27 @@ class PagedCausalLM(torch.nn.Module):
             meta = make_paged_batch(
                 self.cache.kv, positions, slot_mapping, block_tables, seq_lens, query_start_loc
             )
+        rows = self.logits_mode == "rows"
         if self._fused_on and self.fused is not None and not torch.compiler.is_compiling():
-            return self.fused.forward(input_ids, positions, meta).float()
-        out = self.hf(
+            out = self.fused.forward(input_ids, positions, meta, head=not rows)
+            return out if rows else out.float()
+        kwargs = dict(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, graphplan=meta
         )
-        return out.logits[0].float()
+        if rows:
+            return self.hf.model(**kwargs).last_hidden_state[0]
+        return self.hf(**kwargs).logits[0].float()
+
+    def logits(self, out, rows, *, into=None) -> torch.Tensor:
+        """The float32 logits of token rows ``rows`` of a step that returned ``out``
+        (``graphplan.models.Model.logits``): rows of ``out`` itself, or with ``logits="rows"``
+        the LM head over those rows of the hidden states (transformers' own ``lm_head``)."""
+        if self.logits_mode == "all":
+            if into is None:
+                return out.index_select(0, rows)
+            return torch.index_select(out, 0, rows, out=into)
+        head = self.hf.lm_head(out.index_select(0, rows))
+        return head.float() if into is None else into.copy_(head)
 
     # -- batches ----------------------------------------------------------------------------
     def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:

@@ -202,9 +202,12 @@ class FusedDecoder:
         qkv = like.new_zeros(1, layer.qkv.shape[0])
         rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, self.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, graphplan) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, graphplan, head: bool = True
+    ) -> torch.Tensor:
         """input_ids, positions ``[T]``; ``graphplan``: the step's paged metadata, handed to every
-        attention call as transformers' forward hands it."""
+        attention call as transformers' forward hands it. ``head=False``: the last hidden states
+        (after the final norm), without the LM head."""
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         step = self.step_inputs(positions, graphplan)
@@ -214,7 +217,7 @@ class FusedDecoder:
             h = rmsnorm(h, self.norm, self.eps)
         else:
             h, _ = add_rmsnorm_(h, residual, self.norm, self.eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias)
+        return F.linear(h, self.lm_head, self.lm_head_bias) if head else h
 
     def step_inputs(self, positions: torch.Tensor, graphplan) -> tuple:
         """What every layer of one step reads: (positions, position_ids, graphplan, the attention

@@ -4,8 +4,8 @@ A default-sized pool takes most of the memory left after the weights; what a ste
 (every layer's activations at the largest token count, the logits of every row in float32, the
 sampler's ``[rows, vocab]`` temporaries) must stay free, or the first long mixed step runs out of
 memory under load. vLLM measures this with a profiling run before it sizes its cache; so does this:
-one eager forward at the scheduler's token budget over a pool just big enough for it, its peak
-taken from the allocator. The sampler is not part of the model; its bound is
+one eager forward at the scheduler's token budget over a pool just big enough for it, then the
+logits of as many rows as a step samples, their peak taken from the allocator. The sampler is not part of the model; its bound is
 ``SAMPLER_BYTES_PER_LOGIT`` per row and vocabulary entry (server/sampling.py: float32 logits,
 scaled copy, noise, softmax and cumsum, the sort's values and int64 indices)."""
 
@@ -29,7 +29,8 @@ def step_reserve_bytes(
     model, install_pool, shape, max_num_seqs: int, max_model_len: int, tokens: int
 ) -> int:
     """The peak bytes of one eager forward of ``tokens`` tokens (as requests of at most
-    ``max_model_len``, over at most ``max_num_seqs`` seats) plus the sampler's bound at
+    ``max_model_len``, over at most ``max_num_seqs`` seats) and of its logits at ``max_num_seqs``
+    rows (``model.logits``), plus the sampler's bound at
     ``max_num_seqs`` rows. Runs on ``model`` (a PagedCausalLM being built) over a temporary pool
     that ``install_pool(shape, blocks, max_num_seqs, max_model_len)`` sets up; leaves none."""
     tokens = max(1, min(tokens, max_num_seqs * max_model_len))
@@ -44,7 +45,9 @@ def step_reserve_bytes(
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         with torch.no_grad():
-            model(**model.make_batch([(i, 0, [0] * n) for i, n in enumerate(chunks)]))
+            out = model(**model.make_batch([(i, 0, [0] * n) for i, n in enumerate(chunks)]))
+            # the rows a step samples: with logits="rows" the LM head runs here, on them alone
+            model.logits(out, torch.arange(min(max_num_seqs, tokens), device=device))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     finally:
