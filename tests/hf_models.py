@@ -128,6 +128,20 @@ def plan(max_num_seqs: int = 4, max_tokens: int = 32, sizes=(1, 2, 4)) -> dict:
     }
 
 
+class AllRows:
+    """A runner over a ``PagedCausalLM(logits="rows")`` whose step returns every token row's
+    logits through ``model.logits`` (what ``run_schedule`` reads); ``shapes``: the steps' own
+    outputs' shapes (the hidden states)."""
+
+    def __init__(self, runner, model):
+        self.runner, self.model, self.shapes = runner, model, []
+
+    def step(self, batch, num_reqs, max_query_len):
+        out = self.runner.step(batch, num_reqs=num_reqs, max_query_len=max_query_len)
+        self.shapes.append(tuple(out.shape))
+        return self.model.logits(out, torch.arange(out.shape[0], device=out.device))
+
+
 @torch.no_grad()
 def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tensor]:
     """Teacher-forced continuous batching. ``steps``: per step, ``(request, num_tokens)`` pairs;

@@ -256,13 +256,17 @@ def test_token_and_request_counts_stay_independent_and_one_is_not_special():
     assert (compiled.compiles, compiled.recompiles) == (1, 0)
 
 
-def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
+@pytest.mark.parametrize("logits", ["all", "rows"])
+def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward(logits):
+    """Either way: every token's logits from the compiled step, or (the server's) its hidden
+    states with the LM head applied after it (hf_models.AllRows)."""
     pytest.importorskip("transformers")
     from graphplan.models.hf import PagedCausalLM
 
     from hf_models import (
         LENS,
         STEPS,
+        AllRows,
         reference_logits,
         reference_model,
         run_schedule,
@@ -278,13 +282,16 @@ def test_hf_adapter_decode_graphs_of_the_compiled_model_match_its_own_forward():
         block_size=4,
         seed=0,
         random_weights=True,
+        logits=logits,
     )
+    assert model.logits_mode == logits
     runner = GraphRunner(
         model, compile_plan(hf_plan()), model.static_inputs(), progress=False, compile="eager"
     )
     runner.capture()
     seqs = [tokens(n, seed=10 + i) for i, n in enumerate(LENS)]
-    got = run_schedule(model, runner, seqs, STEPS)  # prefill chunks eager, decodes FULL graphs
+    driver = AllRows(runner, model) if logits == "rows" else runner
+    got = run_schedule(model, driver, seqs, STEPS)  # prefill chunks eager, decodes FULL graphs
     ref = reference_model(model)
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(got[i], reference_logits(ref, seq), atol=1e-4, rtol=1e-4)

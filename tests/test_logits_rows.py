@@ -22,6 +22,7 @@ from graphplan.runtime import GraphRunner
 from graphplan.server.hf_model import HFSpec
 
 from hf_models import (
+    AllRows,
     mixed_plan,
     mixed_schedule,
     run_schedule,
@@ -29,18 +30,6 @@ from hf_models import (
     tokens,
     write_model_dir,
 )
-
-
-class AllRows:
-    """A runner whose step returns every row's logits through ``model.logits``."""
-
-    def __init__(self, runner, model):
-        self.runner, self.model, self.shapes = runner, model, []
-
-    def step(self, batch, num_reqs, max_query_len):
-        out = self.runner.step(batch, num_reqs=num_reqs, max_query_len=max_query_len)
-        self.shapes.append(tuple(out.shape))
-        return self.model.logits(out, torch.arange(out.shape[0]))
 
 
 def paged(hf, logits: str, fused: bool) -> PagedCausalLM:
