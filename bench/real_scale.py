@@ -71,6 +71,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--compile", action="store_true", help="also GraphRunner(compile=True): inductor"
     )
+    p.add_argument(
+        "--logits",
+        choices=("all", "rows"),
+        default="all",
+        help="rows (the server's): each step returns hidden states and the LM head runs after "
+        "it on the batch's rows, timed with the step",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hf-only", type=int, help=argparse.SUPPRESS)  # the baseline's child
@@ -132,7 +139,12 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict], compile=False
         pool = {"kv_cache_tokens": max(top * (max(a.contexts) + a.block_size), max_len)}
     try:
         model = PagedCausalLM(
-            hf, max_num_seqs=top, max_model_len=max_len, block_size=a.block_size, **pool
+            hf,
+            max_num_seqs=top,
+            max_model_len=max_len,
+            block_size=a.block_size,
+            logits=getattr(a, "logits", "all"),
+            **pool,
         )
     except GraphplanError as e:
         rows.append({"max_len": max_len, "note": f"KV pool refused: {e}"})
@@ -158,8 +170,14 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict], compile=False
                 note = f"context {ctx} x batch {b} ({need:.1f} GiB of KV) does not fit the pool"
                 rows.append({"max_len": max_len, "note": note})
                 continue
+            every = torch.arange(b, device=device)
+
+            def step(batch=batch, b=b, every=every):
+                out = runner.step(batch, b, 1)  # "rows": the server's head after the step
+                return model.logits(out, every) if model.logits_mode == "rows" else out
+
             with torch.no_grad():
-                t = time_per_call(lambda: runner.step(batch, b, 1), device, a.iters, a.repeats)
+                t = time_per_call(step, device, a.iters, a.repeats)
             rows.append(
                 {
                     "max_len": max_len,

@@ -46,7 +46,10 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     assert overhead([*args, "--variants", "greedy,sampled+async,greedy+engine"]) == 0
     text = out.read_text()
     assert "- 3 streaming clients, 6 prompt tokens, 32 output tokens each" in text
-    assert "replay (GraphRunner.step of the decode graph, batch 3, context" in text
+    assert (
+        "replay (GraphRunner.step of the decode graph, then the LM head on its rows, as the server runs them; batch 3, context"
+        in text
+    )
     rows = [
         line for line in text.splitlines() if line.startswith("| greedy") or "| sampled" in line
     ]
