@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, cast
 
+import pydantic_core
+
 from graphplan.models import Tokenizer
 
 from .choices import Choice, Delta, usage
@@ -120,6 +122,10 @@ async def stream(
                 yield job.chunk([opening]).sse()
         try:
             async for c, d in run:
+                plain = d.finish_reason is None and not (_lp(c) and d.logprobs)
+                if plain and (job.chat or opened[c.index]):  # most tokens: text alone
+                    yield plain_chunk(job, c.index, d)
+                    continue
                 choice: ChatChunkChoice | CompletionChoice
                 if job.chat:
                     choice = _chat_chunk(c, d, tokenizer)
@@ -135,6 +141,26 @@ async def stream(
         pass
     finally:
         cancel([r for r in reqs if not r.finished])
+
+
+def plain_chunk(job: Job, index: int, d: Delta) -> bytes:
+    """The stream event of a choice's delta that is text alone (no logprobs, no finish reason, no
+    echoed prompt; a completion's token ids): the bytes ``job.chunk([...]).sse()`` gives for it,
+    serialized from a dict by pydantic's own encoder instead of through the response models
+    (their wrap serializers are Python calls per model), as this is the event of nearly every
+    token. tests/test_openai_responses.py holds the two equal."""
+    if job.chat:
+        choice: dict = {"index": index, "delta": {"content": d.text}}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": d.text}
+        kind = "text_completion"
+    choice |= {"logprobs": None, "finish_reason": None}
+    if not job.chat:
+        choice["token_ids"] = d.token_ids
+    body = {"id": job.id, "object": kind, "created": job.created, "model": job.model}
+    body["choices"] = [choice]
+    return b"data: " + pydantic_core.to_json(body) + b"\n\n"
 
 
 def _completion_chunk(

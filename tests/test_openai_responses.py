@@ -17,10 +17,16 @@ import json
 from fnmatch import fnmatch
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import ValidationError
+
+from graphplan.server.choices import Delta
+from graphplan.server.openai_answers import Job, plain_chunk
+from graphplan.server.openai_responses import ChatChunkChoice, ChatDelta, CompletionChoice
 
 from hf_models import write_model_dir
 from served import start_server, with_chat_template
@@ -210,3 +216,26 @@ def test_an_error_mid_stream_is_one_error_event_then_done(server, monkeypatch):
     assert status == 200 and set(objs[-1]) == {"error"}
     conforms(ErrorObject, objs[-1]["error"])
     assert "internal error in the engine step" in objs[-1]["error"]["message"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(max_size=12),
+    ids=st.lists(st.integers(0, 2**31 - 1), max_size=3),
+    index=st.integers(0, 300),
+    chat=st.booleans(),
+    model=st.text(min_size=1, max_size=12),
+)
+def test_a_plain_chunk_is_the_bytes_the_response_models_give(text, ids, index, chat, model):
+    """openai_answers.plain_chunk, the per-token event built from a dict, against the response
+    models' own serialization: any text (quotes, controls, surrogates' neighbours, emoji)."""
+    job = Job(id="cmpl-1", created=1700000000, model=model, chat=chat, n=1, prompts=[[1]])
+    choice: ChatChunkChoice | CompletionChoice
+    if chat:
+        delta = ChatDelta(content=text)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)
+    else:
+        choice = CompletionChoice(
+            index=index, text=text, logprobs=None, finish_reason=None, token_ids=ids
+        )
+    assert plain_chunk(job, index, Delta(text=text, token_ids=ids)) == job.chunk([choice]).sse()
