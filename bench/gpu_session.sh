@@ -54,6 +54,7 @@ for step in "$@"; do
     overhead-sampled) timeout 590 python bench/serve_overhead.py --random-weights --variants sampled,sampled+async,sampled+async+fused --out "$OUT/serve_overhead_sampled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     hoststep)  timeout 200 python bench/host_step.py --out "$OUT/host_step.md" 2>&1 | tail -6; timeout 200 python bench/host_step.py --sampled --out "$OUT/host_step_sampled.md" 2>&1 | tail -4 ;;
     offline)   for m in rows all; do timeout 280 python bench/offline_throughput.py --logits $m --out "$OUT/offline_throughput_$m.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -8; done ;;
+    threadcpu) timeout 200 python bench/thread_cpu.py --clients 64 --rounds 3 --out "$OUT/thread_cpu.md" 2>&1 | tail -7 ;;
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;

@@ -88,3 +88,19 @@ def test_host_step_times_each_phase_of_a_steady_decode_step(tmp_path):
     cells = [float(c) for c in row.strip("| ").split(" | ")]
     assert len(cells) == len(PHASES) + 1 and all(c > 0 for c in cells)
     assert cells[-1] == pytest.approx(sum(cells[:-1]) - cells[PHASES.index("read")], abs=3)
+
+
+def test_thread_cpu_reads_each_threads_cpu_per_streamed_token(tmp_path):
+    from thread_cpu import THREADS
+    from thread_cpu import main as thread_cpu
+
+    out = tmp_path / "threads.md"
+    argv = ["--device", "cpu", "--clients", "4", "--tokens", "6", "--rounds", "2"]
+    assert thread_cpu([*argv, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## thread_cpu: 4 streaming clients x 6 tokens, cpu" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [float(c) for c in row.strip("| ").split(" | ")[1:]]
+        assert len(cells) == len(THREADS) and all(c >= 0 for c in cells)
