@@ -8,7 +8,8 @@ Run as a child process (the parent keeps the GPU free for its replay model after
 
     python bench/engine_steps.py '{"shape": "8b", "device": "cuda", "clients": 64, ...}'
 
-prints one JSON line: ``{"startup": s, "results": [{"token_times": [...], "error": ""}, ...]}``.
+prints one JSON line: ``{"startup": s, "results": [{"token_times": [...], "error": ""}, ...],
+"async_steps": n}`` (steps launched before the previous one's read).
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def run(cfg: dict) -> dict:
                     left -= 1
                 elif kind == "done":
                     left -= 1
+            async_steps = engine.pipeline.speculated
         finally:
             engine.stop(5)
-    return {"startup": startup, "results": [vars(t) for t in out]}
+    return {"startup": startup, "results": [vars(t) for t in out], "async_steps": async_steps}
 
 
 if __name__ == "__main__":

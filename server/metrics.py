@@ -136,6 +136,11 @@ class ServerMetrics:
             "running_requests": ("Requests holding a KV-cache row.", engine.num_running),
             "kv_blocks_used": ("KV-cache blocks held by requests.", engine.kv_blocks_used),
             "kv_blocks_free": ("KV-cache blocks free.", engine.kv_blocks_free),
+            "async_steps": (
+                "Steps launched before the previous step's tokens were read (--async-scheduling), "
+                "since the start.",
+                lambda: engine.pipeline.speculated,
+            ),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(PREFIX + name, doc, registry=r).set_function(fn)

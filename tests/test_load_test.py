@@ -55,6 +55,8 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     ]
     assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async", "| greedy+engine"]
     assert all("| 3 clients, " in r and " ms = " in r for r in rows)
+    async_steps = [int(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]  # from /metrics
+    assert async_steps[0] == 0 and async_steps[1] > 0 and async_steps[2] == 0
     assert "--async-scheduling" in text.split("- sampled+async: server")[1]
     assert "--async-scheduling" not in text.split("- greedy: server")[1].split("\n")[0]
     assert "- greedy+engine: server `bench/engine_steps.py '(no HTTP)'`" in text
