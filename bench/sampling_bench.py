@@ -27,6 +27,7 @@ import datetime
 import random
 import shlex
 import sys
+import time
 
 import torch
 
@@ -34,10 +35,10 @@ from graphplan.server.batching import StepBatch
 from graphplan.server.requests import QueueSink, Request
 from graphplan.server.sampling import Sampler, gumbel_noise, seed_key, vocab_keys
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import StepSampler
+from graphplan.server.step_sampler import StepSampler, Work
 
 from machine import machine
-from timing import graph_time_per_call, publish, time_per_call
+from timing import graph_time_per_call, publish, sync, time_per_call
 
 MIX = [
     SamplingParams(temperature=0),
@@ -127,7 +128,15 @@ def engine_step(rows: int, vocab: int, device, iters: int) -> dict[str, float]:
             max_query_len=1,
         )
         for graphs in (False, True):
+            sync(device)
+            t0 = time.perf_counter()
             s = StepSampler(rows, vocab, device, graphs=graphs)
+            sync(device)
+            if graphs:  # every padded row count x every Work variant, warm-ups included
+                t["capture_s"], t["graphs"] = (
+                    time.perf_counter() - t0,
+                    len(s.sizes) * len(Work.every()),
+                )
             key = f"{'graph' if graphs else 'eager'}{'_logprobs' if logprobs else ''}"
             t[key] = time_per_call(lambda: s.sample(batch, logits), device, iters, 3) * 1e6
             s.release_graphs()
@@ -174,15 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         "Engine sampling step (`StepSampler.sample`, wall clock incl. the host read), mixed batch",
         "",
         "| rows | eager us | graph us | eager / graph | eager + logprobs us "
-        "| graph + logprobs us | eager / graph + logprobs |",
-        "|---|---|---|---|---|---|---|",
+        "| graph + logprobs us | eager / graph + logprobs | capture |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = engine_step(r, vocab, device, args.iters)
         lines.append(
             f"| {r} | {t['eager']:.1f} | {t['graph']:.1f} | {t['eager'] / t['graph']:.2f}x "
             f"| {t['eager_logprobs']:.1f} | {t['graph_logprobs']:.1f} "
-            f"| {t['eager_logprobs'] / t['graph_logprobs']:.2f}x |"
+            f"| {t['eager_logprobs'] / t['graph_logprobs']:.2f}x "
+            f"| {t['graphs']} graphs in {t['capture_s']:.2f} s |"
         )
     publish("\n".join(lines), args.out)
     return 0

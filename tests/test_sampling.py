@@ -376,7 +376,7 @@ def test_the_benchmark_runs_at_smoke_size(tmp_path, monkeypatch):
     out = tmp_path / "sampling.md"
     assert sampling_bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 4 |")]
-    assert [row.count("|") for row in rows] == [13, 8]  # the sampler's parts; the engine's step
+    assert [row.count("|") for row in rows] == [13, 9]  # the sampler's parts; the engine's step
     cells = [c.strip() for c in rows[0].split("|")[1:-1]]
     assert cells[5:7] == ["n/a", "n/a"]  # the fused kernel: no CUDA and no interpreter here
     assert all(float(c) > 0 for c in cells[1:5] + cells[7:10])
