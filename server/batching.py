@@ -316,15 +316,19 @@ class ContinuousBatcher:
         retired), so that ``schedule()`` hands out the next step now. Only in the steady decode
         state where that next step is surely every one of these requests decoding once more:
         each decodes one token and samples, they are all the running requests (those of them that
-        finished since are skipped), none waits, none
-        reaches its ``max_new_tokens`` at ``batch``, and the free KV blocks hold every request's
-        next token (no preemption). Returns False, changing nothing, otherwise.
+        finished since are skipped), no waiting request could join (the seats are all taken: a
+        seat that frees when a request stops at ``batch`` is given out one step later than
+        without speculation), none reaches its ``max_new_tokens`` at ``batch``, and the free KV
+        blocks hold every request's next token (no preemption). Returns False, changing nothing,
+        otherwise.
         ``resolve(batch, tokens)`` puts the real tokens in place."""
         by_id = {r.id: r for r in self._running}
         reqs = [by_id.get(rid) for rid in batch.request_ids]
         live = [r for r in reqs if r is not None]  # the others finished at the step before
-        if self._waiting or not live or len(live) != len(self._running):
+        if not live or len(live) != len(self._running):
             return False
+        if self._waiting and self._free_rows and len(self._running) < self.max_num_seqs:
+            return False  # a waiting request would join the next step
         if len(live) > self.token_budget:
             return False
         need = 0

@@ -269,14 +269,15 @@ class Engine:
                 self._swaps.clear()
                 self._live = self._live + new  # before the clear: stop() never sees neither
                 self._waiting.clear()
+            for r in new:  # joining the queue changes no running request: safe mid-pipeline
+                self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
+                self.metrics.prompt_tokens.inc(len(r.prompt))
             if self.pipeline.busy:  # async scheduling: a step is in flight
-                if not (new or swaps or self._pending) and self.pipeline.advance():
+                cancelled = any(r.cancelled for r in self._live)
+                if not (swaps or self._pending or cancelled) and self.pipeline.advance():
                     self._live = [r for r in self._live if not r.finished]
                     continue
                 self.pipeline.drain()
-            for r in new:
-                self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
-                self.metrics.prompt_tokens.inc(len(r.prompt))
             for swap in swaps:
                 self._capture_swap(swap)
             if self._pending is not None:

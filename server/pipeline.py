@@ -10,8 +10,10 @@ With it, after step N is launched with its tokens left on the device (``StepSamp
 True)``, their copy to the host started), the batcher records a placeholder token for each of N's
 requests (``ContinuousBatcher.speculate``) when the next step is surely every one of them decoding
 once more: all of N's requests decode and sample, none asks for logprobs or prompt logprobs, none
-is cancelled, nothing waits to be admitted and no plan swap is pending, none reaches max_tokens at
-N, and the free KV blocks hold every next token (so ``schedule()`` preempts nothing). Then step
+is cancelled, no waiting request could be admitted (arrivals join the queue mid-pipeline; with
+every seat taken they wait either way, and a seat freed by a request that stops at N is given out
+one step later than synchronously) and no plan swap is pending, none reaches max_tokens at N, and
+the free KV blocks hold every next token (so ``schedule()`` preempts nothing). Then step
 N+1 is scheduled, its batch built (``make_batch(non_blocking=True)``: no wait for the device) and
 its ``input_ids`` replaced on the device by N's sampled tokens, and it is launched with its
 sampling. Only then are N's tokens read and resolved (``ContinuousBatcher.resolve``): the
@@ -19,9 +21,9 @@ placeholders become the tokens, N's events go to the outbox, and requests that s
 at once (seat and KV blocks freed). They are in N+1 too: their N+1 token is dropped (no event),
 and N+1's writes into their freed blocks are ordered on the device before those of any later step
 that reuses them; a sampler slot they leave is rebound before its next use. Each loop iteration
-then continues the pipeline (``advance``) or, when a condition fails (an arrival, a cancellation,
-a swap, logprobs, preemption risk, max_tokens), reads and commits the step in flight first
-(``drain``), so the batcher is never left speculative across a synchronous schedule.
+then continues the pipeline (``advance``) or, when a condition fails (a request that could join, a
+cancellation, a swap, logprobs, preemption risk, max_tokens), reads and commits the step in flight
+first (``drain``), so the batcher is never left speculative across a synchronous schedule.
 
 Sampling gives the same tokens either way: a step's sampling runs after the previous one's on the
 device, so every slot's counter and history advance as they do synchronously."""

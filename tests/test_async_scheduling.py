@@ -189,17 +189,35 @@ def test_the_batcher_drops_the_token_after_a_stop():
     assert n2 is not None and n2.reqs == ((1, 3, (8,)),)
 
 
-def test_speculation_backs_off_at_max_tokens_and_with_waiting_requests():
+def test_speculation_backs_off_at_max_tokens_and_for_a_request_that_could_join():
+    b = ContinuousBatcher(max_num_seqs=2, token_budget=8, max_model_len=32, num_cache_rows=2)
+    b.add("a", [1], 4)
+    b.commit_tokens(b.schedule(), [5])
+    n = b.schedule()
+    assert n is not None
+    b.add("w", [2, 3], 3)  # arrives mid-step: a seat is free, so the next step would admit it
+    assert not b.speculate(n)
+    b.commit_tokens(n, [6])
+    n = b.schedule()  # admits "w" (a 2-token prompt): not a steady decode
+    assert n is not None and n.num_reqs == 2 and not b.speculate(n)
+    b.commit_tokens(n, [7, 9])
+    n = b.schedule()
+    assert n is not None and not b.speculate(n)  # a's token at n is its last (4)
+    assert b._running[0].output == [5, 6, 7]
+
+
+def test_a_request_waiting_for_a_seat_does_not_stop_speculation():
+    """Every seat taken: the next step is the same decodes whether or not someone waits."""
     b = ContinuousBatcher(max_num_seqs=1, token_budget=8, max_model_len=32, num_cache_rows=1)
-    b.add("a", [1], 3)
+    b.add("a", [1], 4)
     b.commit_tokens(b.schedule(), [5])
     b.add("w", [2], 3)  # waits for the seat
     n = b.schedule()
-    assert n is not None and not b.speculate(n)  # someone waits
-    b.commit_tokens(n, [6])
-    n = b.schedule()
-    assert n is not None and not b.speculate(n)  # its token at n is its last
-    assert b._running[0].output == [5, 6]
+    assert n is not None and n.request_ids == ("a",)
+    assert b.speculate(n)  # a's placeholder, then the next step is a's again
+    n2 = b.schedule()
+    assert n2 is not None and n2.request_ids == ("a",)
+    assert b.resolve(n, [6]) == [TokenEvent(request_id="a", token=6, finished=False)]
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +269,13 @@ def workloads(draw):
 def test_async_equals_sync_on_random_workloads(engines, waves):
     with _lock:
         assert run(engines[True], waves) == run(engines[False], waves)
+
+
+def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
+    """Twenty requests for eight seats, all sent at once: while the seats are all taken the
+    waiting requests cannot join, so the decodes keep speculating (the old rule stopped at any
+    waiting request: only the last eight would); every request's tokens equal the sync engine's."""
+    before = engines[True].pipeline.speculated
+    waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated - before > 20  # 27 here; the old rule: 10

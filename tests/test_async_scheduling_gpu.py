@@ -3,9 +3,10 @@ while the host schedules and launches N+1 (its input tokens gathered on the devi
 sampler, its inputs copied from pinned memory without a wait), which the CPU stand-in, running
 each step to its end, cannot show. The tiny Llama and an HF Llama in bfloat16 (the fused decoder
 and the Triton paged attention) give exactly the synchronous engine's tokens and finish reasons
-for greedy waves, stops mid-pipeline, seeded sampling with n choices, arrivals, a cancellation
-and a KV pool small enough to preempt, speculate in the steady state, and leak no seat or KV
-block (tests/test_async_scheduling.py's workloads). Skipped cleanly without CUDA."""
+for greedy waves, stops mid-pipeline, seeded sampling with n choices, arrivals, a queue for the
+seats, a cancellation and a KV pool small enough to preempt, speculate in the steady state, and
+leak no seat or KV block (tests/test_async_scheduling.py's workloads). Skipped cleanly without
+CUDA."""
 
 from __future__ import annotations
 
@@ -102,3 +103,10 @@ def test_a_small_kv_pool_preempts_and_async_equals_sync(llama_dir):
         finally:
             e.stop(5)
     assert got[True] == got[False]
+
+
+def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
+    before = engines[True].pipeline.speculated
+    waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated - before > 20
