@@ -96,8 +96,10 @@ class Engine:
         return pool.num_free()
 
     def quiet(self) -> bool:
-        """No request waits to join and no plan swap is pending (async scheduling may go on)."""
-        return not (self._waiting or self._swaps or self._pending is not None)
+        """No plan swap is pending (async scheduling may go on). Requests that arrived meanwhile
+        join the batcher's queue at the next loop, mid-pipeline; whether one could join the next
+        step is the batcher's ``speculate`` to say."""
+        return not (self._swaps or self._pending is not None)
 
     def kv_blocks_used(self) -> int:
         return max(0, self._kv_total - self.kv_blocks_free())

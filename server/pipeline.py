@@ -10,10 +10,11 @@ With it, after step N is launched with its tokens left on the device (``StepSamp
 True)``, their copy to the host started), the batcher records a placeholder token for each of N's
 requests (``ContinuousBatcher.speculate``) when the next step is surely every one of them decoding
 once more: all of N's requests decode and sample, none asks for logprobs or prompt logprobs, none
-is cancelled, no waiting request could be admitted (arrivals join the queue mid-pipeline; with
-every seat taken they wait either way, and a seat freed by a request that stops at N is given out
-one step later than synchronously) and no plan swap is pending, none reaches max_tokens at N, and
-the free KV blocks hold every next token (so ``schedule()`` preempts nothing). Then step
+is cancelled, no request in the batcher's queue could be admitted (arrivals join the queue at the
+next loop, mid-pipeline; with every seat taken they wait either way; a request that arrives while
+a step is in flight, or a seat freed by a request that stops at N, is taken up one step later than
+synchronously) and no plan swap is pending, none reaches max_tokens at N, and the free KV blocks
+hold every next token (so ``schedule()`` preempts nothing). Then step
 N+1 is scheduled, its batch built (``make_batch(non_blocking=True)``: no wait for the device) and
 its ``input_ids`` replaced on the device by N's sampled tokens, and it is launched with its
 sampling. Only then are N's tokens read and resolved (``ContinuousBatcher.resolve``): the
