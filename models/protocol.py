@@ -3,10 +3,11 @@
 A model is stepped over fixed-shape inputs: ``static_inputs()`` names them (the runner keeps one
 static buffer per input, ``graphplan.runtime.StaticInput``), ``make_batch(reqs)`` builds them for
 ``(seat, start_pos, token_ids)`` requests, and calling the model with them as keywords returns the
-logits ``[num_tokens, vocab_size]`` (float32), reading nothing back to the host inside a graph. The
-model owns its KV cache (``kv_cache``), one seat per sequence, ``cfg.num_cache_rows`` of them; a
-chunk that starts at position 0 begins a new sequence on its seat, and ``release(seat)`` hands a
-finished sequence's cache back early. ``cfg`` carries the limits a scheduler and a request
+logits ``[num_tokens, vocab_size]`` (float32), or the last hidden states of a model that applies
+its LM head in ``logits(out, rows)``, reading nothing back to the host inside a graph; consumers
+read a step's logits by rows through ``logits``. The model owns its KV cache (``kv_cache``), one
+seat per sequence, ``cfg.num_cache_rows`` of them; a chunk that starts at position 0 begins a new
+sequence on its seat, and ``release(seat)`` hands a finished sequence's cache back early. ``cfg`` carries the limits a scheduler and a request
 validator read; ``tokenizer`` (or None: token ids only) and ``stop_token_ids()`` (its EOS) are what
 the server's text and stopping rules need.
 
