@@ -116,8 +116,8 @@ class StepSampler:
         (server/step_logits.py; a tensor: every token row's), read at the sampled rows. ``keep`` (async
         scheduling, server/pipeline.py): the tokens stay valid while later steps sample (a copy
         of the graph's output), as ``Pending.tokens`` on the device, and their copy to the host
-        starts now, so ``read()`` waits for this step alone, not for a step launched after it.
-        Without logprobs only."""
+        (with the logprobs, when a request asked for them) starts now, so ``read()`` waits for
+        this step alone, not for a step launched after it."""
         rows = batch.sampling_rows
         if not rows:
             return Pending([], None, None, (), False)
@@ -135,7 +135,6 @@ class StepSampler:
         index, _ = self._stage(rows, slots, size)
         logits.rows(index, into=self._logits[:n])
         work = Work.of(reqs)
-        assert not (keep and work.logprobs), "async scheduling keeps steps with logprobs sync"
         graph = self._graphs.get((size, work))
         if graph is None:
             out = self._step(size, work)
@@ -285,12 +284,13 @@ class Pending:
 def _pending(out: torch.Tensor, reqs: list[Request], with_logprobs: bool, keep: bool) -> Pending:
     if not keep:
         return Pending(out, None, None, reqs, with_logprobs)
+    tokens = out[:, 0].long() if with_logprobs else out  # column 0: the ids (exact in float32)
     if out.device.type != "cuda":
-        return Pending(out, out, None, reqs, with_logprobs)
+        return Pending(out, tokens, None, reqs, with_logprobs)
     host = out.to("cpu", non_blocking=True)  # into pinned memory, ordered before later steps
     done = torch.cuda.Event()
     done.record()
-    return Pending(host, out, done, reqs, with_logprobs)
+    return Pending(host, tokens, done, reqs, with_logprobs)
 
 
 def _sampling_requests(ids: Sequence[Hashable], sample_rows: Sequence[int]) -> list[Request]:

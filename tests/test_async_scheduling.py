@@ -279,3 +279,45 @@ def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
     waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
     assert run(engines[True], waves) == run(engines[False], waves)
     assert engines[True].pipeline.speculated - before > 20  # 27 here; the old rule: 10
+
+
+def logprob_runs(engines) -> dict[bool, tuple[dict[int, list], int]]:
+    """Five requests, three asking for 3 logprobs, greedy and seeded: per engine (async or not),
+    each request's Sampled values and the steps speculated."""
+    got = {}
+    for a in (False, True):
+        e, sink = engines[a], QueueSink()
+        before = e.pipeline.speculated
+        reqs = [
+            Request(
+                prompt(i, 4),
+                10,
+                sink,
+                GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i),
+                tag=i,
+                logprobs=3 if i < 3 else None,
+            )
+            for i in range(5)
+        ]
+        e.enqueue(reqs)
+        out: dict[int, list] = {}
+        done = 0
+        while done < len(reqs):
+            tag, kind, value = sink.get(30)
+            if kind == "token":
+                out.setdefault(tag, []).append(value)
+            elif kind in ("done", "error"):
+                done += 1
+        _wait_idle(e)
+        got[a] = (out, e.pipeline.speculated - before)
+    return got
+
+
+def test_requests_asking_for_logprobs_speculate_and_get_the_sync_logprobs(engines):
+    """A token's logprobs ride along with it (the step's [rows, 2 + 2k] output, its first column
+    the next step's input ids): the same Sampled values, logprobs and top alternatives included,
+    as the synchronous engine's."""
+    got = logprob_runs(engines)
+    assert got[True][0] == got[False][0]
+    assert all(s.logprob is not None and len(s.top) == 3 for s in got[True][0][0])
+    assert got[True][1] > 0 and got[False][1] == 0

@@ -3,15 +3,15 @@ while the host schedules and launches N+1 (its input tokens gathered on the devi
 sampler, its inputs copied from pinned memory without a wait), which the CPU stand-in, running
 each step to its end, cannot show. The tiny Llama and an HF Llama in bfloat16 (the fused decoder
 and the Triton paged attention) give exactly the synchronous engine's tokens and finish reasons
-for greedy waves, stops mid-pipeline, seeded sampling with n choices, arrivals, a queue for the
-seats, a cancellation and a KV pool small enough to preempt, speculate in the steady state, and
-leak no seat or KV block (tests/test_async_scheduling.py's workloads). Skipped cleanly without
+for greedy waves, stops mid-pipeline, seeded sampling with n choices, logprobs, arrivals, a queue
+for the seats, a cancellation and a KV pool small enough to preempt, speculate in the steady state,
+and leak no seat or KV block (tests/test_async_scheduling.py's workloads). Skipped cleanly without
 CUDA."""
 
 from __future__ import annotations
 
 import pytest
-from test_async_scheduling import _engine, greedy_waves, prompt, run
+from test_async_scheduling import _engine, greedy_waves, logprob_runs, prompt, run
 from test_server import plan_text
 
 from graphplan.models.hf import load_model
@@ -110,3 +110,8 @@ def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
     waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
     assert run(engines[True], waves) == run(engines[False], waves)
     assert engines[True].pipeline.speculated - before > 20
+
+
+def test_logprobs_ride_along_and_match(engines):
+    got = logprob_runs(engines)
+    assert got[True][0] == got[False][0] and got[True][1] > 0
