@@ -37,44 +37,10 @@ from typing import Hashable, Sequence
 
 from graphplan.models.protocol import BlockPool
 
+from .step_batch import StepBatch, TokenEvent
+
 PLACEHOLDER = -1
 """A speculated token not read yet (``ContinuousBatcher.speculate``); never a real token id."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepBatch:
-    """One step's batch, requests in batch order."""
-
-    reqs: tuple[tuple[int, int, tuple[int, ...]], ...]
-    """(cache_row, start_pos, token_ids) per request: what a model's ``make_batch`` takes."""
-    request_ids: tuple[Hashable, ...]
-    sample_rows: tuple[int, ...]
-    """Row of each request's last token in the batch, or -1 when the request samples nothing this
-    step (a prompt chunk that does not finish the prompt)."""
-    num_tokens: int
-    max_query_len: int
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.reqs)
-
-    @property
-    def sampling_rows(self) -> tuple[int, ...]:
-        """The logits rows to sample from, one per request that samples this step (batch order):
-        the rows a sampler's step takes, and the order ``commit(sampled=...)`` reads."""
-        return tuple(i for i in self.sample_rows if i >= 0)
-
-    @property
-    def sampling_cache_rows(self) -> tuple[int, ...]:
-        """The cache row of each request in ``sampling_rows`` (a sampler's slot for it)."""
-        return tuple(req[0] for req, i in zip(self.reqs, self.sample_rows) if i >= 0)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TokenEvent:
-    request_id: Hashable
-    token: int
-    finished: bool
 
 
 @dataclass(kw_only=True, slots=True, eq=False)  # one per request, compared by identity
@@ -86,6 +52,7 @@ class _Request:
     row: int = -1
     computed: int = 0  # tokens whose K/V is in the cache
     output: list[int] = field(default_factory=list)
+    ending: bool = False  # speculated at its last token: the next step leaves it out
 
     @property
     def pending(self) -> int:
@@ -176,7 +143,7 @@ class ContinuousBatcher:
         for r in list(self._running):  # decodes, oldest first; may preempt the newest
             # one preempted by an earlier decode of this step is skipped here: it recomputes
             # its whole sequence (pending = prompt + output >= 2)
-            if r.pending != 1 or not budget:
+            if r.pending != 1 or not budget or r.ending:
                 continue
             if free is not None:
                 grow = self._grow(r, 1)
@@ -318,9 +285,10 @@ class ContinuousBatcher:
         each decodes one token and samples, they are all the running requests (those of them that
         finished since are skipped), no waiting request could join (the seats are all taken: a
         seat that frees when a request stops at ``batch`` is given out one step later than
-        without speculation), none reaches its ``max_new_tokens`` at ``batch``, and the free KV
-        blocks hold every request's next token (no preemption). Returns False, changing nothing,
-        otherwise.
+        without speculation), and the free KV blocks hold every request's next token (no
+        preemption). A request whose token at ``batch`` is its last (``max_new_tokens``) ends
+        there whatever the token: it is marked ``ending`` and the next step leaves it out (not
+        all of them may end). Returns False, changing nothing, otherwise.
         ``resolve(batch, tokens)`` puts the real tokens in place."""
         by_id = {r.id: r for r in self._running}
         reqs = [by_id.get(rid) for rid in batch.request_ids]
@@ -332,6 +300,7 @@ class ContinuousBatcher:
         if len(live) > self.token_budget:
             return False
         need = 0
+        ending = []
         for r, (_, start, toks), row in zip(reqs, batch.reqs, batch.sample_rows):
             if len(toks) != 1 or row < 0:
                 return False
@@ -340,14 +309,18 @@ class ContinuousBatcher:
             if r.pending != 1 or r.computed != start:
                 return False
             if len(r.output) + 1 >= r.max_new_tokens:
-                return False
-            if self.kv_pool is not None:  # the next step's token, after the placeholder's
+                ending.append(r)  # its token at batch is its last: not in the next step
+            elif self.kv_pool is not None:  # the next step's token, after the placeholder's
                 need += self._grow(r, 2) - self._grow(r, 1)
+        if len(ending) == len(live):
+            return False  # no next step of these requests
         if self.kv_pool is not None and need > self._blocks.num_free():
             return False
         for r in live:
             r.computed += 1
             r.output.append(PLACEHOLDER)
+        for r in ending:
+            r.ending = True
         return True
 
     def unspeculate(self, batch: StepBatch) -> None:
@@ -357,6 +330,7 @@ class ContinuousBatcher:
             assert r.output and r.output[-1] == PLACEHOLDER
             r.output.pop()
             r.computed -= 1
+            r.ending = False
 
     def resolve(self, batch: StepBatch, tokens: Sequence[int]) -> list[TokenEvent]:
         """The tokens of a speculated ``batch`` (one per request, batch order): each replaces its

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="in the steady decode state, launch each step before reading the previous step's "
         "tokens, so the host's scheduling overlaps the device's work (steps with prompt logprobs, "
-        "a request that can join, cancellations, preemption and max_tokens run synchronously; "
+        "a request that can join, cancellations and preemption run synchronously; "
         "a queue waiting for a seat does not stop it); "
         "the same tokens either way",
     )

@@ -9,12 +9,13 @@ events queued for the outbox (delivered once the next step runs), exactly as it 
 With it, after step N is launched with its tokens left on the device (``StepSampler.launch(keep=
 True)``, their copy to the host started), the batcher records a placeholder token for each of N's
 requests (``ContinuousBatcher.speculate``) when the next step is surely every one of them decoding
-once more: all of N's requests decode and sample, none asks for prompt logprobs, none
-is cancelled, no request in the batcher's queue could be admitted (arrivals join the queue at the
-next loop, mid-pipeline; with every seat taken they wait either way; a request that arrives while
-a step is in flight, or a seat freed by a request that stops at N, is taken up one step later than
-synchronously) and no plan swap is pending, none reaches max_tokens at N, and the free KV blocks
-hold every next token (so ``schedule()`` preempts nothing). Then step
+once more, but those whose token at N is their last (max_tokens: they end at N whatever it is,
+and N+1 leaves them out): all of N's requests decode and sample, none asks for prompt logprobs,
+none is cancelled, no request in the batcher's queue could be admitted (arrivals join the queue at
+the next loop, mid-pipeline; with every seat taken they wait either way; a request that arrives
+while a step is in flight, or a seat freed by a request that stops at N, is taken up one step
+later than synchronously), no plan swap is pending, not all of them reach max_tokens at N, and
+the free KV blocks hold every next token (so ``schedule()`` preempts nothing). Then step
 N+1 is scheduled, its batch built (``make_batch(non_blocking=True)``: no wait for the device) and
 its ``input_ids`` replaced on the device by N's sampled tokens, and it is launched with its
 sampling. Only then are N's tokens read and resolved (``ContinuousBatcher.resolve``): the
@@ -23,8 +24,9 @@ at once (seat and KV blocks freed). They are in N+1 too: their N+1 token is drop
 and N+1's writes into their freed blocks are ordered on the device before those of any later step
 that reuses them; a sampler slot they leave is rebound before its next use. Each loop iteration
 then continues the pipeline (``advance``) or, when a condition fails (a request that could join, a
-cancellation, a swap, prompt logprobs, preemption risk, max_tokens), reads and commits the step in
-flight first (``drain``), so the batcher is never left speculative across a synchronous schedule.
+cancellation, a swap, prompt logprobs, preemption risk, all at max_tokens), reads and commits the
+step in flight first (``drain``), so the batcher is never left speculative across a synchronous
+schedule.
 
 Sampling gives the same tokens either way: a step's sampling runs after the previous one's on the
 device, so every slot's counter and history advance as they do synchronously."""

@@ -189,7 +189,7 @@ def test_the_batcher_drops_the_token_after_a_stop():
     assert n2 is not None and n2.reqs == ((1, 3, (8,)),)
 
 
-def test_speculation_backs_off_at_max_tokens_and_for_a_request_that_could_join():
+def test_speculation_leaves_out_a_request_at_its_last_token_and_backs_off_for_one_that_could_join():
     b = ContinuousBatcher(max_num_seqs=2, token_budget=8, max_model_len=32, num_cache_rows=2)
     b.add("a", [1], 4)
     b.commit_tokens(b.schedule(), [5])
@@ -201,9 +201,16 @@ def test_speculation_backs_off_at_max_tokens_and_for_a_request_that_could_join()
     n = b.schedule()  # admits "w" (a 2-token prompt): not a steady decode
     assert n is not None and n.num_reqs == 2 and not b.speculate(n)
     b.commit_tokens(n, [7, 9])
-    n = b.schedule()
-    assert n is not None and not b.speculate(n)  # a's token at n is its last (4)
-    assert b._running[0].output == [5, 6, 7]
+    n = b.schedule()  # a's token at n is its last (its 4th), whatever it is; w goes on
+    assert n is not None and b.speculate(n)
+    n2 = b.schedule()
+    assert n2 is not None and n2.request_ids == ("w",)  # the next step leaves a out
+    assert b.resolve(n, [8, 10]) == [
+        TokenEvent(request_id="a", token=8, finished=True),
+        TokenEvent(request_id="w", token=10, finished=False),
+    ]
+    assert b.finished["a"] == [5, 6, 7, 8] and [r.id for r in b._running] == ["w"]
+    assert not b.speculate(n2)  # w's token at n2 is its last: no next step of these
 
 
 def test_a_request_waiting_for_a_seat_does_not_stop_speculation():
@@ -321,3 +328,14 @@ def test_requests_asking_for_logprobs_speculate_and_get_the_sync_logprobs(engine
     assert got[True][0] == got[False][0]
     assert all(s.logprob is not None and len(s.top) == 3 for s in got[True][0][0])
     assert got[True][1] > 0 and got[False][1] == 0
+
+
+def test_requests_of_different_lengths_keep_speculating_past_each_end(engines):
+    """Eight requests of 6..20 tokens: a request at its last token is left out of the next step,
+    so the others go on speculating: 18 of the 19 decode steps (the prefill gives each its first
+    token), only the step where the last of them ends is synchronous (the old rule stopped at
+    every request's last token: 11)."""
+    before = engines[True].pipeline.speculated
+    waves = [[(prompt(i, 4), 6 + 2 * i, (), GREEDY) for i in range(8)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated - before == 18

@@ -115,3 +115,10 @@ def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
 def test_logprobs_ride_along_and_match(engines):
     got = logprob_runs(engines)
     assert got[True][0] == got[False][0] and got[True][1] > 0
+
+
+def test_requests_of_different_lengths_keep_speculating_past_each_end(engines):
+    before = engines[True].pipeline.speculated
+    waves = [[(prompt(i, 4), 6 + 2 * i, (), GREEDY) for i in range(8)]]
+    assert run(engines[True], waves) == run(engines[False], waves)
+    assert engines[True].pipeline.speculated - before == 18
