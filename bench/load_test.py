@@ -102,6 +102,12 @@ def workload(a) -> list[list[dict]]:
     return out
 
 
+def server_switches(a) -> list[str]:
+    """The serve flags of bench/serve_overhead.py's variant switches that are on in ``a``."""
+    names = ("async_scheduling", "fused_sampler")
+    return ["--" + n.replace("_", "-") for n in names if getattr(a, n, False)]
+
+
 def launch(a, model_dir: Path, port: int, log):
     cmd = [
         sys.executable,
@@ -128,9 +134,7 @@ def launch(a, model_dir: Path, port: int, log):
         cmd += ["--set", s]
     if a.kv_memory_fraction:
         cmd += ["--kv-memory-fraction", str(a.kv_memory_fraction)]
-    for switch in ("async_scheduling", "fused_sampler"):  # bench/serve_overhead.py's switches
-        if getattr(a, switch, False):
-            cmd.append("--" + switch.replace("_", "-"))
+    cmd += server_switches(a)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 

@@ -22,8 +22,9 @@ bench/engine_steps.py; what a served variant adds to its ``+engine`` twin is HTT
    gaps between a client's tokens inside the window are the served step's period, token to token,
    scheduling, batch build, replay, sampling, commit and the HTTP stream included.
 2. **Replay.** After the last server has exited, the same model shape is built in this process and
-   ``GraphRunner.step`` (copy in, replay of the FULL decode graph, slice out) is timed at the same
-   batch and the first variant's mean context, back to back (bench/real_scale.py's method).
+   ``GraphRunner.step`` (copy in, replay of the FULL decode graph, slice out) followed by the LM head
+   on its rows (the server's ``logits="rows"``) is timed at the same batch and the first variant's
+   mean context, back to back (bench/real_scale.py's method).
 
 Host overhead = (median served step - replay) / median served step; the issue's bar is <= 5 % at
 batch 64 on the 8B shape.
@@ -61,8 +62,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--variants",
         default="greedy",
-        help="comma-separated: greedy or sampled, each optionally +async and +fused "
-        "(e.g. greedy,greedy+async,sampled+async+fused)",
+        help="comma-separated: greedy or sampled, each optionally +async, +fused and +engine "
+        "(e.g. greedy,greedy+engine,greedy+async,sampled+async+fused)",
     )
     p.add_argument("--iters", type=int, default=50)
     a = p.parse_args(argv)
@@ -77,7 +78,8 @@ def parse_args(argv=None):
 
 
 def variant(name: str) -> argparse.Namespace:
-    """``greedy`` or ``sampled``, then ``+async`` and/or ``+fused``: the variant's switches."""
+    """``greedy`` or ``sampled``, then any of ``+async``, ``+fused``, ``+engine``: the variant's
+    switches."""
     kind, *extra = name.strip().split("+")
     if kind not in ("greedy", "sampled") or len(set(extra)) != len(extra):
         raise ValueError(
@@ -165,11 +167,8 @@ def engine_only(a, v: argparse.Namespace, work: list[list[dict]]) -> dict | None
         return None
     out = json.loads(child.stdout.strip().splitlines()[-1])
     results = [argparse.Namespace(**r) for r in out["results"]]
-    shown = [cmd[0], "bench/engine_steps.py", "(no HTTP)"]
-    flags = [f"--{k.replace('_', '-')}" for k in ("async_scheduling", "fused_sampler") if cfg[k]]
-    return dict(
-        cmd=shown + flags, results=results, startup=out["startup"], async_steps=out["async_steps"]
-    )
+    shown = [cmd[0], "bench/engine_steps.py", "(no HTTP)", *load_test.server_switches(v)]
+    return dict(cmd=shown, results=results, startup=out["startup"], async_steps=out["async_steps"])
 
 
 def served(a, v: argparse.Namespace) -> dict | None:

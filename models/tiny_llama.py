@@ -26,6 +26,7 @@ from torch import nn
 
 from graphplan.runtime.buffers import to_device
 
+from .logits import every_token_rows
 from .reference import LOGIT_TOL, greedy, greedy_mismatch, logits_mismatch, reference_generate
 from .tiny_llama_layers import (
     ATTENTION_OP,
@@ -132,11 +133,7 @@ class TinyLlama(nn.Module):
     # -- the Model protocol (the module functions below stay for existing callers) ----------
     def logits(self, out, rows, *, into=None) -> torch.Tensor:
         """Rows of the step's logits (forward returns every token's)."""
-        return (
-            out.index_select(0, rows)
-            if into is None
-            else torch.index_select(out, 0, rows, out=into)
-        )
+        return every_token_rows(out, rows, into=into)
 
     def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """``(cache_row, start_pos, token_ids)`` per request -> forward's keyword arguments."""

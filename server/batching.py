@@ -52,7 +52,13 @@ class _Request:
     row: int = -1
     computed: int = 0  # tokens whose K/V is in the cache
     output: list[int] = field(default_factory=list)
-    ending: bool = False  # speculated at its last token: the next step leaves it out
+
+    @property
+    def ending(self) -> bool:
+        """Its last token is already in ``output`` (a speculated placeholder, not read yet): it
+        ends at that step, so the next step leaves it out. A request with its last real token is
+        retired at once, so outside speculation this is never true of a running request."""
+        return len(self.output) >= self.max_new_tokens
 
     @property
     def pending(self) -> int:
@@ -287,7 +293,7 @@ class ContinuousBatcher:
         seat that frees when a request stops at ``batch`` is given out one step later than
         without speculation), and the free KV blocks hold every request's next token (no
         preemption). A request whose token at ``batch`` is its last (``max_new_tokens``) ends
-        there whatever the token: it is marked ``ending`` and the next step leaves it out (not
+        there whatever the token: it is ``ending`` and the next step leaves it out (not
         all of them may end). Returns False, changing nothing, otherwise.
         ``resolve(batch, tokens)`` puts the real tokens in place."""
         by_id = {r.id: r for r in self._running}
@@ -299,8 +305,7 @@ class ContinuousBatcher:
             return False  # a waiting request would join the next step
         if len(live) > self.token_budget:
             return False
-        need = 0
-        ending = []
+        need = ends = 0
         for r, (_, start, toks), row in zip(reqs, batch.reqs, batch.sample_rows):
             if len(toks) != 1 or row < 0:
                 return False
@@ -309,18 +314,16 @@ class ContinuousBatcher:
             if r.pending != 1 or r.computed != start:
                 return False
             if len(r.output) + 1 >= r.max_new_tokens:
-                ending.append(r)  # its token at batch is its last: not in the next step
+                ends += 1  # its token at batch is its last: ``ending`` then, not in the next step
             elif self.kv_pool is not None:  # the next step's token, after the placeholder's
                 need += self._grow(r, 2) - self._grow(r, 1)
-        if len(ending) == len(live):
+        if ends == len(live):
             return False  # no next step of these requests
         if self.kv_pool is not None and need > self._blocks.num_free():
             return False
         for r in live:
             r.computed += 1
             r.output.append(PLACEHOLDER)
-        for r in ending:
-            r.ending = True
         return True
 
     def unspeculate(self, batch: StepBatch) -> None:
@@ -330,7 +333,6 @@ class ContinuousBatcher:
             assert r.output and r.output[-1] == PLACEHOLDER
             r.output.pop()
             r.computed -= 1
-            r.ending = False
 
     def resolve(self, batch: StepBatch, tokens: Sequence[int]) -> list[TokenEvent]:
         """The tokens of a speculated ``batch`` (one per request, batch order): each replaces its

@@ -150,17 +150,24 @@ def plain_chunk(job: Job, index: int, d: Delta) -> bytes:
     (their wrap serializers are Python calls per model), as this is the event of nearly every
     token. tests/test_openai_responses.py holds the two equal."""
     if job.chat:
-        choice: dict = {"index": index, "delta": {"content": d.text}}
         kind = "chat.completion.chunk"
+        choice: dict = {
+            "index": index,
+            "delta": {"content": d.text},
+            "logprobs": None,
+            "finish_reason": None,
+        }
     else:
-        choice = {"index": index, "text": d.text}
         kind = "text_completion"
-    choice |= {"logprobs": None, "finish_reason": None}
-    if not job.chat:
-        choice["token_ids"] = d.token_ids
+        choice = {
+            "index": index,
+            "text": d.text,
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": d.token_ids,
+        }
     body = {"id": job.id, "object": kind, "created": job.created, "model": job.model}
-    body["choices"] = [choice]
-    return b"data: " + pydantic_core.to_json(body) + b"\n\n"
+    return b"data: " + pydantic_core.to_json({**body, "choices": [choice]}) + b"\n\n"
 
 
 def _completion_chunk(

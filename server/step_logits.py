@@ -12,13 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-
-def _select(out: torch.Tensor, rows: torch.Tensor, *, into: torch.Tensor | None = None):
-    if into is None:
-        return out.index_select(0, rows).float()
-    if out.dtype == into.dtype:
-        return torch.index_select(out, 0, rows, out=into)
-    return into.copy_(out.index_select(0, rows))
+from graphplan.models.logits import every_token_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +30,7 @@ class StepLogits:
     @classmethod
     def every(cls, logits: torch.Tensor) -> StepLogits:
         """``logits`` [num_tokens (or more), vocab]: every token row's logits."""
-        return cls(logits, _select, logits.shape[-1])
+        return cls(logits, every_token_rows, logits.shape[-1])
 
     @property
     def device(self) -> torch.device:

@@ -124,7 +124,8 @@ class StepSampler:
         logits = step_logits(logits)
         reqs = _sampling_requests(batch.request_ids, batch.sample_rows)
         n = len(rows)
-        if all(r.params.greedy and not r.params.penalised and r.logprobs is None for r in reqs):
+        work = Work.of(reqs)
+        if not (work.logprobs or work.penalise) and all(r.params.greedy for r in reqs):
             index, _ = self._stage(rows, (), n)
             return _pending(logits.rows(index).argmax(dim=-1), reqs, False, keep)
         slots = batch.sampling_cache_rows
@@ -134,7 +135,6 @@ class StepSampler:
         size = self._size_for[n] if self._graphs else n
         index, _ = self._stage(rows, slots, size)
         logits.rows(index, into=self._logits[:n])
-        work = Work.of(reqs)
         graph = self._graphs.get((size, work))
         if graph is None:
             out = self._step(size, work)

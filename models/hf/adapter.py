@@ -34,6 +34,7 @@ import torch
 from graphplan.runtime.buffers import StaticInput, to_device
 from graphplan.runtime.piecewise.breakable import current_step
 
+from ..logits import every_token_rows
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .fused_decoder import FusedDecoder, fuse, why_not_fused
@@ -291,9 +292,7 @@ class PagedCausalLM(torch.nn.Module):
         (``graphplan.models.Model.logits``): rows of ``out`` itself, or with ``logits="rows"``
         the LM head over those rows of the hidden states (transformers' own ``lm_head``)."""
         if self.logits_mode == "all":
-            if into is None:
-                return out.index_select(0, rows)
-            return torch.index_select(out, 0, rows, out=into)
+            return every_token_rows(out, rows, into=into)
         head = self.hf.lm_head(out.index_select(0, rows))
         return head.float() if into is None else into.copy_(head)
 
