@@ -105,11 +105,20 @@ def test_a_small_kv_pool_preempts_and_async_equals_sync(llama_dir):
     assert got[True] == got[False]
 
 
-def test_a_queue_for_the_seats_keeps_speculating_and_matches(engines):
-    before = engines[True].pipeline.speculated
-    waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
-    assert run(engines[True], waves) == run(engines[False], waves)
-    assert engines[True].pipeline.speculated - before > 20
+def test_a_queue_for_the_seats_keeps_speculating_and_matches(llama_dir):
+    """In float32: with a queue the pipeline gives a freed seat out a step later, so a request
+    may decode in a batch of another size than synchronously, and its logits can differ in the
+    last bit there (tests/test_openai_async.py saw 1 ulp on the CPU); bfloat16 would make a greedy
+    near-tie a likely flip, float32 does not."""
+    spec = HFSpec(model=str(llama_dir), max_model_len=64, dtype="float32")
+    pair = {a: _engine(spec, plan_text(), a, device="cuda") for a in (False, True)}
+    try:
+        waves = [[(prompt(i, 3), 12 + i % 5, (), GREEDY) for i in range(20)]]
+        assert run(pair[True], waves) == run(pair[False], waves)
+        assert pair[True].pipeline.speculated > 20
+    finally:
+        for e in pair.values():
+            e.stop(5)
 
 
 def test_logprobs_ride_along_and_match(engines):
