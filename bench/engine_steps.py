@@ -6,7 +6,7 @@ and its ``+engine`` twin is what HTTP and the event loop add (formatting, socket
 
 Run as a child process (the parent keeps the GPU free for its replay model afterwards):
 
-    python bench/engine_steps.py '{"shape": "8b", "device": "cuda", "clients": 64, ...}'
+    echo '{"shape": "8b", "device": "cuda", "clients": 64, ...}' | python bench/engine_steps.py
 
 prints one JSON line: ``{"startup": s, "results": [{"token_times": [...], "error": ""}, ...],
 "async_steps": n}`` (steps launched before the previous one's read).
@@ -91,4 +91,5 @@ def run(cfg: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    # the config comes on stdin: 64 bodies of 1024 tokens are too long for an argument
+    print(json.dumps(run(json.loads(sys.stdin.read()))))

@@ -159,8 +159,10 @@ def engine_only(a, v: argparse.Namespace, work: list[list[dict]]) -> dict | None
         startup_timeout=a.startup_timeout,
         bodies=[client[0]["body"] for client in work],
     )
-    cmd = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), json.dumps(cfg)]
-    child = subprocess.run(cmd, capture_output=True, text=True, timeout=a.startup_timeout + 600)
+    cmd = [sys.executable, str(Path(__file__).with_name("engine_steps.py"))]
+    child = subprocess.run(
+        cmd, input=json.dumps(cfg), capture_output=True, text=True, timeout=a.startup_timeout + 600
+    )
     if child.returncode != 0:
         print(child.stdout[-2000:] + child.stderr[-4000:], file=sys.stderr)
         print(f"serve_overhead: {v.name}: the engine run failed", file=sys.stderr)

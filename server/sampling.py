@@ -48,29 +48,13 @@ from typing import Sequence
 
 import torch
 
+from ..models.counter_hash import M32, mix32, seed_key
 from .sampling_params import SamplingParams
 
-M32 = 0xFFFF_FFFF
 PROMPT_BIT = 1 << 30
 """History marks a prompt token with this bit; the low bits count generated tokens."""
 _F_TEMP, _F_TOP_P, _F_TOP_K, _F_MIN_P, _F_PRES, _F_FREQ, _F_REP = range(7)
 _NEUTRAL = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # greedy, nothing penalised (top_k: the vocab)
-
-
-def mix32(x):
-    """A bijective 32-bit integer hash (xorshift-multiply, multipliers below 2**31): works on Python
-    ints and on int64 tensors holding values in [0, 2**32), with the same results."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & M32
-    return x ^ (x >> 15)
-
-
-def seed_key(seed: int) -> int:
-    """A request seed (any int; used modulo 2**64) as the 32-bit key its noise derives from."""
-    seed %= 2**64
-    return mix32(mix32((seed & M32) ^ 0x5BD1E995) ^ (seed >> 32))
 
 
 def vocab_keys(vocab_size: int, device=None) -> torch.Tensor:

@@ -237,3 +237,25 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
         assert same >= 0.95
     finally:
         s.stop()
+
+
+def test_random_weights_are_the_same_bits_on_the_gpu_as_on_the_cpu():
+    """init_random draws on the parameter's device (an 8B model in about a second): the bits must
+    not depend on where they are drawn, in float32 and bf16."""
+    from graphplan.models.hf import load_model
+
+    cfg = small_config("llama", vocab=VOCAB, hidden=256, layers=2)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu, gpu = (
+            load_model(
+                cfg,
+                seed=11,
+                dtype=dtype,
+                device=d,
+                attn_implementation="eager",
+                random_weights=True,
+            )  # fmt: skip
+            for d in ("cpu", DEV)
+        )
+        for (name, p), q in zip(cpu.named_parameters(), gpu.parameters()):
+            assert torch.equal(p, q.cpu()), (dtype, name)

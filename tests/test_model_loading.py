@@ -163,6 +163,28 @@ def test_a_directory_without_weights_is_refused_unless_random_weights_are_asked_
     assert load(tmp_path, random_weights=True, seed=3).cfg.vocab_size == 128
 
 
+def test_random_weights_are_a_pure_function_of_the_seed_in_any_dtype():
+    """init_random: the same seed gives the same float32 bits (and their bf16 rounding), another
+    seed other weights; norms 1, embeddings std 1, the rest std 0.02, centred, no two rows alike
+    (an element's counter, not its position in a repeated block, decides it)."""
+    a, b = random_model("qwen3", seed=5), random_model("qwen3", seed=5)
+    bf = load_model(small_config("qwen3"), seed=5, attn_implementation="eager",
+                    random_weights=True, dtype=torch.bfloat16)  # fmt: skip
+    other = random_model("qwen3", seed=6)
+    for (name, p), q, r, o in zip(a.named_parameters(), b.parameters(), bf.parameters(),
+                                  other.parameters()):  # fmt: skip
+        assert torch.equal(p, q) and torch.equal(p.bfloat16(), r), name
+        if "norm" in name.split(".")[-2]:
+            assert torch.equal(p, torch.ones_like(p)) and torch.equal(o, p), name
+            continue
+        std = 1.0 if "embed" in name else 0.02
+        assert not torch.equal(p, o), name
+        assert abs(p.std().item() - std) < 0.1 * std and abs(p.mean().item()) < 0.1 * std, name
+        assert p.abs().max().item() <= 3.47 * std, name  # four 16-bit words: within sqrt(12) std
+        if p.dim() == 2:
+            assert torch.unique(p, dim=0).shape[0] == p.shape[0], name
+
+
 # ---- weights: mismatches are named ------------------------------------------------------------
 
 

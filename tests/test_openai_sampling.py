@@ -63,7 +63,9 @@ def ref(server):
 
 
 def words(ids: list[int]) -> str:
-    return " ".join(f"w{t - 2}" for t in ids)
+    """The text the server streams for ``ids``: ids 0 ([UNK]) and 1 (<eos>) are special tokens,
+    skipped in the text as transformers' ``skip_special_tokens`` does."""
+    return " ".join(f"w{t - 2}" for t in ids if t >= 2)
 
 
 # -- chat ------------------------------------------------------------------------------------------
