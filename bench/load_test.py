@@ -103,9 +103,12 @@ def workload(a) -> list[list[dict]]:
 
 
 def server_switches(a) -> list[str]:
-    """The serve flags of bench/serve_overhead.py's variant switches that are on in ``a``."""
+    """The serve flags of bench/serve_overhead.py's variant switches in ``a``, on or off
+    explicitly (the server's defaults are async scheduling on, the fused sampler on with CUDA);
+    none where ``a`` has no such switch (bench/load_test.py: the server's defaults)."""
     names = ("async_scheduling", "fused_sampler")
-    return ["--" + n.replace("_", "-") for n in names if getattr(a, n, False)]
+    flag = {True: "--", False: "--no-"}
+    return [flag[bool(getattr(a, n))] + n.replace("_", "-") for n in names if hasattr(a, n)]
 
 
 def launch(a, model_dir: Path, port: int, log):

@@ -147,7 +147,9 @@ class StaticBuffers:
             buf = self.buffers[s.name]
             src = inputs[s.name]
             k = src.shape[0]
-            if k and src.is_contiguous():
+            # contiguous by torch's rule, yet a size-1 last dim may keep any stride (a [1] column
+            # of a [1, n] tensor), which a byte view refuses
+            if k and src.is_contiguous() and src.stride(-1) == 1:
                 dsts.append(buf[:k].view(torch.uint8))
                 srcs.append(src.view(torch.uint8))
             else:

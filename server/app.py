@@ -43,8 +43,8 @@ class Server:
         idle_timeout: float = 30.0,
         on_demand: bool | None = None,
         max_waiting: int = 1024,
-        async_scheduling: bool = False,
-        fused_sampler: bool = False,
+        async_scheduling: bool = True,
+        fused_sampler: bool | None = None,
     ):
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(

@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="in the steady decode state, launch each step before reading the previous step's "
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on by default (as in vLLM): in the steady decode state, launch each step before "
+        "reading the previous step's "
         "tokens, so the host's scheduling overlaps the device's work (steps with prompt logprobs, "
         "a request that can join, cancellations and preemption run synchronously; "
         "a queue waiting for a seat does not stop it); "
@@ -152,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fused-sampler",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="sample with one Triton kernel for the noise, the mask and the argmax "
-        "(server/sampling_kernels.py; CUDA only) instead of the torch ops",
+        "(server/sampling_kernels.py; CUDA only) instead of the torch ops; default: on with "
+        "--device cuda",
     )
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
     p.add_argument(

@@ -40,13 +40,14 @@ class Engine:
         progress: bool = True,
         max_waiting: int = 1024,
         on_demand: bool | None = None,
-        async_scheduling: bool = False,
-        fused_sampler: bool = False,
+        async_scheduling: bool = True,
+        fused_sampler: bool | None = None,
     ):
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
-        self.fused_sampler = fused_sampler  # StepSampler(fused=...): server/sampling_kernels.py
+        # StepSampler(fused=...): server/sampling_kernels.py; None: on where the model is on CUDA
+        self.fused_sampler = fused_sampler
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
@@ -205,8 +206,11 @@ class Engine:
             self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
             self.runner = self._capture(self.table)
             cfg, t = self.model.cfg, self.table  # the sampler's graphs, in their own pool
+            fused = self.fused_sampler
+            if fused is None:
+                fused = self.model.device.type == "cuda"
             self.sampler = StepSampler(
-                cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=self.fused_sampler
+                cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=fused
             )
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)

@@ -194,6 +194,8 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
     ).start()
     try:
         assert s.wait_ready(300), s.engine.error
+        # the defaults on CUDA: async scheduling, the fused sampler's kernel
+        assert s.engine.pipeline.async_scheduling and s.engine.sampler.sampler._kernels is not None
         prompts = [tokens(n, seed=n) for n in (3, 9, 17, 30, 5, 12, 1, 22, 8, 14, 40, 2)]
         got = [None] * len(prompts)
 

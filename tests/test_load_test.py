@@ -58,8 +58,10 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     async_steps = [int(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]  # from /metrics
     assert async_steps[0] == 0 and async_steps[1] > 0 and async_steps[2] == 0
     assert "--async-scheduling" in text.split("- sampled+async: server")[1]
-    assert "--async-scheduling" not in text.split("- greedy: server")[1].split("\n")[0]
-    assert "- greedy+engine: server `bench/engine_steps.py '(no HTTP)'`" in text
+    greedy_line = text.split("- greedy: server")[1].split("\n")[0]  # the server's defaults off
+    assert "--no-async-scheduling --no-fused-sampler" in greedy_line
+    engine = "- greedy+engine: server `bench/engine_steps.py '(no HTTP)' --no-async-scheduling "
+    assert engine + "--no-fused-sampler`" in text
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ NAME = "tiny-async"
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     path = write_model_dir(tmp_path_factory.mktemp("hf") / NAME)
-    sync = start_server(tmp_path_factory, path, PLAN, max_model_len=48)
-    pipelined = start_server(tmp_path_factory, path, PLAN, max_model_len=48, async_scheduling=True)
+    sync = start_server(tmp_path_factory, path, PLAN, max_model_len=48, async_scheduling=False)
+    pipelined = start_server(tmp_path_factory, path, PLAN, max_model_len=48)  # the default
     yield sync, pipelined
     sync.stop()
     pipelined.stop()

@@ -176,6 +176,13 @@ def test_copy_in_writes_every_dtype_and_a_non_contiguous_input_exactly():
     assert b["lens"][:3].tolist() == [9, 8, 7] and b["qsl"][:4].tolist() == [0, 2, 3, 3]
     bufs.load({k: v[:1] if k not in ("qsl",) else v[:2] for k, v in batch.items()}, 1, 1, 1, 1)
     assert b["ids"][:4].tolist() == [5, -1, -1, -1]  # rows the larger step dirtied are pads again
+    # one row of a column: contiguous by torch's rule, its stride 2 (the sampler's token column
+    # with logprobs, async scheduling's next input_ids), which a byte view refuses
+    column = torch.tensor([[42, 0]])[:, 0]
+    assert column.is_contiguous() and column.stride() == (2,)
+    bufs.load({**{k: v[:1] for k, v in batch.items()}, "ids": column, "qsl": batch["qsl"][:2]},
+              1, 1, 1, 1)  # fmt: skip
+    assert b["ids"][:2].tolist() == [42, -1]
 
 
 def test_the_compiled_model_writes_its_outputs_into_the_callers_buffers():

@@ -54,6 +54,34 @@ def test_every_bad_cli_value_is_a_usage_error(flags, message, capsys):
     assert e.value.code == 2 and "usage: graphplan-serve" in err and message in err, err
 
 
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        ([], (True, None)),  # the defaults: async scheduling on, the fused sampler on with CUDA
+        (["--no-async-scheduling", "--no-fused-sampler"], (False, False)),
+        (["--async-scheduling", "--no-fused-sampler"], (True, False)),
+    ],
+)
+def test_async_scheduling_is_on_unless_turned_off(flags, want, monkeypatch):
+    """What the CLI hands the server: Engine(fused_sampler=None) turns the kernel on where the
+    model is on CUDA (server/engine.py)."""
+    import graphplan.server.cli as cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_server(*a, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(cli, "Server", fake_server)
+    with pytest.raises(Stop):
+        main(["--plan", "plans/tiny-llama.yaml", "--device", "cpu", *flags])
+    assert (seen["async_scheduling"], seen["fused_sampler"]) == want
+
+
 SLOW_CAPTURE = (
     "import sys, time\n"
     "from graphplan.runtime import GraphRunner\n"
