@@ -53,6 +53,7 @@ for step in "$@"; do
     longctx)   timeout 560 python bench/load_test.py --random-weights --clients 63 --requests 1 --disconnect 0 --long-prompt 32000 --long-max-tokens 512 --max-model-len 32768 --set scheduler.max_num_seqs=64 --out "$OUT/long_context.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     overhead)  timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+engine,greedy+async --out "$OUT/serve_overhead.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     overhead-sampled) timeout 590 python bench/serve_overhead.py --random-weights --variants sampled,sampled+async,sampled+async+fused --out "$OUT/serve_overhead_sampled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    overhead-all) timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+async,sampled,sampled+async+fused --out "$OUT/serve_overhead_all.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     hoststep)  timeout 200 python bench/host_step.py --out "$OUT/host_step.md" 2>&1 | tail -6; timeout 200 python bench/host_step.py --sampled --out "$OUT/host_step_sampled.md" 2>&1 | tail -4 ;;
     offline)   for m in rows all; do timeout 280 python bench/offline_throughput.py --logits $m --out "$OUT/offline_throughput_$m.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -8; done ;;
     threadcpu) timeout 200 python bench/thread_cpu.py --clients 64 --rounds 3 --out "$OUT/thread_cpu.md" 2>&1 | tail -7 ;;

@@ -61,18 +61,22 @@ def write_model(path: Path, shape: str, max_len: int) -> Path:
     return path
 
 
+def sampling_params(seed: int | None) -> dict:
+    """Greedy, or with a ``seed`` sampled (temperature 0.8, top_p 0.95)."""
+    if seed is None:
+        return {"temperature": 0.0}
+    return {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+
+
 def request_body(prompt: list[int], max_tokens: int, seed: int | None = None) -> dict:
-    """A streamed completion of exactly ``max_tokens`` tokens: greedy, or with a ``seed`` sampled
-    (temperature 0.8, top_p 0.95)."""
-    sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
+    """A streamed completion of exactly ``max_tokens`` tokens (``sampling_params(seed)``)."""
     return {
         "model": "load",
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
-        **sampling,
-        **({} if seed is None else {"top_p": 0.95}),
+        **sampling_params(seed),
     }
 
 

@@ -26,8 +26,15 @@ bench/engine_steps.py; what a served variant adds to its ``+engine`` twin is HTT
    on its rows (the server's ``logits="rows"``) is timed at the same batch and the first variant's
    mean context, back to back (bench/real_scale.py's method).
 
-Host overhead = (median served step - replay) / median served step; the issue's bar is <= 5 % at
-batch 64 on the 8B shape.
+3. **Sampler.** Then the variant's sampling step alone (``Sampler.sample`` of ``--clients`` rows
+   with the variant's parameters, fused or not) is timed as a replayed CUDA graph
+   (bench/sampling_bench.py's method): device time the server spends per step beside the replay,
+   which is not the host's. Greedy rows take the argmax (tens of microseconds); sampled rows
+   (top_p) sort and draw noise over the vocabulary (about a millisecond at 64 x 128256).
+
+Host overhead = (median served step - replay - sampler) / median served step; the issue's bar is
+<= 5 % at batch 64 on the 8B shape. The table also gives the older, stricter figure, (served step -
+replay) / served step, which counts the sampler's kernels as overhead.
 """
 
 from __future__ import annotations
@@ -45,11 +52,14 @@ from pathlib import Path
 
 import torch
 
+from graphplan.server.sampling import Sampler
+from graphplan.server.sampling_params import SamplingParams
+
 import load_test
 import real_scale
 from llama_shapes import SHAPES
 from sse_clients import metric, pct
-from timing import publish
+from timing import graph_time_per_call, publish
 
 BAR = 0.05
 
@@ -94,6 +104,22 @@ def variant(name: str) -> argparse.Namespace:
         fused_sampler="fused" in extra,
         engine="engine" in extra,
     )
+
+
+def sampler_step(a, v: argparse.Namespace) -> float:
+    """Device seconds per sampling step of the variant's ``--clients`` rows (greedy, or load_test's
+    sampled parameters, fused as the variant says), replayed as a CUDA graph."""
+    device = torch.device(a.device)
+    vocab = SHAPES[a.shape]["vocab_size"]
+    s = Sampler(a.clients, vocab, device=device, penalties=False, fused=v.fused_sampler,
+                rng=random.Random(0))  # fmt: skip
+    for slot in range(a.clients):
+        params = load_test.sampling_params(slot if v.sampled else None)
+        s.set_row(slot, SamplingParams(**params), prompt_ids=[1])
+    slots = s.load_slots(list(range(a.clients)))
+    logits = torch.randn(a.clients, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(device, torch.bfloat16)
+    return graph_time_per_call(lambda: s.sample(logits, slots), device, a.iters)
 
 
 def workload(a, sampled: bool) -> list[list[dict]]:
@@ -221,22 +247,29 @@ def main(argv=None) -> int:
         f"- replay (GraphRunner.step of the decode graph, then the LM head on its rows, as the "
         f"server runs them; batch {a.clients}, context {ctx}): "
         f"{replay * 1e3:.2f} ms",
+        f"- sampler: the variant's sampling step of {a.clients} rows, replayed as a CUDA graph "
+        "(device time beside the replay)",
         "",
-        "| variant | steady window | served step p10 / median / p90 | host overhead | bar "
-        "| async steps |",
-        "|---|---|---|---|---|---|",
+        "| variant | steady window | served step p10 / median / p90 | replay + sampler "
+        "| host overhead | bar | served - replay | async steps |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for v, run in runs:
         gaps = run["gaps"]
         step = statistics.median(gaps)
-        overhead = (step - replay) / step
+        sampler = sampler_step(a, v)
+        device = replay + sampler
+        overhead = (step - device) / step
         ok &= overhead <= BAR
         lines.append(
             f"| {v.name} | {run['clients_in']} clients, {len(gaps)} gaps, context {run['ctx']} "
             f"| {pct(gaps, 10) * 1e3:.2f} / {step * 1e3:.2f} / {pct(gaps, 90) * 1e3:.2f} ms "
-            f"| **{(step - replay) * 1e3:.2f} ms = {overhead:.1%}** "
-            f"| {'met' if overhead <= BAR else 'MISSED'} (<= {BAR:.0%}) | {run['async_steps']} |"
+            f"| {replay * 1e3:.2f} + {sampler * 1e3:.2f} ms "
+            f"| **{(step - device) * 1e3:.2f} ms = {overhead:.1%}** "
+            f"| {'met' if overhead <= BAR else 'MISSED'} (<= {BAR:.0%}) "
+            f"| {(step - replay) * 1e3:.2f} ms = {(step - replay) / step:.1%} "
+            f"| {run['async_steps']} |"
         )
     lines.append("")
     for v, run in runs:

@@ -2,6 +2,8 @@
 concurrent clients (some hanging up) beside one long prompt, and passes only when every request not cancelled finished
 whole and the cancelled ones freed their seats and KV blocks."""
 
+import re
+
 import pytest
 
 from load_test import main
@@ -55,6 +57,8 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
     ]
     assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async", "| greedy+engine"]
     assert all("| 3 clients, " in r and " ms = " in r for r in rows)
+    # replay + the variant's sampler, measured in the same run
+    assert all(re.fullmatch(r"\d+\.\d\d \+ \d+\.\d\d ms", r.split(" | ")[3]) for r in rows), rows
     async_steps = [int(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]  # from /metrics
     assert async_steps[0] == 0 and async_steps[1] > 0 and async_steps[2] == 0
     assert "--async-scheduling" in text.split("- sampled+async: server")[1]
