@@ -107,19 +107,24 @@ def variant(name: str) -> argparse.Namespace:
 
 
 def sampler_step(a, v: argparse.Namespace) -> float:
-    """Device seconds per sampling step of the variant's ``--clients`` rows (greedy, or load_test's
-    sampled parameters, fused as the variant says), replayed as a CUDA graph."""
+    """Device seconds per sampling step of the variant's ``--clients`` rows, replayed as a CUDA
+    graph, doing what the server's StepSampler does for them (its ``Work.of``): greedy rows
+    without logprobs take the argmax; sampled rows (load_test's parameters: top_p, no penalties,
+    no logprobs) the sampler with truncation, fused as the variant says."""
     device = torch.device(a.device)
     vocab = SHAPES[a.shape]["vocab_size"]
+    logits = torch.randn(a.clients, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(device, torch.bfloat16)
+    if not v.sampled:
+        return graph_time_per_call(lambda: logits.argmax(dim=-1), device, a.iters)
     s = Sampler(a.clients, vocab, device=device, penalties=False, fused=v.fused_sampler,
                 rng=random.Random(0))  # fmt: skip
     for slot in range(a.clients):
-        params = load_test.sampling_params(slot if v.sampled else None)
-        s.set_row(slot, SamplingParams(**params), prompt_ids=[1])
+        s.set_row(slot, SamplingParams(**load_test.sampling_params(slot)), prompt_ids=[1])
     slots = s.load_slots(list(range(a.clients)))
-    logits = torch.randn(a.clients, vocab, generator=torch.Generator().manual_seed(0)) * 3
-    logits = logits.to(device, torch.bfloat16)
-    return graph_time_per_call(lambda: s.sample(logits, slots), device, a.iters)
+    return graph_time_per_call(
+        lambda: s.sample(logits, slots, logprobs=False, penalise=False), device, a.iters
+    )
 
 
 def workload(a, sampled: bool) -> list[list[dict]]:
