@@ -49,6 +49,7 @@ for step in "$@"; do
     pagedflex) timeout 150 python bench/paged_attention_bench.py --methods floor,triton,flex --max-model-lens 32768 --iters 30 --out "$OUT/paged_attention_flex.md" 2>"$OUT/paged_attention_flex.err" | tail -12 ;;
     loadtest)  timeout 590 python bench/load_test.py --random-weights --clients 256 --requests 2 --out "$OUT/load_test_h100.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     realscale-rows) timeout 400 python bench/real_scale.py --logits rows --hf-batches '' --out "$OUT/real_scale_rows.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    capture8b) for c in cold warm; do [ $c = cold ] && export TRITON_CACHE_DIR=$(mktemp -d); timeout 280 python bench/real_scale.py --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_capture_$c.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -5; done ;;
     realscale1b) timeout 300 python bench/real_scale.py --shape 1b --hf-batches 1 --out "$OUT/real_scale_1b.md" 2>&1 | tail -25 ;;
     longctx)   timeout 560 python bench/load_test.py --random-weights --clients 63 --requests 1 --disconnect 0 --long-prompt 32000 --long-max-tokens 512 --max-model-len 32768 --set scheduler.max_num_seqs=64 --out "$OUT/long_context.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -25 ;;
     overhead)  timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+engine,greedy+async --out "$OUT/serve_overhead.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;

@@ -199,6 +199,11 @@ def test_the_real_scale_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path):
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and "x |" in ln]
     assert len(rows) == 2 * 2 * 2, out.read_text()
     assert "step grows" in out.read_text()
+    # the real plan's decode graphs: 256 seats, vLLM's sizes up to 256 (the CPU stand-in's capture)
+    want = (
+        "capture of the decode graphs of plan llama3-8b-h100 (FULL_DECODE_ONLY, max_model_len 64): "
+    )
+    assert want + "35 graphs in " in out.read_text()
 
 
 def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_path):
