@@ -92,18 +92,23 @@ def run(model, runner, table, prompts, outputs, device) -> dict:
     for i, (p, n) in enumerate(zip(prompts, outputs)):
         batcher.add(i, p, max_new_tokens=n)
     first: dict[int, float] = {}
+    kinds: dict[str, list] = {}  # step kind -> [seconds, steps, tokens]
     steps = 0
     sync(device)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     with torch.no_grad():
         while batcher.has_work():
             batch = batcher.schedule()
             out = runner.step(model.make_batch(batch.reqs), batch.num_reqs, batch.max_query_len)
             rows = torch.tensor(batch.sampling_rows, dtype=torch.int64).to(device)
             sampled = model.logits(out, rows).argmax(dim=-1) if len(rows) else []
+            events = batcher.commit(batch, sampled=sampled)  # reads the tokens: the step is done
             now = time.perf_counter()
-            for ev in batcher.commit(batch, sampled=sampled):  # reads the tokens: the step is done
+            for ev in events:
                 first.setdefault(ev.request_id, now - t0)
+            k = kinds.setdefault(step_kind(table, batch), [0.0, 0, 0])
+            k[0], k[1], k[2] = k[0] + now - last, k[1] + 1, k[2] + batch.num_tokens
+            last = now
             steps += 1
     sync(device)
     wall = time.perf_counter() - t0
@@ -114,7 +119,19 @@ def run(model, runner, table, prompts, outputs, device) -> dict:
         "steps": steps,
         "done": done,
         "preemptions": batcher.num_preemptions,
+        "kinds": kinds,
     }
+
+
+def step_kind(table, batch) -> str:
+    """A step's kind for the time breakdown: decode (every request one token) by its request
+    count, or mixed (prefill chunks in it); and how it runs (its graph's mode, or eager)."""
+    route = table.route(batch.num_tokens, batch.num_reqs, batch.max_query_len)
+    how = route.mode.name if route.graph_id >= 0 else "eager"
+    if batch.max_query_len == 1:
+        top = next(b for b in (8, 32, 64, 128, 256, 1 << 30) if batch.num_reqs <= b)
+        return f"decode, {batch.num_reqs if top > 256 else f'<= {top}'} requests, {how}"
+    return f"mixed, {how}"
 
 
 def main(argv=None) -> int:
@@ -166,6 +183,18 @@ def main(argv=None) -> int:
         "- published, Llama-3-8B bf16 on one H100 (output tokens/s): "
         + ", ".join(f"{k} {v / 1e3:.1f}k" for k, v in PUBLISHED.items()),
     ]
+    lines += [
+        "",
+        "Where the wall time goes, by step kind (each step timed from the previous one's tokens read "
+        "to its own: schedule, batch, step, LM head, argmax, commit):",
+        "",
+        "| step kind | steps | tokens | seconds | share of wall | ms per step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind, (sec, n, tok) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][0]):
+        lines.append(
+            f"| {kind} | {n} | {tok} | {sec:.2f} | {sec / r['wall']:.1%} | {sec / n * 1e3:.2f} |"
+        )
     publish("\n".join(lines) + "\n", a.out)
     runner.release()
     return 0 if ok else 1

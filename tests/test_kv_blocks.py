@@ -5,6 +5,8 @@ request finishes with the tokens it would have had with room for all, and every 
 The "model" here is a pure function of each request's whole sequence, so a recomputed request must
 produce the same tokens: a preemption that lost or duplicated a token would change them."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -237,6 +239,12 @@ def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_
     text = out.read_text()
     assert "every request finished with all its tokens: True" in text
     assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
+    # the breakdown by step kind covers every step and every token of the run, once
+    steps = int(re.search(r"over (\d+) steps", text).group(1))
+    kinds = re.findall(r"^\| ((?:decode|mixed)[^|]*) \| (\d+) \| (\d+) \|", text, re.M)
+    assert sum(int(n) for _, n, _ in kinds) == steps and len({k for k, _, _ in kinds}) == len(kinds)
+    assert {k.split(",")[0] for k, _, _ in kinds} == {"decode", "mixed"}
+    assert all(k.endswith(("FULL", "PIECEWISE")) for k, _, _ in kinds)
 
 
 def test_a_default_pool_leaves_a_steps_measured_reserve_free(monkeypatch):
