@@ -32,10 +32,9 @@ import torch
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
-from graphplan.runtime import GraphRunner
 from graphplan.server.batching import ContinuousBatcher
 
-from real_scale import SHAPES, build_model
+from real_scale import SHAPES, build_model, captured_runner, kv_pool
 from timing import publish, sync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,20 +139,11 @@ def main(argv=None) -> int:
     hf, load_s = build_model(a, device)
     table = compile_plan(a.plan)
     max_len = 2 * a.max_len + 16
-    pool = (
-        {"kv_memory_fraction": a.kv_fraction}
-        if device.type == "cuda"
-        else {"kv_cache_tokens": table.max_num_seqs * max_len}
-    )
+    pool = kv_pool(a, device, table.max_num_seqs * max_len)
     model = PagedCausalLM(
         hf, max_num_seqs=table.max_num_seqs, max_model_len=max_len, logits=a.logits, **pool
     )
-    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False)
-    sync(device)
-    t0 = time.perf_counter()
-    runner.capture()
-    sync(device)
-    capture_s = time.perf_counter() - t0
+    runner, capture_s = captured_runner(model, table, device)
     prompts, outputs = workload(a, hf.config.vocab_size)
     r = run(model, runner, table, prompts, outputs, device)
     ok = r["done"] == outputs  # every request finished with all its tokens

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode_baselines import floor_step, hf_compiled_step
+from decode_baselines import GiB, floor_step, hf_compiled_step
 
 from graphplan.compiler import GraphplanError, compile_plan
 from graphplan.models.hf import ATTN_IMPLEMENTATION, KVCacheSizeError, PagedCausalLM, load_model
@@ -53,7 +53,6 @@ from timing import publish, sync, time_per_call
 
 ROOT = Path(__file__).resolve().parents[1]
 BARS = {(1, 1024): 1.10, (64, 1024): 1.15, (64, 8192): 1.25}
-GiB = 1 << 30
 
 
 def parse_args(argv=None):
@@ -138,14 +137,31 @@ def decode_plan(batches: list[int], max_len: int) -> dict:
     }
 
 
+def kv_pool(a, device, cpu_tokens: int) -> dict:
+    """PagedCausalLM's pool argument: on CUDA the pool a server would have (most of what the
+    weights leave, ``a.kv_fraction``); on the CPU ``cpu_tokens`` tokens."""
+    if device.type == "cuda":
+        return {"kv_memory_fraction": a.kv_fraction}
+    return {"kv_cache_tokens": cpu_tokens}
+
+
+def captured_runner(model, table, device, compile: bool = False) -> tuple[GraphRunner, float]:
+    """A runner over ``model`` with every graph of ``table`` captured, and the capture's seconds."""
+    runner = GraphRunner(
+        model, table, model.static_inputs(), device=device, progress=False, compile=compile
+    )
+    sync(device)
+    t0 = time.perf_counter()
+    runner.capture()
+    sync(device)
+    return runner, time.perf_counter() - t0
+
+
 def graphplan_steps(hf, a, device, max_len: int, rows: list[dict], compile=False) -> None:
     """Every (context, batch) of one max_model_len through one runner (one capture; with
     ``compile``, of the inductor-compiled model: its rows say "compiled")."""
     top = max(a.batches)
-    if device.type == "cuda":  # the pool a server would have: most of what the weights leave
-        pool = {"kv_memory_fraction": a.kv_fraction}
-    else:
-        pool = {"kv_cache_tokens": max(top * (max(a.contexts) + a.block_size), max_len)}
+    pool = kv_pool(a, device, max(top * (max(a.contexts) + a.block_size), max_len))
     try:
         model = PagedCausalLM(
             hf,
@@ -159,14 +175,7 @@ def graphplan_steps(hf, a, device, max_len: int, rows: list[dict], compile=False
         rows.append({"max_len": max_len, "note": f"KV pool refused: {e}"})
         return
     table = compile_plan(decode_plan(a.batches, max_len))
-    runner = GraphRunner(
-        model, table, model.static_inputs(), device=device, progress=False, compile=compile
-    )
-    sync(device)
-    t0 = time.perf_counter()
-    runner.capture()
-    sync(device)
-    capture_s = time.perf_counter() - t0
+    runner, capture_s = captured_runner(model, table, device, compile)
     pool_gib = model.cache.nbytes() / GiB
     for ctx in a.contexts:
         if ctx >= max_len:
@@ -216,24 +225,15 @@ def plan_capture(hf, a, device, max_len: int) -> dict:
 
     table = compile_plan(a.capture_plan, parse_overrides(["cudagraph.mode=FULL_DECODE_ONLY"]))
     seats = table.max_num_seqs
-    if device.type == "cuda":
-        pool = {"kv_memory_fraction": a.kv_fraction}
-    else:
-        pool = {"kv_cache_tokens": seats * a.block_size + max_len}
     model = PagedCausalLM(
         hf,
         max_num_seqs=seats,
         max_model_len=max_len,
         block_size=a.block_size,
         logits=a.logits,
-        **pool,
+        **kv_pool(a, device, seats * a.block_size + max_len),
     )
-    runner = GraphRunner(model, table, model.static_inputs(), device=device, progress=False)
-    sync(device)
-    t0 = time.perf_counter()
-    runner.capture()
-    sync(device)
-    seconds = time.perf_counter() - t0
+    runner, seconds = captured_runner(model, table, device)
     runner.release()
     return {"plan": table.settings.name, "graphs": len(table.graphs), "seconds": seconds}
 
