@@ -19,6 +19,7 @@ _NEEDS = {
         "test_openai_echo.py",
         "test_openai_responses.py",
         "test_openai_async.py",
+        "test_openai_gpu.py",
         "test_fused_ops.py",
         "test_fused_ops_gpu.py",
         "test_paged_attention.py",
@@ -29,6 +30,7 @@ _NEEDS = {
         "test_openai_echo.py",
         "test_openai_responses.py",
         "test_openai_async.py",
+        "test_openai_gpu.py",
     ],
 }
 collect_ignore = sorted(
