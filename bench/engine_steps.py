@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphplan.server import Engine
-from graphplan.server.hf_model import HFSpec
-from graphplan.server.model import load_table, parse_sets
+from graphplan.server.core.hf_model import HFSpec
+from graphplan.server.core.model import load_table, parse_sets
 from graphplan.server.requests import QueueSink, Request
 from graphplan.server.sampling_params import SamplingParams
 

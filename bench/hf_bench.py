@@ -31,7 +31,7 @@ import torch
 
 from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
-from graphplan.server.batching import ContinuousBatcher
+from graphplan.server.core.batching import ContinuousBatcher
 
 from hf_setup import (
     FULL_SIZE,

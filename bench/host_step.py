@@ -1,5 +1,5 @@
 """The engine's host work per steady decode step (issue 25's host overhead, phase by phase): the
-synchronous step the server's engine thread runs (server/pipeline.py), timed call by call on the
+synchronous step the server's engine thread runs (server/core/pipeline.py), timed call by call on the
 host over a small model, so that the device's own time is small and what is left is the host's:
 ``schedule`` (the batcher), ``make_batch`` (the model's inputs on the device), ``runner.step``
 (copy into the static buffers, replay: its launch), ``sampler.launch`` (stage, the argmax or the
@@ -29,11 +29,11 @@ import torch
 
 from graphplan.models.hf import PagedCausalLM
 from graphplan.runtime import GraphRunner
-from graphplan.server.batching import ContinuousBatcher
-from graphplan.server.model import load_table
+from graphplan.server.core.batching import ContinuousBatcher
+from graphplan.server.core.model import load_table
+from graphplan.server.core.step_sampler import StepSampler
 from graphplan.server.requests import GREEDY, QueueSink, Request
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import StepSampler
 
 import load_test
 from machine import machine

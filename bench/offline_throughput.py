@@ -32,7 +32,7 @@ import torch
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
-from graphplan.server.batching import ContinuousBatcher
+from graphplan.server.core.batching import ContinuousBatcher
 
 from real_scale import SHAPES, build_model, captured_runner, kv_pool
 from timing import publish, sync

@@ -1,4 +1,4 @@
-"""What sampling inside the step costs (server/sampling.py), against the greedy argmax the server
+"""What sampling inside the step costs (server/core/sampling.py), against the greedy argmax the server
 does today and against a conventional torch sampler (sort for top-k/top-p, softmax, torch's RNG: not
 reproducible per request), each timed as a replayed CUDA graph on a GPU. GPU only: a result needs a
 CUDA device; ``--quick`` on the CPU checks the program.
@@ -10,13 +10,13 @@ Rows: ``argmax`` (the baseline), ``torch_reference`` (sort + softmax + exponenti
 ``sampler`` (Sampler.sample, penalties off, no logprobs: penalty-free requests), ``no_sort`` (the
 same with ``truncate=False``: a step whose rows set no top-k/top-p/min-p), ``fused`` and
 ``fused_no_sort`` (the same two with ``Sampler(fused=True)``: noise, mask and argmax as one Triton
-kernel, server/sampling_kernels.py; "n/a" where the kernel cannot run), ``sampler_full``
+kernel, server/core/sampling_kernels.py; "n/a" where the kernel cannot run), ``sampler_full``
 (penalties on, 20 logprobs), and two parts of the sampler: ``sort`` (the per-row threshold's sort)
 and ``noise`` (the counter-based Gumbel noise). Every sampler row mixes greedy and sampled requests.
 
 A second table times the engine's whole sampling step (``StepSampler.sample``: staging, the rows'
 copy, the sampler, the host read), wall clock per step, eager against its captured graphs
-(server/step_sampler.py), for a mixed batch without and with one request asking for logprobs:
+(server/core/step_sampler.py), for a mixed batch without and with one request asking for logprobs:
 what the graphs save is the host's launches of a few dozen small kernels per step.
 """
 
@@ -31,11 +31,11 @@ import time
 
 import torch
 
-from graphplan.server.batching import StepBatch
+from graphplan.server.core.batching import StepBatch
+from graphplan.server.core.sampling import Sampler, gumbel_noise, seed_key, vocab_keys
+from graphplan.server.core.step_sampler import StepSampler, Work
 from graphplan.server.requests import QueueSink, Request
-from graphplan.server.sampling import Sampler, gumbel_noise, seed_key, vocab_keys
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import StepSampler, Work
 
 from machine import machine
 from timing import graph_time_per_call, publish, sync, time_per_call

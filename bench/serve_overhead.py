@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from graphplan.server.sampling import Sampler
+from graphplan.server.core.sampling import Sampler
 from graphplan.server.sampling_params import SamplingParams
 
 import load_test

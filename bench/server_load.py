@@ -34,7 +34,7 @@ import torch
 
 from graphplan.models.tiny_llama import reference_generate
 from graphplan.server import ModelSpec, build_model, load_table
-from graphplan.server.model import parse_sets
+from graphplan.server.core.model import parse_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 import load_test
 from machine import machine

@@ -29,7 +29,7 @@ from graphplan.models.tiny_llama import (
     reference_generate,
     static_inputs,
 )
-from graphplan.server.generation import dp_generate
+from graphplan.server.core.generation import dp_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

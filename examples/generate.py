@@ -36,7 +36,7 @@ from graphplan.models.tiny_llama import (
     static_inputs,
 )
 from graphplan.runtime import GraphplanError, GraphRunner, load_table
-from graphplan.server.generation import continuous_greedy, make_prompts
+from graphplan.server.core.generation import continuous_greedy, make_prompts
 
 
 def build(

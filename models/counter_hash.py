@@ -1,5 +1,5 @@
 """A counter-based 32-bit hash in integer tensor ops: the same bits from the same counters on any
-device, with no generator state. The sampler's noise (server/sampling.py) and the random weights a
+device, with no generator state. The sampler's noise (server/core/sampling.py) and the random weights a
 seed draws (models/hf/load.py's ``init_random``) both derive from it."""
 
 from __future__ import annotations

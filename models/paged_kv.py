@@ -5,7 +5,7 @@ Model-agnostic and free of transformers: ``KVCacheShape`` says what one token co
 turns a token budget or a memory fraction into a block count (and refuses one that cannot hold a
 single ``max_model_len`` sequence), ``PagedKVCache`` owns the tensor and ``BlockTables`` hands
 blocks to seats as their sequences grow and takes them back when they finish (the server's batcher
-admits and preempts requests by its free count: ``server/batching.py``).
+admits and preempts requests by its free count: ``server/core/batching.py``).
 
 Layout: ``kv [layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``; block ``num_blocks``
 is the padding block, so the padding slot is ``num_blocks * block_size``. A token's slot is

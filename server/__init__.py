@@ -1,12 +1,12 @@
 """graphplan's inference server: HTTP (the OpenAI API and ``/generate``), one engine thread doing
 continuous batching through the runtime, plan swaps between steps. ``graphplan-serve --help``."""
 
-from .app import Server
-from .batching import ContinuousBatcher, TokenEvent
-from .engine import Engine
-from .hf_model import HFSpec
-from .model import ModelSpec, ServingSpec, build_model, load_table
-from .protocol import RequestError
+from .core.batching import ContinuousBatcher, TokenEvent
+from .core.engine import Engine
+from .core.hf_model import HFSpec
+from .core.model import ModelSpec, ServingSpec, build_model, load_table
+from .errors import RequestError
+from .frontend.app import Server
 
 __all__ = [
     "Server",

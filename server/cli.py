@@ -28,10 +28,10 @@ import torch
 
 from graphplan.compiler.errors import GraphplanError
 
-from .app import Server
-from .hf_model import HFSpec
-from .model import DTYPES, ModelSpec, ServingSpec, parse_sets
-from .security import TOKEN_ENV, admin_token
+from .core.hf_model import HFSpec
+from .core.model import DTYPES, ModelSpec, ServingSpec, parse_sets
+from .frontend.app import Server
+from .frontend.security import TOKEN_ENV, admin_token
 
 log = logging.getLogger("graphplan.server")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="sample with one Triton kernel for the noise, the mask and the argmax "
-        "(server/sampling_kernels.py; CUDA only) instead of the torch ops; default: on with "
+        "(server/core/sampling_kernels.py; CUDA only) instead of the torch ops; default: on with "
         "--device cuda",
     )
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)

@@ -92,7 +92,7 @@ class Request:
     """Top logprobs to return per token (None: no logprobs at all)."""
     prompt_logprobs: int | None = None
     """Top logprobs to return per prompt token (completions' echo with logprobs; None: none):
-    server/prompt_logprobs.py sends them as ``(tag, "prompt_logprobs", [Sampled, ...])`` events."""
+    server/core/prompt_logprobs.py sends them as ``(tag, "prompt_logprobs", [Sampled, ...])`` events."""
     prompt_logprobs_sent: int = 1
     """The next prompt position whose logprob is to be sent (position 0 has none): a preempted
     request that recomputes its prompt sends none twice."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .protocol import APIError
+from .errors import APIError
 
 GREEDY_BELOW = 1e-5
 """A temperature under this samples greedily (vLLM's epsilon): dividing by it would overflow."""

@@ -166,7 +166,7 @@ def run_schedule(model, runner, seqs: list[list[int]], steps) -> list[torch.Tens
 @torch.no_grad()
 def serve_greedy(model, runner, batcher, prompts: list[list[int]], new_tokens: int) -> None:
     """Prompt i as request i, each for ``new_tokens`` greedy tokens, through ``batcher``
-    (server/batching.py) over ``runner`` until every request finished (``batcher.finished``)."""
+    (server/core/batching.py) over ``runner`` until every request finished (``batcher.finished``)."""
     for i, p in enumerate(prompts):
         batcher.add(i, p, max_new_tokens=new_tokens)
     while batcher.has_work():

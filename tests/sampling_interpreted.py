@@ -1,5 +1,5 @@
-"""The sampler's Triton kernel (server/sampling_kernels.py) on the CPU, under Triton's interpreter,
-against the sampler's torch form (server/sampling.py): the same tokens, exactly, for greedy and
+"""The sampler's Triton kernel (server/core/sampling_kernels.py) on the CPU, under Triton's interpreter,
+against the sampler's torch form (server/core/sampling.py): the same tokens, exactly, for greedy and
 sampled rows, with and without truncation, over vocabularies of one tile and of several (ragged
 last tile), and ties broken toward the smallest token id as torch.argmax breaks them. Not
 collected with the suite: tests/test_sampling.py runs it in a process with TRITON_INTERPRET=1
@@ -20,8 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (see the docstring)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from graphplan.server import sampling_kernels  # after the interpreter check above
-from graphplan.server.sampling import Sampler, gumbel_noise, noise_row_keys, vocab_keys
+from graphplan.server.core import sampling_kernels  # after the interpreter check above
+from graphplan.server.core.sampling import Sampler, gumbel_noise, noise_row_keys, vocab_keys
 from graphplan.server.sampling_params import SamplingParams
 
 TILE = sampling_kernels.TILE

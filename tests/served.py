@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 
 from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 
 def with_chat_template(path: Path, template: str) -> Path:

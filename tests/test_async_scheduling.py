@@ -1,4 +1,4 @@
-"""Async scheduling (server/pipeline.py): launching step N+1 before step N's tokens are read gives
+"""Async scheduling (server/core/pipeline.py): launching step N+1 before step N's tokens are read gives
 exactly the tokens and finish reasons of the synchronous engine, in every workload (stops mid-
 pipeline, seeded sampling, arrivals, cancellations, preemption, n > 1), speculates in the steady
 decode state, drops a stopped request's token of the step after, and leaks no seat or KV block."""
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from test_server import load_table_from_text, plan_text
 
 from graphplan.server import Engine, ModelSpec
-from graphplan.server.batching import PLACEHOLDER, ContinuousBatcher, TokenEvent
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.batching import PLACEHOLDER, ContinuousBatcher, TokenEvent
+from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.requests import GREEDY, QueueSink, Request
 from graphplan.server.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Async scheduling on CUDA (server/pipeline.py), where it matters: the device still runs step N
+"""Async scheduling on CUDA (server/core/pipeline.py), where it matters: the device still runs step N
 while the host schedules and launches N+1 (its input tokens gathered on the device from N's
 sampler, its inputs copied from pinned memory without a wait), which the CPU stand-in, running
 each step to its end, cannot show. The tiny Llama and an HF Llama in bfloat16 (the fused decoder
@@ -16,7 +16,7 @@ from test_server import plan_text
 
 from graphplan.models.hf import load_model
 from graphplan.server import ModelSpec
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.requests import GREEDY
 from graphplan.server.sampling_params import SamplingParams
 

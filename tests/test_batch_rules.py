@@ -191,7 +191,7 @@ def test_a_table_that_is_not_one_is_a_table_error(tmp_path):
 
 def test_the_cli_the_server_and_the_benchmarks_load_through_the_one_rule(tmp_path):
     from graphplan.compiler.cli.inputs import load_any
-    from graphplan.server.model import load_table
+    from graphplan.server.core.model import load_table
 
     path = tmp_path / "t.json"
     compile_plan(TINY).save(path)

@@ -1,9 +1,9 @@
-"""server/batching.py: the continuous batcher's scheduling rules (pure Python, exact expectations)."""
+"""server/core/batching.py: the continuous batcher's scheduling rules (pure Python, exact expectations)."""
 
 import pytest
 import torch
 
-from graphplan.server.batching import ContinuousBatcher, TokenEvent
+from graphplan.server.core.batching import ContinuousBatcher, TokenEvent
 
 
 def batcher(budget=8, seqs=4, rows=4, max_len=64):

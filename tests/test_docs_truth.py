@@ -37,7 +37,7 @@ def test_the_runtime_example_pads_slot_mapping_with_a_name_the_model_defines():
 
 
 def test_the_server_header_carries_the_package_version():
-    from graphplan.server.http_app import SERVER_HEADER
+    from graphplan.server.frontend.http_app import SERVER_HEADER
 
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert __version__ == re.search(r'(?m)^version = "([^"]+)"', pyproject).group(1)

@@ -202,7 +202,7 @@ def test_piecewise_steps_split_at_the_same_attention_call(saved):
 
 
 def test_greedy_generation_equals_transformers_generate(saved):
-    from graphplan.server.batching import ContinuousBatcher
+    from graphplan.server.core.batching import ContinuousBatcher
 
     path, ref = saved
     model = load(path)
@@ -350,7 +350,7 @@ def test_a_compiled_runner_traces_transformers_forward_of_a_fused_model(saved, f
 
 
 def test_the_servers_hf_spec_passes_fused_ops_to_the_model(tmp_path):
-    from graphplan.server.hf_model import HFSpec
+    from graphplan.server.core.hf_model import HFSpec
 
     path = save_model(tmp_path, "llama")
     table = compile_plan(plan())

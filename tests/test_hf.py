@@ -104,8 +104,8 @@ def test_changing_a_requests_earlier_token_changes_its_logits_and_no_other_reque
 
 
 def test_greedy_continuous_batching_equals_transformers_generate(built):
-    """The batcher (server/batching.py) over the runner, against transformers' generate."""
-    from graphplan.server.batching import ContinuousBatcher
+    """The batcher (server/core/batching.py) over the runner, against transformers' generate."""
+    from graphplan.server.core.batching import ContinuousBatcher
 
     model, runner, ref = built
     prompts = [tokens(n, seed=30 + n) for n in (7, 3, 11)]

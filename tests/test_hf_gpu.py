@@ -103,7 +103,7 @@ def test_bf16_changing_a_token_moves_only_its_own_requests_logits(family):
 
 @torch.no_grad()
 def greedy_through_runner(model, runner, table, prompts, new_tokens):
-    from graphplan.server.batching import ContinuousBatcher
+    from graphplan.server.core.batching import ContinuousBatcher
 
     b = ContinuousBatcher(
         max_num_seqs=table.max_num_seqs,
@@ -175,7 +175,7 @@ def test_the_server_serves_a_checkpoint_on_cuda_over_the_openai_api(tmp_path):
     import threading
 
     from graphplan.server import Server
-    from graphplan.server.hf_model import HFSpec
+    from graphplan.server.core.hf_model import HFSpec
 
     from hf_models import write_model_dir
 

@@ -1,4 +1,4 @@
-"""KV blocks on demand (server/batching.py with models/paged_kv.py's BlockTables): admission waits
+"""KV blocks on demand (server/core/batching.py with models/paged_kv.py's BlockTables): admission waits
 for blocks, a decode that cannot grow preempts the newest requests, which recompute later; every
 request finishes with the tokens it would have had with room for all, and every block comes back.
 
@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from graphplan.models.paged_kv import BlockTables
-from graphplan.server.batching import ContinuousBatcher
+from graphplan.server.core.batching import ContinuousBatcher
 
 VOCAB = 97
 

@@ -19,7 +19,7 @@ from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM, load_model, step_memory
 from graphplan.models.hf import adapter as adapter_module
 from graphplan.runtime import GraphRunner
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import (
     AllRows,

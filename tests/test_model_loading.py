@@ -31,7 +31,7 @@ from graphplan.models.hf import (
 )
 from graphplan.models.hf import load as load_module
 from graphplan.models.hf.config_check import SHAPE, check_values
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import FAMILIES, small_config, write_model_dir, write_tokenizer
 
@@ -545,7 +545,7 @@ import os, sys
 from pathlib import Path
 from graphplan.models.hf import ModelLoadError, PagedCausalLM
 from graphplan.models.hf import load_tokenizer
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 d = Path(sys.argv[1])
 for name in sys.argv[2:]:
     os.replace(d / name, d / (name + ".bak"))

@@ -15,7 +15,7 @@ import torch
 from graphplan.compiler import compile_plan
 from graphplan.models import BlockPool, Model, ModelLimits, TinyLlama, TinyLlamaConfig, Tokenizer
 from graphplan.server import ModelSpec, ServingSpec
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import small_config, write_model_dir
 

@@ -1,4 +1,4 @@
-"""graphplan-serve --async-scheduling (server/pipeline.py) through the official openai client: the
+"""graphplan-serve --async-scheduling (server/core/pipeline.py) through the official openai client: the
 same tokens and finish reasons as the synchronous server, streaming and not, greedy (transformers'
 own generate), seeded sampling and stop token ids, with the pipeline actually speculating."""
 

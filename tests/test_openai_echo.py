@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import reference_logits, reference_model, tokens, write_model_dir
 from served import openai_client, start_server

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import generated, reference_model, write_model_dir
 from served import openai_client, with_chat_template

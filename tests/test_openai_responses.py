@@ -6,7 +6,7 @@ field the spec requires, null where the spec allows (openai/openai-openapi ``ope
 ``Model``, ``ListModelsResponse``, ``ErrorResponse``), streaming or not, with and without logprobs,
 echo and usage.
 
-Two deviations are allowed, both the legacy API's and vLLM's behaviour (server/openai_responses.py):
+Two deviations are allowed, both the legacy API's and vLLM's behaviour (server/frontend/openai_responses.py):
 ``finish_reason`` null in a completions stream chunk before the choice ends, and the first prompt
 token's null entries in ``token_logprobs``/``top_logprobs`` with ``echo``."""
 
@@ -24,9 +24,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import ValidationError
 
-from graphplan.server.choices import Delta
-from graphplan.server.openai_answers import Job, plain_chunk
-from graphplan.server.openai_responses import ChatChunkChoice, ChatDelta, CompletionChoice
+from graphplan.server.frontend.choices import Delta
+from graphplan.server.frontend.openai_answers import Job, plain_chunk
+from graphplan.server.frontend.openai_responses import ChatChunkChoice, ChatDelta, CompletionChoice
 
 from hf_models import write_model_dir
 from served import start_server, with_chat_template

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from graphplan.server import Server
-from graphplan.server.hf_model import HFSpec
+from graphplan.server.core.hf_model import HFSpec
 
 from hf_models import generated, reference_logits, reference_model, write_model_dir
 from served import openai_client, start_server, with_chat_template

@@ -270,7 +270,7 @@ def test_greedy_tokens_equal_transformers_generate_with_a_pool_that_preempts(
     """The batcher over the runner with a pool of one max_model_len sequence and a budget of 5
     tokens a step (prompts cut into chunks; requests preempted and recomputed into other blocks):
     every request's greedy tokens are those of transformers' generate."""
-    from graphplan.server.batching import ContinuousBatcher
+    from graphplan.server.core.batching import ContinuousBatcher
 
     from hf_models import generated, serve_greedy, tokens
 

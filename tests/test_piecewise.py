@@ -23,7 +23,7 @@ from graphplan.models.tiny_llama import (
     static_inputs,
 )
 from graphplan.runtime import CaptureError, GraphRunner, render_prometheus
-from graphplan.server.generation import continuous_generate, continuous_greedy, make_prompts
+from graphplan.server.core.generation import continuous_generate, continuous_greedy, make_prompts
 
 CFG = TinyLlamaConfig(
     vocab_size=128,

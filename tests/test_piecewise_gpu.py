@@ -15,7 +15,7 @@ from graphplan.models.tiny_llama import (
     static_inputs,
 )
 from graphplan.runtime import GraphRunner
-from graphplan.server.generation import continuous_greedy, make_prompts
+from graphplan.server.core.generation import continuous_greedy, make_prompts
 
 pytestmark = pytest.mark.gpu
 

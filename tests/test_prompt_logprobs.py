@@ -1,4 +1,4 @@
-"""server/prompt_logprobs.py on its own: which logits rows give which prompt positions, whatever
+"""server/core/prompt_logprobs.py on its own: which logits rows give which prompt positions, whatever
 the chunking, the batch around a request and its preemptions (hypothesis), and the values: the
 log_softmax of those rows, exactly."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphplan.server import prompt_logprobs
-from graphplan.server.batching import StepBatch
+from graphplan.server.core import prompt_logprobs
+from graphplan.server.core.batching import StepBatch
 from graphplan.server.requests import QueueSink, Request
 
 

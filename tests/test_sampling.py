@@ -1,4 +1,4 @@
-"""server/sampling.py and server/sampling_params.py: the batched sampler's rules on the CPU, with
+"""server/core/sampling.py and server/sampling_params.py: the batched sampler's rules on the CPU, with
 exact expectations (which tokens can be sampled, the formulas of the penalties, reproducible seeds)
 and a fixed-seed chi-square check of its distribution; no host read inside a step."""
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from interpreted import run_interpreted
 
 from graphplan.runtime.graphs import CpuGraphStandIn
-from graphplan.server.openai_protocol import APIError
-from graphplan.server.sampling import Sampler, mix32, seed_key
+from graphplan.server.core.sampling import Sampler, mix32, seed_key
+from graphplan.server.frontend.openai_protocol import APIError
 from graphplan.server.sampling_params import SamplingParams
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]

@@ -1,8 +1,8 @@
-"""The sampler on CUDA (server/sampling.py): one capture of a step replayed with new parameters,
+"""The sampler on CUDA (server/core/sampling.py): one capture of a step replayed with new parameters,
 slots and logits gives exactly the eager tokens and logprobs; a seeded request's tokens do not
-depend on the batch, and the noise is the CPU's; the fused kernel (server/sampling_kernels.py)
+depend on the batch, and the noise is the CPU's; the fused kernel (server/core/sampling_kernels.py)
 picks the torch form's tokens but for rounding ties; the engine's sampler graphs
-(server/step_sampler.py), with the torch ops and with the fused kernel, give the eager sampler's
+(server/core/step_sampler.py), with the torch ops and with the fused kernel, give the eager sampler's
 results, and their pool stays within what models/hf/step_memory.py reserves. Skipped cleanly
 without CUDA."""
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from graphplan.models.hf.step_memory import SAMPLER_BYTES_PER_LOGIT
-from graphplan.server.batching import StepBatch
+from graphplan.server.core.batching import StepBatch
+from graphplan.server.core.sampling import Sampler, gumbel_noise
+from graphplan.server.core.step_sampler import StepSampler
 from graphplan.server.requests import QueueSink, Request
-from graphplan.server.sampling import Sampler, gumbel_noise
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import StepSampler
 
 pytestmark = pytest.mark.gpu
 
@@ -131,7 +131,7 @@ def test_the_sampler_graphs_pool_stays_within_the_reserved_bytes():
     passed alone and failed inside the whole GPU suite on the H100 before it ran apart)."""
     rows, vocab = 64, 32000
     code = (
-        "from graphplan.server.step_sampler import StepSampler\n"
+        "from graphplan.server.core.step_sampler import StepSampler\n"
         f"print(StepSampler({rows}, {vocab}, 'cuda').capture_bytes)"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -145,7 +145,7 @@ def test_the_sampler_graphs_pool_stays_within_the_reserved_bytes():
 
 
 def test_the_fused_kernel_picks_the_torch_forms_token_but_for_rounding_ties():
-    """Sampler(fused=True) (server/sampling_kernels.py) against the torch form over 16 steps of
+    """Sampler(fused=True) (server/core/sampling_kernels.py) against the torch form over 16 steps of
     mixed rows, truncating and not: the same token, except where the torch form's two best scores
     are within a float32 rounding of each other (the kernel's log may round the other way)."""
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -19,7 +19,7 @@ import torch
 
 from graphplan.models.tiny_llama import greedy, greedy_mismatch, reference_generate
 from graphplan.server import ModelSpec, Server, build_model, load_table
-from graphplan.server import engine as engine_mod
+from graphplan.server.core import engine as engine_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def record_logits(server) -> dict:
     sampler = server.engine.sampler
     launch = sampler.launch
 
-    def recording(batch, logits, **kw):  # a StepLogits (server/step_logits.py)
+    def recording(batch, logits, **kw):  # a StepLogits (server/core/step_logits.py)
         for rid, i in zip(batch.request_ids, batch.sample_rows):
             if i >= 0:
                 row = logits.rows(torch.tensor([i], device=logits.device))[0]

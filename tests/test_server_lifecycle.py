@@ -64,7 +64,7 @@ def test_every_bad_cli_value_is_a_usage_error(flags, message, capsys):
 )
 def test_async_scheduling_is_on_unless_turned_off(flags, want, monkeypatch):
     """What the CLI hands the server: Engine(fused_sampler=None) turns the kernel on where the
-    model is on CUDA (server/engine.py)."""
+    model is on CUDA (server/core/engine.py)."""
     import graphplan.server.cli as cli
 
     seen = {}

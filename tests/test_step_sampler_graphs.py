@@ -1,4 +1,4 @@
-"""server/step_sampler.py on the CPU stand-in (runtime/graphs.py records each graph as a tape of
+"""server/core/step_sampler.py on the CPU stand-in (runtime/graphs.py records each graph as a tape of
 aten calls on the static buffers, as a CUDA graph holds their addresses): replayed sampler graphs
 give exactly the eager sampler's tokens and logprobs for any mix of greedy, sampled and penalised
 requests, padded or not, and a padding row never touches a real slot."""
@@ -9,12 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphplan.runtime.graphs import HostSyncInCapture
-from graphplan.server import ModelSpec, Server, sampling
-from graphplan.server.batching import StepBatch
+from graphplan.server import ModelSpec, Server
+from graphplan.server.core import sampling
+from graphplan.server.core.batching import StepBatch
+from graphplan.server.core.sampling import PROMPT_BIT, Sampler
+from graphplan.server.core.step_sampler import MAX_LOGPROBS, StepSampler, Work, graph_sizes
 from graphplan.server.requests import QueueSink, Request
-from graphplan.server.sampling import PROMPT_BIT, Sampler
 from graphplan.server.sampling_params import SamplingParams
-from graphplan.server.step_sampler import MAX_LOGPROBS, StepSampler, Work, graph_sizes
 
 VOCAB = 48
 SLOTS = 8

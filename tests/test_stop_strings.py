@@ -1,10 +1,10 @@
-"""server/stop_strings.py: stop strings matched across token boundaries, never emitted; the same
+"""server/frontend/stop_strings.py: stop strings matched across token boundaries, never emitted; the same
 text comes out whatever the split of the stream into increments (properties, hypothesis)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphplan.server.stop_strings import StopMatcher
+from graphplan.server.frontend.stop_strings import StopMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, str | None]:

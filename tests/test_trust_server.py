@@ -17,7 +17,7 @@ from test_server import SPEC, exchange, plan_text
 
 from graphplan.compiler import template as T
 from graphplan.server import Server
-from graphplan.server.security import TOKEN_ENV, admin_token
+from graphplan.server.frontend.security import TOKEN_ENV, admin_token
 
 ROOT = Path(__file__).resolve().parents[1]
 

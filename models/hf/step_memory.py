@@ -6,7 +6,7 @@ sampler's ``[rows, vocab]`` temporaries) must stay free, or the first long mixed
 memory under load. vLLM measures this with a profiling run before it sizes its cache; so does this:
 one eager forward at the scheduler's token budget over a pool just big enough for it, then the
 logits of as many rows as a step samples, their peak taken from the allocator. The sampler is not part of the model; its bound is
-``SAMPLER_BYTES_PER_LOGIT`` per row and vocabulary entry (server/sampling.py: float32 logits,
+``SAMPLER_BYTES_PER_LOGIT`` per row and vocabulary entry (server/core/sampling.py: float32 logits,
 scaled copy, noise, softmax and cumsum, the sort's values and int64 indices)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SAMPLER_BYTES_PER_LOGIT = 72
 pool, which holds the graphs' temporaries (measured 63.5 bytes per logit on an H100 at 64 rows x
 32000, 2026-11-25: the caching allocator's segments around a dozen float32/int64 ``[rows, vocab]``
 tensors; about 33 alive at once on the CPU), plus their static float32 logits rows (4), with room
-(server/step_sampler.py; tests/test_sampling_gpu.py checks the bound on the GPU)."""
+(server/core/step_sampler.py; tests/test_sampling_gpu.py checks the bound on the GPU)."""
 
 
 def step_reserve_bytes(

@@ -33,7 +33,7 @@ in any row, eager or replayed. The hash works on 32-bit values held in int64, wi
 Cost: a step is a few dozen elementwise ops, one sort, one softmax and one cumsum over [R, vocab]
 (``bench/sampling_bench.py``); its [R, vocab] temporaries (float32 and int64, at most ~33 bytes per
 logit alive at once, in the noise hash) live in the captured graph's memory pool. The server captures
-``sample`` + ``update`` per padded row count (server/step_sampler.py): a padding row names
+``sample`` + ``update`` per padded row count (server/core/step_sampler.py): a padding row names
 ``pad_slot``, whose parameters stay neutral, so its counter and history may grow without effect.
 ``penalties=True`` keeps an int32 [max_num_seqs + 1, vocab] history.
 """
@@ -48,8 +48,8 @@ from typing import Sequence
 
 import torch
 
-from ..models.counter_hash import M32, mix32, seed_key
-from .sampling_params import SamplingParams
+from ...models.counter_hash import M32, mix32, seed_key
+from ..sampling_params import SamplingParams
 
 PROMPT_BIT = 1 << 30
 """History marks a prompt token with this bit; the low bits count generated tokens."""
@@ -123,7 +123,7 @@ class Sampler:
         self.max_logprobs, self.logprobs_mode = max_logprobs, logprobs_mode
         self.penalties = penalties
         self._kernels = _sampling_kernels(self.device) if fused else None
-        """``fused``: the noise, mask and argmax as one Triton kernel (server/sampling_kernels.py)."""
+        """``fused``: the noise, mask and argmax as one Triton kernel (server/core/sampling_kernels.py)."""
         self.pad_slot = max_num_seqs
         self._rng = rng or random.Random()
         rows, dev = max_num_seqs + 1, self.device
@@ -289,7 +289,7 @@ class Sampler:
 
 
 def _sampling_kernels(device: torch.device):
-    """server/sampling_kernels.py where its Triton kernel can run on ``device`` (CUDA, or any
+    """server/core/sampling_kernels.py where its Triton kernel can run on ``device`` (CUDA, or any
     device under ``TRITON_INTERPRET=1``); a ValueError saying why not otherwise."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused=True needs a CUDA device (or TRITON_INTERPRET=1), not {device}")

@@ -9,7 +9,7 @@ Every error, on every route, is ``{"error": {"message", "type", "param", "code"}
 status for the client's mistakes (400 bad body, 401/403 admin token, 404 unknown path or model, 405
 wrong method, 408 body too slow, 411 no length, 413 too large, 422 a plan rejected, 429 queue full,
 431 too many headers) and 5xx only for the server's own faults. ``/admin/`` routes need
-``Authorization: Bearer <token>`` (server/security.py) and are off without one. The guard
+``Authorization: Bearer <token>`` (server/frontend/security.py) and are off without one. The guard
 middleware counts every response by route and status and writes one access-log line per request.
 """
 
@@ -28,11 +28,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from graphplan.compiler import __version__
 
+from ..core.metrics import CONTENT_TYPE, render_metrics
+from ..errors import RequestError
+from ..requests import AsyncSink
+from .bodies import parse_generate, parse_reload
 from .http_io import ClientGone, error_response, events, json_response, read_body
-from .metrics import CONTENT_TYPE, render_metrics
 from .openai_api import OpenAIFrontEnd
-from .protocol import RequestError, parse_generate, parse_reload
-from .requests import AsyncSink
 from .security import ADMIN_PREFIX
 
 log = logging.getLogger("graphplan.server")

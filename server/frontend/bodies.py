@@ -1,4 +1,4 @@
-"""Request bodies: parse and check them before anything reaches the engine. Every problem is a
+"""Request bodies of graphplan's own routes (/generate, /admin/reload) and the error shape of every route: parse and check them before anything reaches the engine. Every problem is a
 RequestError with a 4xx status and a message that names the field and the fix."""
 
 from __future__ import annotations
@@ -8,44 +8,13 @@ from dataclasses import dataclass
 
 from graphplan.compiler.errors import did_you_mean
 
+from ..errors import RequestError, error_type
 from .openai_responses import ErrorBody, ErrorInfo
 
 GENERATE_FIELDS = ("prompt", "prompts", "max_tokens", "stream")
 RELOAD_FIELDS = ("path", "set")
 DEFAULT_MAX_TOKENS = 16
 MAX_BATCH = 256
-
-
-class RequestError(Exception):
-    """Fails one request (or one reload) with an HTTP status and a message for the client; ``param``
-    names the offending field and ``code`` is OpenAI's machine-readable code, where there are."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.param, self.code = param, code
-        self.headers = headers or {}
-
-
-APIError = RequestError
-"""The name the OpenAI layer and SamplingParams use for it."""
-
-
-def error_type(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"
-    if status in (401, 403):
-        return "authentication_error" if status == 401 else "permission_error"
-    if status == 404:
-        return "not_found_error"
-    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def error_model(e: RequestError) -> ErrorBody:

@@ -11,8 +11,9 @@ from typing import Any, AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from .protocol import RequestError, error_body
-from .requests import AsyncSink, Event
+from ..errors import RequestError
+from ..requests import AsyncSink, Event
+from .bodies import error_body
 
 log = logging.getLogger("graphplan.server")
 

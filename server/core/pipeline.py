@@ -42,10 +42,10 @@ import torch
 
 from graphplan.runtime.buffers import to_device
 
+from ..errors import RequestError
+from ..requests import Request, Sampled
 from . import prompt_logprobs
 from .batching import StepBatch
-from .protocol import RequestError
-from .requests import Request, Sampled
 from .step_logits import StepLogits
 from .step_sampler import Pending
 

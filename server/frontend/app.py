@@ -1,4 +1,4 @@
-"""The serving process: an engine thread (server/engine.py) behind an ASGI app (http_app.py) served
+"""The serving process: an engine thread (server/core/engine.py) behind an ASGI app (http_app.py) served
 by uvicorn on a thread of its own. ``Server.start()`` listens at once and captures on the engine
 thread; /healthz turns 200 when that is done. Handlers never block the engine: they hand requests
 over through its queue and await their events (``loop.call_soon_threadsafe``)."""
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import uvicorn
 
-from .engine import Engine
+from ..core.engine import Engine
+from ..core.model import ModelSpec, ServingSpec, load_table
+from ..errors import RequestError
 from .http_app import build_app
 from .http_protocol import GuardedH11Protocol
-from .model import ModelSpec, ServingSpec, load_table
-from .protocol import RequestError
 from .security import AdminGate, ReloadDir
 
 log = logging.getLogger("graphplan.server")

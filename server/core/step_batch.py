@@ -1,4 +1,4 @@
-"""What a step of the continuous batcher (server/batching.py) hands out and reports: the batch a
+"""What a step of the continuous batcher (server/core/batching.py) hands out and reports: the batch a
 model's ``make_batch`` turns into the step's inputs, and the event of each new token. Plain data,
 importable from ``server.batching`` too."""
 

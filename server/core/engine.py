@@ -1,5 +1,5 @@
 """The engine: one thread owns the model, its KV cache, the GraphRunner and the continuous batcher
-(server/batching.py). Requests enter through a queue and join between steps: each step decodes the
+(server/core/batching.py). Requests enter through a queue and join between steps: each step decodes the
 running requests and prefills prompts in chunks within the plan's token budget, in one batch; a
 finished request frees its cache row at once. Plan swaps are captured on the same thread between
 steps, so a step never sees two runners; so are on-demand captures (cudagraph.on_demand: the
@@ -15,14 +15,14 @@ from typing import Any
 
 from graphplan.runtime import GraphRunner
 
+from ..errors import RequestError
+from ..requests import GREEDY, EventSink, QueueSink, Request, Sampled
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
 from .outbox import Outbox
 from .pipeline import Pipeline
 from .plan_swap import Swap, checked_table, swap_result, wait_for_swap
-from .protocol import RequestError
-from .requests import GREEDY, EventSink, QueueSink, Request, Sampled
 from .step_sampler import StepSampler
 
 log = logging.getLogger("graphplan.server")
@@ -46,12 +46,12 @@ class Engine:
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
-        # StepSampler(fused=...): server/sampling_kernels.py; None: on where the model is on CUDA
+        # StepSampler(fused=...): server/core/sampling_kernels.py; None: on where the model is on CUDA
         self.fused_sampler = fused_sampler
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
-        self.pipeline = Pipeline(self, async_scheduling)  # the step (server/pipeline.py)
+        self.pipeline = Pipeline(self, async_scheduling)  # the step (server/core/pipeline.py)
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
         self.model: Any = None

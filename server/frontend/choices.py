@@ -1,6 +1,6 @@
 """From a request's tokens to what its client sees: text decoded incrementally (a token whose bytes
 do not yet form whole characters waits for the next), stop strings matched across token boundaries
-and never emitted (server/stop_strings.py), logprobs, the finish reason, and the usage counts.
+and never emitted (server/frontend/stop_strings.py), logprobs, the finish reason, and the usage counts.
 Pure Python over a ``Tokenizer``; one ``Choice`` per request (one prompt, one of ``n``)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Sequence
 
 from graphplan.models import Tokenizer
 
+from ..requests import Request, Sampled
 from .openai_responses import Usage
-from .requests import Request, Sampled
 from .stop_strings import StopMatcher
 
 WINDOW = 6
@@ -100,7 +100,7 @@ class Choice:
         return self.finish_reason is not None
 
     def prompt(self, entries: list[Sampled]) -> None:
-        """The logprobs of the next prompt positions (server/prompt_logprobs.py)."""
+        """The logprobs of the next prompt positions (server/core/prompt_logprobs.py)."""
         self.prompt_logprobs += entries
 
     def token(self, s: Sampled) -> Delta:

@@ -1,4 +1,4 @@
-"""The engine's sampling step: the batched ``Sampler`` (server/sampling.py) over the logits rows
+"""The engine's sampling step: the batched ``Sampler`` (server/core/sampling.py) over the logits rows
 that sample this step, one sampler slot per KV-cache row, replayed as captured graphs.
 
 A request binds its row's slot the first time it samples in that row: its parameters, its seed and,
@@ -33,7 +33,7 @@ the largest graph; with the static logits it stays within ``SAMPLER_BYTES_PER_LO
 vocabulary entry, what models/hf/step_memory.py reserves (a GPU test checks it at 64 x 32000).
 ``graphs=False``, or after ``release_graphs()``, runs the same step eagerly on n rows. ``fused``
 (``serve --fused-sampler``): the sampler's noise, mask and argmax as one Triton kernel
-(server/sampling_kernels.py), in the same graphs."""
+(server/core/sampling_kernels.py), in the same graphs."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ import torch
 
 from graphplan.runtime.graphs import Graph, GraphBackend, graph_backend
 
+from ..requests import Request, Sampled
 from .batching import StepBatch
-from .requests import Request, Sampled
 from .sampling import Sampler
 from .step_logits import StepLogits, step_logits
 
@@ -113,8 +113,8 @@ class StepSampler:
         self, batch: StepBatch, logits: StepLogits | torch.Tensor, *, keep: bool = False
     ) -> Pending:
         """Start the step's sampling on the device; ``read()`` the result. ``logits``: the step's
-        (server/step_logits.py; a tensor: every token row's), read at the sampled rows. ``keep`` (async
-        scheduling, server/pipeline.py): the tokens stay valid while later steps sample (a copy
+        (server/core/step_logits.py; a tensor: every token row's), read at the sampled rows. ``keep`` (async
+        scheduling, server/core/pipeline.py): the tokens stay valid while later steps sample (a copy
         of the graph's output), as ``Pending.tokens`` on the device, and their copy to the host
         (with the logprobs, when a request asked for them) starts now, so ``read()`` waits for
         this step alone, not for a step launched after it."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .protocol import RequestError
+from ..errors import RequestError
 
 MAX_RENDERED = 4 << 20
 """Characters a rendered chat prompt may have (it is tokenized and checked against the context

@@ -7,8 +7,8 @@ import hmac
 import os
 from pathlib import Path
 
-from .model import UsageError
-from .protocol import RequestError
+from ..core.model import UsageError
+from ..errors import RequestError
 
 TOKEN_ENV = "GRAPHPLAN_ADMIN_TOKEN"
 ADMIN_PREFIX = "/admin/"

@@ -20,8 +20,9 @@ from pydantic import (
 
 from graphplan.compiler.errors import did_you_mean
 
-from .protocol import APIError, RequestError, error_body
-from .sampling_params import SamplingParams
+from ..errors import APIError, RequestError
+from ..sampling_params import SamplingParams
+from .bodies import error_body
 
 __all__ = ["APIError", "RequestError", "error_body", "parse"]
 

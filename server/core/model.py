@@ -17,7 +17,7 @@ from graphplan.compiler.table import DispatchTable
 from graphplan.models import Model, Tokenizer
 from graphplan.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
-from .chat import ChatTemplateSource
+from ..frontend.chat import ChatTemplateSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

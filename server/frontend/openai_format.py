@@ -17,9 +17,9 @@ from typing import Sequence
 
 from graphplan.models import Tokenizer
 
+from ..requests import Sampled
 from .choices import token_text
 from .openai_responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from .requests import Sampled
 
 FLOOR = -9999.0
 

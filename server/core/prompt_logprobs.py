@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..requests import Request, Sampled
 from .batching import StepBatch
 from .outbox import Outbox
-from .requests import Request, Sampled
 from .step_logits import StepLogits, step_logits
 
 ROWS_PER_BLOCK = 256
@@ -82,7 +82,7 @@ class Pending:
 
 
 def launch(batch: StepBatch, logits: StepLogits | torch.Tensor) -> Pending | None:
-    """Start the step's prompt logprobs on the step's ``logits`` (server/step_logits.py; a tensor:
+    """Start the step's prompt logprobs on the step's ``logits`` (server/core/step_logits.py; a tensor:
     every token row's), read at the prompt positions' rows; None when no request in ``batch``
     has prompt positions to send."""
     todo = spans(batch)
@@ -111,6 +111,6 @@ def launch(batch: StepBatch, logits: StepLogits | torch.Tensor) -> Pending | Non
 
 def merge_into(outbox: Outbox, found: dict[Request, list[Sampled]]) -> None:
     """Queue each request's ``(tag, "prompt_logprobs", entries)`` event in the engine's
-    ``outbox`` (server/outbox.py), before the step's token events."""
+    ``outbox`` (server/core/outbox.py), before the step's token events."""
     for r, entries in found.items():
         outbox.events(r.events).append((r.tag, "prompt_logprobs", entries))

@@ -1,4 +1,4 @@
-"""A Triton kernel for the sampler's last step (``Sampler(fused=True)``, server/sampling.py): the
+"""A Triton kernel for the sampler's last step (``Sampler(fused=True)``, server/core/sampling.py): the
 Gumbel noise of each (row, token), the truncation mask and the argmax, in one pass over the scaled
 logits. The torch form runs the counter hash as about a dozen elementwise int64 ops over
 [rows, vocab] (0.77 ms of the sampler's 2.1 ms at 64 x 128256 on an H100,

@@ -131,7 +131,7 @@ def read_chat_template(directory: Path):
     from graphplan.models.hf.files import checked_path, read_json_object
     from graphplan.models.hf.tokenizer_files import MAX_TOKENIZER_CONFIG_BYTES
 
-    from .chat import ChatTemplateSource
+    from ..frontend.chat import ChatTemplateSource
 
     limit = MAX_TOKENIZER_CONFIG_BYTES
     tc = read_json_object(directory, "tokenizer_config.json", limit=limit) or {}

@@ -6,8 +6,8 @@ for choice i). Text prompts and stop strings need the model's tokenizer; chat ne
 template. Every completion choice also carries its generated ids as ``token_ids`` (and the prompt's
 as ``prompt_token_ids``), as vLLM does with ``return_token_ids``, so clients without a tokenizer
 can read the result. ``echo`` with ``logprobs`` asks the engine for the prompt's logprobs
-(server/prompt_logprobs.py); ``echo`` with ``max_tokens`` 0 returns the prompt alone. Responses
-are server/openai_responses.py's models, built by server/openai_answers.py. A client that
+(server/core/prompt_logprobs.py); ``echo`` with ``max_tokens`` 0 returns the prompt alone. Responses
+are server/frontend/openai_responses.py's models, built by server/frontend/openai_answers.py. A client that
 disconnects, or a stop string that matches, cancels the engine request: its seat and KV blocks
 are freed at the next step."""
 
@@ -24,6 +24,9 @@ from starlette.responses import Response, StreamingResponse
 
 from graphplan.compiler.errors import UsageError
 
+from ..errors import APIError
+from ..requests import AsyncSink, Request
+from ..sampling_params import SamplingParams
 from . import openai_answers as answers
 from .chat import ChatTemplate, TemplateError
 from .choices import Choice, Delta
@@ -31,9 +34,6 @@ from .http_io import events, read_body
 from .openai_answers import Job
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from .openai_responses import ModelCard, ModelList, Out
-from .protocol import APIError
-from .requests import AsyncSink, Request
-from .sampling_params import SamplingParams
 
 MAX_CHOICES = 256
 """Prompts times n of one HTTP request."""

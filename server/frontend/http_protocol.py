@@ -11,7 +11,8 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .protocol import RequestError, error_body
+from ..errors import RequestError
+from .bodies import error_body
 
 
 class GuardedH11Protocol(H11Protocol):

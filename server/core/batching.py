@@ -5,7 +5,7 @@ in one batch (vLLM-style chunked prefill).
 Independent of HTTP, of the model and of torch, so a server can drive it: ``schedule()`` hands out
 a ``StepBatch`` of ``(cache_row, start_pos, token_ids)`` per request (a model's ``make_batch`` turns
 it into the step's inputs: ``graphplan.models.Model``), and ``commit()`` takes the step's logits or
-the tokens a sampler picked (``server/sampling.py``) and reports each new token as a
+the tokens a sampler picked (``server/core/sampling.py``) and reports each new token as a
 ``TokenEvent``.
 
     batcher = ContinuousBatcher(max_num_seqs=8, token_budget=32, max_model_len=128, num_cache_rows=8)
@@ -282,7 +282,7 @@ class ContinuousBatcher:
             events.append(self._ended_or_not(r))
         return events
 
-    # -- async scheduling (server/pipeline.py) ----------------------------------------------
+    # -- async scheduling (server/core/pipeline.py) ----------------------------------------------
     def speculate(self, batch: StepBatch) -> bool:
         """Step ``batch`` was launched and its tokens are not read yet: record a placeholder
         token for each of its requests (what ``commit_tokens`` advances, no events, nothing

@@ -1,6 +1,6 @@
 """A plan swap (``/admin/reload``, SIGHUP): the new table is loaded and checked on the caller's
 thread, captured on the engine thread between steps, and switched in once the running requests fit
-its seats (server/engine.py). The old table keeps serving whenever anything fails."""
+its seats (server/core/engine.py). The old table keeps serving whenever anything fails."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 from graphplan.compiler.errors import GraphplanError
 from graphplan.runtime import GraphRunner
 
+from ..errors import RequestError
 from .model import check_fits, load_table
-from .protocol import RequestError
 
 
 @dataclass(eq=False, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Iterable
 
-from .requests import AsyncSink, Event, EventSink
+from ..requests import AsyncSink, Event, EventSink
 
 
 class Outbox:

@@ -1,5 +1,5 @@
 """From the choices of one OpenAI request to its answer: the whole response, or the server-sent
-events of a stream, each built as a model of server/openai_responses.py.
+events of a stream, each built as a model of server/frontend/openai_responses.py.
 
 ``echo`` puts the prompt's text first in each completion choice; with ``logprobs`` too, the
 prompt's tokens come first in its logprobs (the first one null), then the generated ones, and
@@ -19,6 +19,9 @@ import pydantic_core
 
 from graphplan.models import Tokenizer
 
+from ..errors import RequestError
+from ..requests import Request
+from .bodies import error_model
 from .choices import Choice, Delta, usage
 from .http_io import ClientGone
 from .openai_format import chat_logprobs, completion_logprobs
@@ -34,8 +37,6 @@ from .openai_responses import (
     FinishReason,
     Usage,
 )
-from .protocol import RequestError, error_model
-from .requests import Request
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,1 @@
+"""The front end: HTTP, the OpenAI API, tokenize/detokenize, stop strings, SSE."""
