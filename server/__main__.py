@@ -4,4 +4,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the engine process (spawned) imports this module as __mp_main__
+    sys.exit(main())

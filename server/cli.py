@@ -2,17 +2,22 @@
    graphplan-serve --model DIR --plan plans/hf-mixed.yaml    (a Hugging Face decoder;
                             plans/hf-decode.yaml: FULL graphs for decodes only, mixed steps eager)
 
-Compiles the plan (or loads a compiled table.json), starts listening, builds the model (the tiny
-Llama, or --model's checkpoint) sized to the table, captures its graphs (progress in the log),
-then serves. SIGHUP re-reads the plan and swaps it in between steps; SIGTERM / SIGINT stop it. ``/admin/reload`` is off unless an admin token is given (``GRAPHPLAN_ADMIN_TOKEN``, or
-``--admin-token``, which other users can see in the process list), and reloads only files inside
-``--reload-dir`` (default: the plan's folder).
-SIGINT or SIGTERM at any point ends the process within 2 s with a line saying so and exit 128 + the
-signal's number: while the graphs are captured at once; once serving, requests in flight are ended
-(their clients see the stream stop) unless --drain-timeout S gives them up to S seconds to finish;
-a second signal while draining exits at once.
-Exit codes: 2 for an invalid plan or a bad flag, 1 for any other start-up failure, 128 + N after
-signal N.
+Compiles the plan (or loads a compiled table.json), starts listening, starts the engine core process
+(it builds the model, the tiny Llama or --model's checkpoint, sized to the table, and captures its
+graphs, progress in the log), then serves. The front end (HTTP, tokenization, detokenization, stop
+strings, SSE) runs in this process, and in ``--api-server-count`` - 1 more processes on the same
+port; ``--single-process`` runs the engine thread in this process instead. SIGHUP re-reads the plan
+and swaps it in between steps. ``/admin/reload`` is off unless an admin token is given
+(``GRAPHPLAN_ADMIN_TOKEN``, or ``--admin-token``, which other users can see in the process list),
+and reloads only files inside ``--reload-dir`` (default: the plan's folder).
+
+SIGINT or SIGTERM while the graphs are captured exits at once. Once serving, new requests get 503
+with a Retry-After, requests in flight finish (up to --drain-timeout, 30 s by default), and the
+server exits 0; a second signal, or the timeout, stops at once with exit 128 + the signal's number.
+If the engine process dies, every open request ends with an error, /healthz turns 503 and the
+server exits 1; no process outlives the server.
+Exit codes: 2 for an invalid plan or a bad flag, 1 for any other start-up failure or a dead engine,
+0 after a complete drain, 128 + N after signal N otherwise.
 """
 
 from __future__ import annotations
@@ -170,9 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout",
         type=_number(float, 0, 86400, what="a number of seconds"),
-        default=0.0,
-        help="seconds a SIGTERM/SIGINT lets running requests finish before exiting (default 0: "
-        "exit within 2 s)",
+        default=30.0,
+        help="seconds a SIGTERM/SIGINT lets running requests finish before exiting (default 30; "
+        "0: end them at once)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=_number(int, 1, 64, what="an integer"),
+        default=1,
+        metavar="N",
+        help="front end processes (HTTP, tokenization, detokenization, SSE) on the one port, "
+        "beside the engine process (default 1)",
+    )
+    p.add_argument(
+        "--single-process",
+        action="store_true",
+        help="run the engine thread in the front end's process (one process, one GIL) instead of "
+        "an engine process of its own",
     )
     p.add_argument(
         "--admin-token",
@@ -224,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
+    if a.single_process and a.api_server_count > 1:
+        parser.error(
+            "--api-server-count > 1 needs the engine in a process of its own: drop --single-process"
+        )
     if a.fused_sampler and not a.device.startswith("cuda"):
         parser.error(
             f"--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not {a.device}"
@@ -276,6 +299,9 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             max_waiting=a.max_waiting,
             async_scheduling=a.async_scheduling,
             fused_sampler=a.fused_sampler,
+            processes=not a.single_process,
+            api_server_count=a.api_server_count,
+            log_level=logging.getLevelName(a.log_level),
         )
     except GraphplanError as e:
         print(f"server: {e}", file=sys.stderr)
@@ -296,28 +322,37 @@ def serve(server: Server) -> int:
 
     def on_signal(signum, frame):
         signals.append(signum)
-        if server.engine.state == "starting" or len(signals) > 1:
+        if server.state == "starting" or len(signals) > 1:
             _exit_now(signum, "while capturing graphs" if len(signals) == 1 else "again")
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, server.handle_sighup)
-    # The engine thread gives up the GIL at every device call; when it wants it back while the HTTP
-    # thread formats chunks, CPython makes it wait up to the switch interval (5 ms by default, half
-    # a decode step): 1 ms bounds what that wait adds to a step.
+    # One process: the engine thread gives up the GIL at every device call; when it wants it back
+    # while the HTTP thread formats chunks, CPython makes it wait up to the switch interval (5 ms by
+    # default, half a decode step): 1 ms bounds what that wait adds to a step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.start()
     while not stop.wait(0.2):  # the main thread stays free for signal handlers
-        if server.engine.state == "failed":
+        if server.state == "failed":
             break
-    failed = server.engine.state == "failed"
-    log.info("stopping (%s)", "start-up failed" if failed else signal.Signals(signals[0]).name)
-    server.stop()
+    failed = server.state == "failed"
+    why = "the engine failed" if failed else signal.Signals(signals[0]).name
+    log.info("stopping (%s)%s", why, "" if failed else ": draining")
+    drained = server.stop()
     if failed:
+        print(f"graphplan-serve: {why}: stopped", file=sys.stderr, flush=True)
         return 1
     name = signal.Signals(signals[0]).name
-    print(f"graphplan-serve: {name}: stopped", file=sys.stderr, flush=True)
+    if drained:
+        print(f"graphplan-serve: {name}: drained, stopped", file=sys.stderr, flush=True)
+        return 0
+    print(
+        f"graphplan-serve: {name}: stopped before every request finished",
+        file=sys.stderr,
+        flush=True,
+    )
     return 128 + signals[0]
 
 

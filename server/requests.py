@@ -102,5 +102,21 @@ class Request:
     last_token_at: float | None = None
     admitted: bool = False  # holds a KV-cache row (it was in a step)
     cancelled: bool = False  # set by the handler when its client went away or a stop string hit
+    cancel_status: int = 499  # 200: a stop string ended it (served, not cancelled)
+    wire_id: int | None = None  # its id between a front end process and the engine's
     finished: bool = False
     finish_reason: str | None = None
+
+
+def greedy_requests(
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_token_ids: tuple[int, ...] = (),
+    sink: EventSink | None = None,
+) -> tuple[Any, list[Request]]:
+    """/generate's requests: greedy, one per prompt, tagged by its index (and their sink)."""
+    sink = sink or QueueSink()
+    stop = tuple(stop_token_ids)
+    return sink, [
+        Request(p, max_tokens, sink, GREEDY, tag=i, stop=stop) for i, p in enumerate(prompts)
+    ]

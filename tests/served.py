@@ -4,6 +4,7 @@ OpenAI API with the official client (each module starts its own, with its own pl
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import openai
@@ -35,3 +36,13 @@ def openai_client(server: Server, kind=openai.OpenAI):
     """The official client (``kind``: ``openai.OpenAI`` or ``openai.AsyncOpenAI``) of ``server``,
     without retries."""
     return kind(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False

@@ -120,10 +120,10 @@ def test_the_steady_decode_state_speculates_every_step_but_the_last(engines):
     assert engines[True].pipeline.speculated - before == 18
     # /metrics says how many: graphplan_server_async_steps
     assert (
-        engines[True].metrics.value("graphplan_server_async_steps")
+        engines[True].metrics.value("graphplan_server_async_steps_total")
         == engines[True].pipeline.speculated
     )
-    assert engines[False].metrics.value("graphplan_server_async_steps") == 0
+    assert engines[False].metrics.value("graphplan_server_async_steps_total") == 0
 
 
 def test_stop_tokens_hit_at_different_steps_mid_pipeline(engines):

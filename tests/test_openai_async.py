@@ -121,7 +121,7 @@ def test_a_queue_for_the_seats_and_logprobs_keep_the_pipeline_and_its_answers(se
 
         return asyncio.run(together())
 
-    before = pipelined.engine.metrics.value("graphplan_server_async_steps")
+    before = pipelined.engine.metrics.value("graphplan_server_async_steps_total")
     want = answers(sync)
     got = answers(pipelined)
     assert [g[:2] for g in got] == [w[:2] for w in want]  # ids and finish reasons: exactly
@@ -139,6 +139,6 @@ def test_a_queue_for_the_seats_and_logprobs_keep_the_pipeline_and_its_answers(se
     after = [
         float(line.split()[1])
         for line in scrape.text.splitlines()
-        if line.startswith("graphplan_server_async_steps ")
+        if line.startswith("graphplan_server_async_steps_total ")
     ]
     assert after and after[0] > before

@@ -21,6 +21,8 @@ from test_server import SPEC, SPEC_ARGS, exchange, plan_text
 from graphplan.server import Server
 from graphplan.server.cli import main
 
+from served import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -90,20 +92,23 @@ SLOW_CAPTURE = (
     "    print('CAPTURING', file=sys.stderr, flush=True)\n"
     "    time.sleep(120)\n"
     "    return real(self, *a, **k)\n"
-    "GraphRunner.capture = slow\n"
-    "from graphplan.server.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "GraphRunner.capture = slow\n"  # module level: the engine process (spawned) runs it too
+    "if __name__ == '__main__':\n"
+    "    from graphplan.server.cli import main\n"
+    "    sys.exit(main(sys.argv[1:]))\n"
 )
 
 
+@pytest.mark.parametrize("mode", [[], ["--single-process"]], ids=["engine-process", "one-process"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_capture_ends_the_process_within_2_s_with_a_message(tmp_path, sig):
+def test_a_signal_during_capture_ends_the_process_within_2_s_with_a_message(tmp_path, sig, mode):
     plan = tmp_path / "plan.yaml"
     plan.write_text(plan_text())
+    script = tmp_path / "slow_capture.py"
+    script.write_text(SLOW_CAPTURE)
     cmd = [
         sys.executable,
-        "-c",
-        SLOW_CAPTURE,
+        str(script),
         "--plan",
         str(plan),
         "--port",
@@ -112,6 +117,7 @@ def test_a_signal_during_capture_ends_the_process_within_2_s_with_a_message(tmp_
         "cpu",
         "--no-progress",
         *SPEC_ARGS,
+        *mode,
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -123,6 +129,8 @@ def test_a_signal_during_capture_ends_the_process_within_2_s_with_a_message(tmp_
             if "CAPTURING" in line or (not line and proc.poll() is not None):
                 break
         assert "CAPTURING" in lines[-1], "".join(lines)
+        engine = [int(m.group(1)) for m in map(ENGINE_PID.search, lines) if m]
+        assert len(engine) == (0 if mode else 1), lines
         t0 = time.monotonic()
         proc.send_signal(sig)
         code = proc.wait(5)
@@ -131,10 +139,15 @@ def test_a_signal_during_capture_ends_the_process_within_2_s_with_a_message(tmp_
         name = signal.Signals(sig).name
         assert code == 128 + sig and elapsed < 2, (code, elapsed)
         assert f"{name} while capturing graphs: exiting now" in err and "Traceback" not in err
+        time.sleep(0.5)  # the engine process ends with the server (parent-death signal)
+        assert not [pid for pid in engine if alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+ENGINE_PID = re.compile(r"engine process (\d+)")
 
 
 def test_a_second_signal_while_draining_exits_at_once(tmp_path):

@@ -16,9 +16,9 @@ from typing import Any
 from graphplan.runtime import GraphRunner
 
 from ..errors import RequestError
-from ..requests import GREEDY, EventSink, QueueSink, Request, Sampled
+from ..requests import EventSink, Request, Sampled, greedy_requests
 from .batching import ContinuousBatcher, StepBatch
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, render_metrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
 from .outbox import Outbox
 from .pipeline import Pipeline
@@ -113,11 +113,7 @@ class Engine:
         sink: EventSink | None = None,
     ) -> tuple[Any, list[Request]]:
         """Greedy requests, one per prompt (all or none): (their sink, the requests)."""
-        sink = sink or QueueSink()
-        reqs = [
-            Request(p, max_tokens, sink, GREEDY, tag=i, stop=tuple(stop_token_ids))
-            for i, p in enumerate(prompts)
-        ]
+        sink, reqs = greedy_requests(prompts, max_tokens, stop_token_ids, sink)
         self.enqueue(reqs)
         return sink, reqs
 
@@ -125,11 +121,7 @@ class Engine:
         """Queue requests (all or none): RequestError 503 while not serving, 429 when full."""
         with self._cond:
             if self.state != "ready":
-                raise RequestError(
-                    503,
-                    f"server is {self.state}"
-                    + (": capturing graphs" if self.state == "starting" else ""),
-                )
+                raise not_serving(self.state)
             if len(self._waiting) + len(reqs) > self.max_waiting:
                 raise RequestError(
                     429,
@@ -139,13 +131,33 @@ class Engine:
             self._waiting.extend(reqs)
             self._cond.notify()
 
-    def cancel(self, reqs: list[Request]) -> None:
-        """Abort these requests at the next step (their client left, or a stop string ended
-        them): their seats and KV blocks are freed then. Any thread; finished ones are ignored."""
+    def cancel(self, reqs: list[Request], status: int = 499) -> None:
+        """Abort these requests at the next step: their seats and KV blocks are freed then. Status
+        499: their client left; 200: the front end ended them (a stop string matched), so they
+        count as served, with their latency. Any thread; finished ones are ignored."""
         with self._cond:
             for r in reqs:
-                r.cancelled = True
+                r.cancelled, r.cancel_status = True, status
             self._cond.notify()
+
+    def health(self) -> dict:
+        """/healthz's body: the state, the plan serving, and the start-up error if any."""
+        body: dict = {
+            "status": self.state,
+            "plan": self.table.settings.name,
+            "fingerprint": self.table.fingerprint,
+        }
+        if self.error is not None:
+            body["error"] = f"{type(self.error).__name__}: {self.error}"
+        return body
+
+    def count_response(self, code: int, path: str) -> None:
+        """One HTTP response a front end answered (the metrics count them by route)."""
+        self.metrics.response(code, path)
+
+    async def scrape(self) -> str:
+        """/metrics' text: the runner's series, then the server's."""
+        return render_metrics(self)
 
     def reload(
         self, source: str | None = None, overrides: dict | None = None, timeout: float = 600
@@ -178,9 +190,9 @@ class Engine:
         finally:
             self.reload_lock.release()
 
-    def stop(self, drain_timeout: float = 30.0) -> None:
+    def stop(self, drain_timeout: float = 30.0) -> bool:
         """Stop accepting, let queued and running requests finish (up to drain_timeout), fail the
-        rest with 503, and join the engine thread."""
+        rest with 503, and join the engine thread. True when none had to be failed."""
         with self._cond:
             if self.state in ("ready", "starting"):
                 self.state = "draining"
@@ -191,6 +203,7 @@ class Engine:
             and time.monotonic() < deadline
         ):
             time.sleep(0.01)
+        drained = not (self._waiting or self._live)
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -198,6 +211,7 @@ class Engine:
             self._thread.join()
         if self.state != "failed":
             self.state = "stopped"
+        return drained
 
     # -- the engine thread ------------------------------------------------------------------
     def _main(self) -> None:
@@ -291,7 +305,11 @@ class Engine:
             for r in self._live:
                 if r.cancelled:
                     self.batcher.abort(r)
-                    self.finish(r, RequestError(499, "cancelled: the client left or stopped it"))
+                    if r.cancel_status == 200:  # a stop string: served, ends as "stop"
+                        r.finish_reason = "stop"
+                        self.finish(r)
+                    else:
+                        self.finish(r, RequestError(499, "cancelled: the client left"))
             preempted = self.batcher.num_preemptions
             batch = self.batcher.schedule()
             if self.batcher.num_preemptions > preempted:
@@ -390,3 +408,14 @@ class Engine:
                 self.batcher.abort(r)
             self.finish(r, error)
         self._live = []
+
+
+def not_serving(state: str) -> RequestError:
+    """The 503 of a request that arrives while the engine is not serving; a draining server asks
+    clients to come back (Retry-After)."""
+    detail = {
+        "starting": ": capturing graphs",
+        "draining": ": finishing the requests in flight before it stops",
+    }
+    headers = {"Retry-After": "5"} if state != "failed" else None
+    return RequestError(503, f"server is {state}{detail.get(state, '')}", headers=headers)

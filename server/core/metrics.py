@@ -10,6 +10,7 @@ Series, all ``graphplan_server_*`` unless named:
     reloads_total{result}
     step_seconds, request_seconds (end to end), time_to_first_token_seconds,
     inter_token_latency_seconds, queue_seconds                          histograms
+    async_steps_total                      steps launched before the previous one's tokens were read
     ready, queue_depth (waiting), running_requests, kv_blocks_used, kv_blocks_free   gauges
     graphplan:iteration_tokens{routine}, graphplan:iteration_requests{routine}   docs/workload.md
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from graphplan.runtime import render_prometheus
 
@@ -136,14 +138,16 @@ class ServerMetrics:
             "running_requests": ("Requests holding a KV-cache row.", engine.num_running),
             "kv_blocks_used": ("KV-cache blocks held by requests.", engine.kv_blocks_used),
             "kv_blocks_free": ("KV-cache blocks free.", engine.kv_blocks_free),
-            "async_steps": (
-                "Steps launched before the previous step's tokens were read (--async-scheduling), "
-                "since the start.",
-                lambda: engine.pipeline.speculated,
-            ),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(PREFIX + name, doc, registry=r).set_function(fn)
+        r.register(
+            CountedBy(
+                PREFIX + "async_steps",
+                "Steps launched before the previous step's tokens were read (async scheduling).",
+                lambda: engine.pipeline.speculated,
+            )
+        )
         self.iterations = IterationHistograms(engine.table, engine.model.cfg.num_cache_rows)
         r.register(self.iterations)
 
@@ -223,6 +227,20 @@ class ServerMetrics:
         out["graphs"] = [graphs[k] for k in sorted(graphs)]
         out["eager_steps"] = eager
         return out
+
+
+class CountedBy:
+    """A counter (``NAME_total``) whose value a function reads at scrape time: a running total the
+    engine keeps itself."""
+
+    def __init__(self, name: str, doc: str, read: Any):
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.doc, value=self.read())
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.doc)]
 
 
 def render_metrics(engine: Any) -> str:

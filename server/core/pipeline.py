@@ -181,9 +181,9 @@ class Pipeline:
         now = time.perf_counter()
         e.metrics.step(now - t0, batch, e.table.q)
         for rid in _requests(batch):
-            if not rid.admitted:
-                rid.admitted, rid.admitted_at = True, now
-                e.metrics.queue_seconds.observe(now - rid.arrived)
+            if not rid.admitted:  # its queue time ended when this step was scheduled
+                rid.admitted, rid.admitted_at = True, t0
+                e.metrics.queue_seconds.observe(t0 - rid.arrived)
         sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
         by_request = dict(zip(sampling, sampled))
         e.outbox.tokens(events, by_request, now, e.ended)

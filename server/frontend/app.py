@@ -1,18 +1,29 @@
-"""The serving process: an engine thread (server/core/engine.py) behind an ASGI app (http_app.py) served
-by uvicorn on a thread of its own. ``Server.start()`` listens at once and captures on the engine
-thread; /healthz turns 200 when that is done. Handlers never block the engine: they hand requests
-over through its queue and await their events (``loop.call_soon_threadsafe``)."""
+"""The serving process: a front end (``http_app.py``'s ASGI app served by uvicorn on a thread of its
+own) over an engine, in one of two shapes.
+
+- One process (``processes=False``, what embedders get): the engine thread (server/core/engine.py)
+  runs in this process; handlers hand requests over through its queue.
+- Processes (``graphplan-serve``'s default): the engine core runs in a process of its own
+  (server/wire/engine_proc.py) and this process's front end reaches it through an
+  ``EngineClient`` (server/wire/client.py); ``api_server_count`` > 1 starts more front end
+  processes accepting on the same listening socket (server/wire/frontend_proc.py). This process
+  supervises them: the engine's death ends every open stream with an error within a second and
+  turns the server ``failed``; a front end's death frees its requests' seats and KV blocks.
+
+``Server.start()`` listens at once; /healthz turns 200 once the graphs are captured."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing.connection
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
-from ..core.engine import Engine
 from ..core.model import ModelSpec, ServingSpec, load_table
 from ..errors import RequestError
 from .http_app import build_app
@@ -20,6 +31,19 @@ from .http_protocol import GuardedH11Protocol
 from .security import AdminGate, ReloadDir
 
 log = logging.getLogger("graphplan.server")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # bursts of clients connect at once
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class Server:
@@ -45,18 +69,30 @@ class Server:
         max_waiting: int = 1024,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        processes: bool = False,
+        api_server_count: int = 1,
+        log_level: int = logging.INFO,
+        frontend: Any = None,
     ):
+        """``frontend``: (index, EngineClient, socket) when this is an extra front end process
+        (server/wire/frontend_proc.py): it serves through that client on that socket."""
+        self.source, self.overrides, self.spec = str(source), overrides, spec
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(
             reload_dir if reload_dir is not None else Path(source).resolve().parent
         )
         self.idle_timeout = idle_timeout
         self.max_body_bytes, self.drain_timeout = max_body_bytes, drain_timeout
+        self.processes = processes or frontend is not None
+        self.api_server_count = api_server_count
+        self.log_level = log_level
+        self._children: list = []  # extra front end processes
+        self._engine_proc: Any = None
+        self._addresses = None
+        self.drained = True
+        self._stopped = False
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
-        self.engine = Engine(
-            table,
-            str(source),
-            overrides,
+        self.engine_kwargs: dict[str, Any] = dict(
             spec=spec,
             device=device,
             progress=progress,
@@ -65,16 +101,25 @@ class Server:
             async_scheduling=async_scheduling,
             fused_sampler=fused_sampler,
         )
+        if frontend is not None:
+            self.index, self.engine, self._sock = frontend
+        elif processes:
+            from ..wire.client import EngineClient
+            from ..wire.procs import Addresses
+
+            self.index = 0
+            self._addresses = Addresses.new(api_server_count)
+            self.engine = EngineClient(
+                spec, table, 0, self._addresses.engine, self._addresses.frontend(0)
+            )
+        else:
+            from ..core.engine import Engine
+
+            self.index = 0
+            self.engine = Engine(table, str(source), overrides, **self.engine_kwargs)
         self.app = build_app(self)  # reads the tokenizer and chat template: errors now
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((host, port))
-            self._sock.listen(2048)  # bursts of clients connect at once
-        except OSError:
-            self._sock.close()
-            raise
+        if frontend is None:
+            self._sock = listening_socket(host, port)
         config = uvicorn.Config(
             self.app,
             http=GuardedH11Protocol,
@@ -86,10 +131,7 @@ class Server:
             timeout_graceful_shutdown=5,
         )
         self.uvicorn = uvicorn.Server(config)
-        self._http_thread = threading.Thread(
-            target=self.uvicorn.run, kwargs={"sockets": [self._sock]}, name="graphplan-http"
-        )
-        self._stopped = False
+        self._http_thread = threading.Thread(target=self._serve_http, name="graphplan-http")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -101,14 +143,130 @@ class Server:
         host, port = self.address
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+    @property
+    def state(self) -> str:
+        return self.engine.state
+
+    def _serve_http(self) -> None:
+        """uvicorn on a loop of this thread's own; with an engine process, its messages are read
+        on the same loop."""
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            events = None
+            if self.processes:
+                events = asyncio.ensure_future(self.engine.serve_events())
+            try:
+                await self.uvicorn.serve(sockets=[self._sock])
+            finally:
+                if events is not None:
+                    events.cancel()
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
     def start(self) -> Server:
         self._http_thread.start()
         log.info("listening on %s; /healthz is 503 until the graphs are captured", self.url)
-        self.engine.start()
+        if not self.processes:
+            self.engine.start()
+            return self
+        if self.index == 0:
+            self._start_processes()
         return self
 
+    def _start_processes(self) -> None:
+        from ..wire.engine_proc import EngineConfig, engine_main
+        from ..wire.frontend_proc import FrontendConfig, frontend_main
+        from ..wire.procs import spawn
+
+        a = self._addresses
+        assert a is not None
+        config = EngineConfig(
+            source=self.source,
+            overrides=self.overrides,
+            engine_kwargs=self.engine_kwargs,
+            address=a.engine,
+            frontends=[a.frontend(i) for i in range(a.frontends)],
+            log_level=self.log_level,
+        )
+        self._engine_proc = spawn(engine_main, config, name="graphplan-engine")
+        for i in range(1, self.api_server_count):
+            fc = FrontendConfig(server=self._settings(), index=i, addresses=a)
+            self._children.append(spawn(frontend_main, fc, self._sock, name=f"graphplan-api-{i}"))
+        threading.Thread(target=self._supervise, name="graphplan-supervisor", daemon=True).start()
+        log.info(
+            "engine process %d, %d front end process(es)",
+            self._engine_proc.pid,
+            self.api_server_count,
+        )
+
+    def _settings(self) -> dict:
+        """What an extra front end needs to build a Server like this one."""
+        return dict(
+            source=self.source,
+            overrides=self.overrides,
+            spec=self.spec,
+            max_body_bytes=self.max_body_bytes,
+            drain_timeout=self.drain_timeout,
+            admin_token=self.admin.token,
+            reload_dir=str(self.reload_dir.root),
+            idle_timeout=self.idle_timeout,
+            log_level=self.log_level,
+        )
+
+    def _supervise(self) -> None:
+        """Watch the children: the engine's death (not a stop) fails the server; a front end's
+        death frees its requests."""
+        from ..wire import messages as m
+
+        engine = self._engine_proc
+        assert engine is not None
+        watched = {engine.sentinel: 0, **{c.sentinel: i + 1 for i, c in enumerate(self._children)}}
+        while engine.sentinel in watched:
+            for s in multiprocessing.connection.wait(list(watched)):
+                who = watched.pop(s)
+                if who == 0 and self.engine.state not in ("stopped", "failed"):
+                    self._engine_gone(f"the engine process died (exit code {engine.exitcode})")
+                elif who and not self._stopped:
+                    log.error("front end process %d died: freeing its requests", who)
+                    self.engine.send(m.Gone(who))
+
+    def _engine_gone(self, message: str) -> None:
+        from ..wire import messages as m
+
+        log.error("%s: ending every open request", message)
+        self.engine.engine_died(message)
+        a = self._addresses
+        assert a is not None
+        import zmq
+
+        ctx: Any = zmq.Context.instance()
+        for i in range(1, a.frontends):  # tell the other front ends, as the engine would have
+            s = ctx.socket(zmq.PUSH)
+            s.connect(a.frontend(i))
+            s.send(m.encoder.encode(m.Status("failed", error=message)))
+            s.close(linger=1000)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
-        return self.engine.wait_ready(timeout)
+        if not self.processes:
+            return self.engine.wait_ready(timeout)
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.engine.state == "starting":
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return self.engine.state == "ready"
 
     def reload(self, source=None, overrides=None) -> dict:
         return self.engine.reload(source, overrides)
@@ -132,15 +290,38 @@ class Server:
         t.start()
         return t
 
-    def stop(self) -> None:
-        """Drain the engine (requests in flight finish, up to drain_timeout), stop listening,
-        close idle connections, join every thread."""
+    def stop(self) -> bool:
+        """Drain (requests in flight finish, up to drain_timeout; new ones get 503 with a
+        Retry-After), stop listening, close idle connections, join every thread and process.
+        True when no request had to be cut short."""
         if self._stopped:
-            return
+            return self.drained
         self._stopped = True
-        self.engine.stop(self.drain_timeout)
+        if not self.processes:
+            self.drained = self.engine.stop(self.drain_timeout)
+        elif self.index == 0:
+            self.drained = self._stop_processes()
         self.uvicorn.should_exit = True
         if self._http_thread.is_alive():
             self._http_thread.join()
         self._sock.close()
         log.info("stopped")
+        return self.drained
+
+    def _stop_processes(self) -> bool:
+        from ..wire import messages as m
+        from ..wire.procs import end
+
+        client, proc = self.engine, self._engine_proc
+        drained = False
+        if proc is not None and proc.is_alive() and client.state not in ("failed", "stopped"):
+            client.state = "draining"  # this front end refuses new requests at once
+            client.send(m.Drain(self.drain_timeout))
+            client.stopped.wait(self.drain_timeout + 10)
+            drained = client.state == "stopped" and client.drained
+        for p in [*([proc] if proc is not None else []), *self._children]:
+            end(p, 10)
+        client.close()
+        if self._addresses is not None:
+            self._addresses.remove()
+        return drained

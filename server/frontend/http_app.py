@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from graphplan.compiler import __version__
 
-from ..core.metrics import CONTENT_TYPE, render_metrics
+from ..core.metrics import CONTENT_TYPE
 from ..errors import RequestError
 from ..requests import AsyncSink
 from .bodies import parse_generate, parse_reload
@@ -52,18 +52,12 @@ def build_app(server: Any) -> Guard:
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        body: dict[str, Any] = {
-            "status": engine.state,
-            "plan": engine.table.settings.name,
-            "fingerprint": engine.table.fingerprint,
-        }
-        if engine.error is not None:
-            body["error"] = f"{type(engine.error).__name__}: {engine.error}"
-        return json_response(200 if engine.state == "ready" else 503, body)
+        body = engine.health()
+        return json_response(200 if body["status"] == "ready" else 503, body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(engine), media_type=CONTENT_TYPE)
+        return Response(await engine.scrape(), media_type=CONTENT_TYPE)
 
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Response:
@@ -179,6 +173,10 @@ class Guard:
 
     def __init__(self, app: ASGIApp, server: Any):
         self.app, self.server = app, server
+        self.headers = [
+            (b"server", SERVER_HEADER.encode()),
+            (b"x-graphplan-frontend", str(server.index).encode()),  # which front end process
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -191,7 +189,7 @@ class Guard:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"server", SERVER_HEADER.encode())]
+                message["headers"] = [*message["headers"], *self.headers]
             elif message["type"] == "http.response.body":
                 status["bytes"] += len(message.get("body", b""))
             await send(message)
@@ -204,7 +202,7 @@ class Guard:
                 await self.app(scope, receive, counted)
         finally:
             code = status["code"]
-            self.server.engine.metrics.response(code, path)
+            self.server.engine.count_response(code, path)
             client = scope.get("client") or ("-", 0)
             access.info(
                 '%s "%s %s" %d %d %.1fms',

@@ -224,7 +224,16 @@ class OpenAIFrontEnd:
         choices = [Choice(r.tag, r, self.tokenizer, params.stop, prompt_only) for r in reqs]
         run = self._run(request, sink, choices)
         if stream:
-            gen = answers.stream(job, run, choices, self.tokenizer, self.engine.cancel)
+            # the first token (or the engine's refusal: a full queue is a 429, not an SSE error)
+            # before the response starts
+            try:
+                first = await anext(run)
+            except BaseException:
+                self.engine.cancel([r for r in reqs if not r.finished])
+                raise
+            gen = answers.stream(
+                job, _after(first, run), choices, self.tokenizer, self.engine.cancel
+            )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         try:
@@ -250,11 +259,17 @@ class OpenAIFrontEnd:
             d = c.token(value) if kind == "token" else c.end(value)
             if c.done:
                 left -= 1
-                if not c.request.finished:
-                    self.engine.cancel([c.request])
+                if not c.request.finished:  # a stop string: served whole, counted as 200
+                    self.engine.cancel([c.request], status=200)
             yield c, d
             if not left:
                 return
+
+
+async def _after(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _json(body: Out) -> Response:

@@ -30,6 +30,11 @@ class AdminGate:
     def enabled(self) -> bool:
         return self._token is not None
 
+    @property
+    def token(self) -> str | None:
+        """The token as given (handed to the extra front end processes)."""
+        return self._token.decode() if self._token is not None else None
+
     def check(self, authorization: str | None) -> None:
         """Raise RequestError (403 when admin routes are off, 401 for a missing or wrong token)."""
         if self._token is None:

@@ -1,0 +1,48 @@
+"""An extra front end process (``graphplan-serve --api-server-count N``, N > 1): the same HTTP app
+as the first front end, accepting on the same listening socket (inherited), talking to the one
+engine process through its own ``EngineClient``. It follows the engine: it ends once the engine
+says it stopped or failed (the supervisor says so when the engine process dies), and with the
+server process (parent-death signal). Signals are the supervisor's to handle."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+from .procs import Addresses, die_with_parent
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrontendConfig:
+    server: dict
+    """Server(...)'s keyword arguments for the HTTP side (source, spec, limits, admin token)."""
+    index: int
+    addresses: Addresses
+
+
+def frontend_main(config: FrontendConfig, sock: socket.socket) -> None:
+    die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    kw = dict(config.server)
+    logging.basicConfig(
+        level=kw["log_level"],
+        format=f"%(asctime)s %(levelname)s %(name)s[api-{config.index}]: %(message)s",
+    )
+    from ..core.model import load_table
+    from ..frontend.app import Server
+    from .client import EngineClient
+
+    a = config.addresses
+    table = load_table(kw["source"], kw["overrides"])
+    client = EngineClient(kw["spec"], table, config.index, a.engine, a.frontend(config.index))
+    server = Server(frontend=(config.index, client, sock), **kw)
+    server.start()
+    client.stopped.wait()
+    server.stop()
+    client.close()
+    logging.shutdown()
+    os._exit(0 if client.state == "stopped" else 1)

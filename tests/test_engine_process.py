@@ -1,0 +1,286 @@
+"""The engine core in a process of its own (graphplan-serve's default): the same tokens as the
+one-process server through the official openai client (the tiny Llama and a saved Qwen3 with its
+tokenizer), N front ends on one port, and the processes' lives: the engine SIGKILLed under
+streaming clients (every client answered within 1 s, exit non-zero, no process left, a restart
+serves exactly), SIGTERM draining the streams in flight (exit 0), a front end's death freeing its
+requests, and the metrics that count a stop string as served."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from test_server import SPEC, SPEC_ARGS, exchange, plan_text
+
+from graphplan.server import Server
+
+from hf_models import write_model_dir
+from served import alive, openai_client, start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 9, 2, 77], [100], [3] * 11, [7, 1], [42] * 5, [9, 8, 7, 6, 5, 4]]
+
+
+def _greedy(client, model: str, n: int = 12) -> list[list[int]]:
+    res = client.completions.create(model=model, prompt=PROMPTS, max_tokens=n, temperature=0)
+    return [c.token_ids for c in res.choices]
+
+
+def _streamed(client, model: str, prompt, n: int) -> list[int]:
+    out: list[int] = []
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True
+    ):
+        out += chunk.choices[0].token_ids or []
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    path.write_text(plan_text())
+    return path
+
+
+def test_the_tiny_llama_gives_the_same_tokens_in_one_process_and_in_two(plan):
+    got = {}
+    for processes in (False, True):
+        s = Server(plan, spec=SPEC, progress=False, processes=processes).start()
+        try:
+            assert s.wait_ready(120), s.engine.health()
+            c = openai_client(s)
+            got[processes] = (_greedy(c, "tiny-llama"), _streamed(c, "tiny-llama", [1, 2, 3], 20))
+            assert s.engine.health()["status"] == "ready"
+        finally:
+            assert s.stop() is True  # drained: nothing was cut short
+    assert got[True] == got[False]
+    assert [len(t) for t in got[True][0]] == [12] * len(PROMPTS) and len(got[True][1]) == 20
+
+
+QWEN_PLAN = (
+    "version: 1\nname: hf-t\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 32}\n"
+    "cudagraph: {mode: FULL_AND_PIECEWISE, attention_support: ALWAYS, capture_sizes: [1, 2, 4]}\n"
+)
+
+
+def test_a_saved_qwen3_with_its_tokenizer_gives_the_same_text_in_both_modes(tmp_path_factory):
+    model_dir = write_model_dir(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+    got = {}
+    for processes in (False, True):
+        s = start_server(
+            tmp_path_factory, model_dir, QWEN_PLAN, max_model_len=32, processes=processes
+        )
+        try:
+            c = openai_client(s)
+            res = c.completions.create(
+                model="tiny-qwen3", prompt="w1 w7 w30", max_tokens=8, temperature=0
+            )
+            stream = [
+                ch.choices[0].text
+                for ch in c.completions.create(
+                    model="tiny-qwen3", prompt="w4 w2", max_tokens=6, temperature=0, stream=True
+                )
+            ]
+            got[processes] = (res.choices[0].text, res.choices[0].token_ids, "".join(stream))
+        finally:
+            s.stop()
+    assert got[True] == got[False] and got[True][1] and got[True][2]
+
+
+def test_two_front_ends_on_one_port_serve_the_same_tokens(plan):
+    s = Server(plan, spec=SPEC, progress=False, processes=True, api_server_count=2).start()
+    try:
+        assert s.wait_ready(120)
+        # the second front end joins the listening socket once its process has started
+        deadline = time.monotonic() + 60
+        pids = set()
+        while len(pids) < 2 and time.monotonic() < deadline:
+            for _ in range(8):  # new connections: the kernel hands them to either process
+                resp, _ = exchange(s.address, "GET", "/healthz")
+                assert resp.status == 200
+                pids.add(resp.getheader("x-graphplan-frontend"))
+        assert pids == {"0", "1"}
+
+        async def many():
+            c = openai_client(s, openai.AsyncOpenAI)
+            tasks = [
+                c.completions.create(model="tiny-llama", prompt=p, max_tokens=10, temperature=0)
+                for p in PROMPTS * 3
+            ]
+            return [r.choices[0].token_ids for r in await asyncio.gather(*tasks)]
+
+        one = Server(plan, spec=SPEC, progress=False).start()
+        try:
+            assert one.wait_ready(60)
+            want = _greedy(openai_client(one), "tiny-llama", 10) * 3
+        finally:
+            one.stop()
+        assert asyncio.run(many()) == want
+    finally:
+        assert s.stop()
+
+
+def _start_cli(plan, *flags) -> tuple[subprocess.Popen, int, int]:
+    """graphplan-serve as a user starts it: (process, port, engine pid), once ready."""
+    cmd = [sys.executable, "-m", "graphplan.server", "--plan", str(plan), "--port", "0"]
+    cmd += ["--device", "cpu", "--no-progress", *SPEC_ARGS, *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    port = engine = None
+    deadline = time.monotonic() + 90
+    while (port is None or engine is None) and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if m := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
+            port = int(m.group(1))
+        if m := re.search(r"engine process (\d+)", line):
+            engine = int(m.group(1))
+        assert line or proc.poll() is None, "the server exited while starting"
+    assert port and engine
+    while exchange(("127.0.0.1", port), "GET", "/healthz")[0].status != 200:
+        assert time.monotonic() < deadline, "not ready in 90 s"
+        time.sleep(0.05)
+    return proc, port, engine
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+async def _stream_all(port: int, n: int, max_tokens: int) -> list[tuple[str, float]]:
+    """``n`` streaming clients; each one's outcome ("whole", "error: ...") and when it ended."""
+    c = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+    )
+
+    async def one(i: int) -> tuple[str, float]:
+        got = 0
+        try:
+            stream = await c.completions.create(
+                model="tiny-llama", prompt=[1 + i % 100, 2], max_tokens=max_tokens, stream=True
+            )
+            async for chunk in stream:
+                got += len(chunk.choices[0].token_ids or []) if chunk.choices else 0
+            return ("whole" if got == max_tokens else f"short {got}"), time.monotonic()
+        except (openai.APIError, openai.APIConnectionError) as e:
+            return f"error: {type(e).__name__}", time.monotonic()
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1_s(plan):
+    proc, port, engine = _start_cli(plan, "--drain-timeout", "5")
+    try:
+        front = [p for p in _children(proc.pid) if p != engine]
+
+        async def run():
+            clients = asyncio.create_task(_stream_all(port, 64, 40))
+            await asyncio.sleep(1.0)  # they are streaming
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            return killed, await clients
+
+        killed, outcomes = asyncio.run(run())
+        kinds = {o.split(":")[0].split(" ")[0] for o, _ in outcomes}
+        assert kinds <= {"whole", "error"} and "error" in kinds, outcomes
+        late = [round(t - killed, 2) for o, t in outcomes if t - killed > 1.0]
+        assert not late, late
+        if proc.poll() is None:  # still stopping: it says why
+            try:
+                assert exchange(("127.0.0.1", port), "GET", "/healthz")[0].status == 503
+            except ConnectionError:
+                pass
+        assert proc.wait(15) == 1
+        assert "the engine process died" in proc.stderr.read()
+        time.sleep(0.5)
+        assert not [p for p in [engine, *front] if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    # a restart serves exactly
+    proc, port, _ = _start_cli(plan)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        one = Server(plan, spec=SPEC, progress=False).start()
+        try:
+            assert one.wait_ready(60)
+            assert _greedy(c, "tiny-llama") == _greedy(openai_client(one), "tiny-llama")
+        finally:
+            one.stop()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
+    proc, port, engine = _start_cli(plan, "--api-server-count", "2")
+    try:
+        children = _children(proc.pid)
+
+        async def run():
+            clients = asyncio.create_task(_stream_all(port, 16, 44))
+            await asyncio.sleep(0.8)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            post = (("127.0.0.1", port), "POST", "/generate", {"prompt": [1]})
+            refused = await asyncio.to_thread(exchange, *post)
+            return refused, await clients
+
+        (resp, text), outcomes = asyncio.run(run())
+        assert [o for o, _ in outcomes] == ["whole"] * 16
+        assert resp.status == 503 and resp.getheader("retry-after") == "5", text
+        assert proc.wait(30) == 0
+        assert "SIGTERM: drained, stopped" in proc.stderr.read()
+        assert not [p for p in [engine, *children] if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_dead_front_end_frees_its_requests_seats_and_blocks(plan):
+    long = dataclasses.replace(SPEC, max_model_len=4096)  # streams that outlive the test's steps
+    s = Server(plan, spec=long, progress=False, processes=True, api_server_count=2).start()
+    conns: dict[str, list] = {"0": [], "1": []}
+    try:
+        assert s.wait_ready(120)
+        child = s._children[0]
+        deadline = time.monotonic() + 60
+        while not (conns["0"] and conns["1"]) and time.monotonic() < deadline:
+            conn = http.client.HTTPConnection(*s.address, timeout=30)
+            body = b'{"prompt": [1, 2], "max_tokens": 4000, "stream": true}'
+            conn.request("POST", "/generate", body)
+            resp = conn.getresponse()
+            assert resp.readline()  # running
+            conns[resp.getheader("x-graphplan-frontend")].append(conn)
+        os.kill(child.pid, signal.SIGKILL)  # its streams' requests are orphans now
+        text = ""
+        while time.monotonic() < deadline:
+            text = exchange(s.address, "GET", "/metrics")[1]
+            if _metric(text, 'graphplan_server_requests_total{code="499"}') == len(conns["1"]):
+                break
+            time.sleep(0.05)
+        assert _metric(text, 'graphplan_server_requests_total{code="499"}') == len(conns["1"])
+        assert _metric(text, "graphplan_server_running_requests") == len(conns["0"])
+    finally:
+        for c in conns["0"]:
+            c.close()
+        s.stop()
