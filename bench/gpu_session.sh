@@ -57,6 +57,7 @@ for step in "$@"; do
     overhead-all) timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+async,sampled,sampled+async+fused --out "$OUT/serve_overhead_all.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     hoststep)  timeout 200 python bench/host_step.py --out "$OUT/host_step.md" 2>&1 | tail -6; timeout 200 python bench/host_step.py --sampled --out "$OUT/host_step_sampled.md" 2>&1 | tail -4 ;;
     offline)   for m in rows all; do timeout 280 python bench/offline_throughput.py --logits $m --out "$OUT/offline_throughput_$m.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -8; done ;;
+    servebench) timeout 480 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --workload loguniform --requests 1000 --request-rate inf --client-procs 8 --offline --out "$OUT/serve_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30; [ -s "$OUT/serve_bench.md" ] && { echo; cat "$OUT/serve_bench.md"; } >> bench/results/serve_bench.md ;;
     threadcpu) timeout 200 python bench/thread_cpu.py --clients 64 --rounds 3 --out "$OUT/thread_cpu.md" 2>&1 | tail -7 ;;
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;

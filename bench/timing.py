@@ -59,9 +59,12 @@ def graph_time_per_call(fn, device: torch.device, iters: int, repeats: int = 3) 
     return t
 
 
-def publish(text: str, out: str | None) -> None:
-    """Print a benchmark's markdown result, and write it to ``out`` (its folder made) if given."""
+def publish(text: str, out: str | None, append: bool = False) -> None:
+    """Print a benchmark's markdown result, and write it to ``out`` (its folder made) if given;
+    ``append``: after what the file holds (a blank line between records)."""
     print(text)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        before = path.read_text() if append and path.exists() else ""
+        path.write_text(before + ("\n" if before.strip() else "") + text + "\n")
