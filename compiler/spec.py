@@ -136,7 +136,7 @@ def plan_from_dict(d: dict) -> PlanSpec:
             attention_support=AttentionSupport[cg["attention_support"]],
             splitting_ops=tuple(cg["splitting_ops"]),
             capture_sizes=_sizes_from_dict(cg["capture_sizes"]),
-            pinned_sizes=tuple(cg["pinned_sizes"]),
+            pinned_sizes=tuple(cg.get("pinned_sizes", ())),  # tables compiled before it load
             strict=cg["strict"],
             on_demand=OnDemandSpec(
                 enabled=cg["on_demand"]["enabled"],
