@@ -234,6 +234,17 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
                     hint=f"lower the preset ceiling to {decode_top}",
                 )
             )
+        missing = [p for p in spec.cudagraph.pinned_sizes if p not in sizes]
+        if missing:
+            diags.append(
+                Diagnostic(
+                    code="pinned-size-not-captured",
+                    path="cudagraph.pinned_sizes",
+                    message=f"{len(missing)} pinned size(s) are not capture sizes of this plan: "
+                    f"{sorted(missing)[:16]}; plan optimize adds them to the list it writes",
+                    hint="list them in capture_sizes too, or drop them from pinned_sizes",
+                )
+            )
         if not sizes:
             diags.append(
                 Diagnostic(

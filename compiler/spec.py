@@ -59,6 +59,8 @@ class CudagraphSpec:
     attention_support: AttentionSupport
     splitting_ops: tuple[str, ...]
     capture_sizes: CaptureSizesSpec
+    pinned_sizes: tuple[int, ...]
+    """Sizes ``plan optimize`` keeps; the table does not depend on them."""
     strict: bool
     on_demand: OnDemandSpec
 
@@ -134,6 +136,7 @@ def plan_from_dict(d: dict) -> PlanSpec:
             attention_support=AttentionSupport[cg["attention_support"]],
             splitting_ops=tuple(cg["splitting_ops"]),
             capture_sizes=_sizes_from_dict(cg["capture_sizes"]),
+            pinned_sizes=tuple(cg.get("pinned_sizes", ())),  # tables compiled before it load
             strict=cg["strict"],
             on_demand=OnDemandSpec(
                 enabled=cg["on_demand"]["enabled"],

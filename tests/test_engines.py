@@ -345,7 +345,15 @@ BAD = [
         r"error\[bad-value\]: argument 1 \(--cuda-graph-bs\): 'x' is not an integer",
     ),
     (
-        ["import", "--engine", "vllm", "--", "--specialize-active-lora"],
+        [
+            "import",
+            "--engine",
+            "vllm",
+            "--engine-version",
+            "0.11",
+            "--",
+            "--specialize-active-lora",
+        ],
         r"error\[flag-not-in-version\]: .*vLLM 0.11 has no --specialize-active-lora",
     ),
     (

@@ -25,7 +25,15 @@ GRID_TO_512 = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
 
 
 def notes_of(out) -> list[str]:
-    return [d.message for d in out.diagnostics]
+    """The notes, less the release import assumed (tests of their own below)."""
+    return [d.message for d in out.diagnostics if d.code != "engine-version"]
+
+
+def version_note(out) -> str:
+    """The note saying which release import assumed (one, first)."""
+    (note,) = [d.message for d in out.diagnostics if d.code == "engine-version"]
+    assert out.diagnostics[0].message == note
+    return note
 
 
 def table_of(out):
@@ -87,7 +95,7 @@ def test_a_config_file_named_on_a_command_line_is_pointed_at_not_read():
 
 
 def test_a_switch_given_a_value_is_read_with_a_note_that_the_release_takes_none():
-    out = import_plan("vllm", args=["--enforce-eager=False", "--max-num-seqs", "8"])
+    out = import_plan("vllm", args=["--enforce-eager=False", "--max-num-seqs", "8"], version="0.11")
     assert table_of(out).mode.name == "FULL_AND_PIECEWISE"
     assert "vLLM 0.11.2 reads --enforce-eager as a switch without a value" in notes_of(out)[0]
 
@@ -141,7 +149,7 @@ def test_an_unknown_option_is_refused_with_a_spelling_suggestion(engine, word, s
 
 def test_an_option_of_another_release_names_the_release_that_has_it():
     with pytest.raises(PlanError, match=r"vLLM 0.11.2 has no --optimization-level \(vLLM 0.16.0"):
-        import_plan("vllm", args=["--optimization-level", "3"])
+        import_plan("vllm", args=["--optimization-level", "3"], version="0.11")
     with pytest.raises(PlanError, match=r"vLLM 0.16.0 has no --cuda-graph-sizes \(vLLM 0.11.2"):
         import_plan("vllm", args=["--cuda-graph-sizes", "64"], version="0.15")
     with pytest.raises(PlanError, match=r"vLLM 0.16.0 has no --language-model-only \(vLLM 0.23"):
@@ -235,14 +243,21 @@ def test_engine_config_line_with_unquoted_values_from_issue_22265():
 def test_engine_config_line_with_enforce_eager_from_trl_3310():
     out = import_plan("vllm", log=str(DATA / "vllm-trl-3310-engine-config.log"))
     assert table_of(out).mode.name == "NONE" and "engine config enforce_eager" in out.text
-    assert notes_of(out)[-1] == "the log is from vLLM 0.8; read with the rules of 0.11"
+    assert version_note(out) == (
+        "no --engine-version: the log is from vLLM 0.8, read as vLLM 0.11; pass --engine-version "
+        "to choose"
+    )
 
 
 def test_engine_config_line_of_vllm_0_19_without_a_compilation_config_from_rank_llm_426():
     out = import_plan("vllm", log=str(DATA / "vllm-rank-llm-426-engine-config.log"))
     assert table_of(out).mode.name == "FULL_AND_PIECEWISE" and table_of(out).data_parallel_size == 1
     assert "engine config: 25 field(s) that do not shape CUDA graphs" in notes_of(out)[0]
-    assert notes_of(out)[1] == "the log is from vLLM 0.19; read with the rules of 0.11"
+    assert version_note(out).startswith(
+        "no --engine-version: the log is from vLLM 0.19, read as vLLM 0.15;"
+    )
+    old = import_plan("vllm", log=str(DATA / "vllm-rank-llm-426-engine-config.log"), version="0.11")
+    assert notes_of(old)[1] == "the log is from vLLM 0.19; read with the rules of 0.11"
 
 
 def test_an_excerpt_without_the_lines_beginning_is_read_from_its_first_setting_spark_267():
@@ -302,3 +317,32 @@ def test_any_engine_config_text_imports_or_is_a_plan_error(tmp_path_factory, bod
         import_plan("vllm", log=str(log))
     except PlanError:
         pass
+
+
+# -- the release import assumes without --engine-version ---------------------------------------
+
+
+def test_without_a_version_flags_are_read_as_the_newest_release_that_has_them_all():
+    out = import_plan("vllm", args=["--max-num-seqs", "128", "--attention-backend", "FLASH_ATTN"])
+    assert out.version == "0.23" and version_note(out) == (
+        "no --engine-version: read as vLLM 0.23, the newest release graphplan knows (0.23, 0.15, "
+        "0.11); pass --engine-version to choose"
+    )
+    assert "(vLLM 0.23) from flags" in out.text
+    old = import_plan("vllm", args=["--max-num-seqs", "128", "--cuda-graph-sizes", "64"])
+    assert old.version == "0.11" and version_note(old) == (
+        "no --engine-version: read as vLLM 0.11, the newest of 0.23, 0.15, 0.11 with every option "
+        "given (0.15 lacks one); pass --engine-version to choose"
+    )
+    assert import_plan("sglang", args=["--cuda-graph-max-bs", "16"]).diagnostics[0].message == (
+        "no --engine-version: read as SGLang 0.5 (the release graphplan knows)"
+    )
+    given = import_plan("vllm", args=["--max-num-seqs", "128"], version="0.15")
+    assert given.version == "0.15" and all(d.code != "engine-version" for d in given.diagnostics)
+
+
+def test_flags_no_release_has_together_are_refused_as_the_default_release_reads_them():
+    with pytest.raises(PlanError, match=r"vLLM 0.11.2 has no --language-model-only \(vLLM 0.23"):
+        import_plan("vllm", args=["--cuda-graph-sizes", "64", "--language-model-only"])
+    with pytest.raises(PlanError, match=r"not a vLLM 0.11.2 option"):
+        import_plan("vllm", args=["--max-num-seqz", "8"])

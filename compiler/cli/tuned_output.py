@@ -26,6 +26,36 @@ def prediction(a, res, work, graphs_before: int) -> dict:
     }
 
 
+def pins_of(plan: dict, flag_pins) -> dict[int, str]:
+    """The sizes to keep and why: the plan's ``cudagraph.pinned_sizes``, then ``--pin``."""
+    pins = {int(p): "cudagraph.pinned_sizes" for p in plan["cudagraph"].get("pinned_sizes", [])}
+    pins.update((int(p), "--pin") for p in flag_pins)
+    return pins
+
+
+def list_notes(plan: dict) -> list[str]:
+    """What ``plan optimize`` does with a plan's explicit list (it tunes it, as a preset)."""
+    if not isinstance(plan["cudagraph"]["capture_sizes"], list):
+        return []
+    return [
+        "the plan lists its capture sizes explicitly (as an imported engine config does): they "
+        "are tuned like a preset's; to keep a size, pin it (--pin N, or cudagraph.pinned_sizes "
+        "in the plan)"
+    ]
+
+
+def kept_lines(res) -> list[str]:
+    """One line per reason a size was kept whatever the trace says."""
+    from ..tools.summary import compact_sizes
+
+    by_why: dict[str, list[int]] = {}
+    for size, why in res.kept:
+        by_why.setdefault(why, []).append(size)
+    if not by_why:
+        return ["kept: no size is pinned: every size was chosen for the trace"]
+    return [f"kept: {compact_sizes(s)} ({why})" for why, s in by_why.items()]
+
+
 def workload_notes(work) -> list[str]:
     """Warnings about how the workload was made, from its header."""
     h = work.header or {}
@@ -43,6 +73,7 @@ def header_lines(a, res, work, graphs_before: int, cap: tuple[float, float]) -> 
 
     pred = prediction(a, res, work, graphs_before)
     lines = [f"#   capture (estimate) {cap[0]:.2f} s -> {cap[1]:.2f} s"]
+    lines += [f"#   {line}" for line in kept_lines(res) if res.kept]
     engine = pred["engine"]
     if engine in EXPORTABLE:
         lines.append(f"#   workload from {engine}'s metrics: `plan export THIS --engine {engine}`")

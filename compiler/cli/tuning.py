@@ -138,7 +138,7 @@ def cmd_optimize(a) -> int:
     from ..tools.memory import estimate, load_profile
     from ..tools.optimize import optimize, rank_start_sizes
     from ..tools.summary import compact_sizes
-    from ..tools.tuned_plan import check_tuned, lists_sizes, raw_plan, tuned_plan_text
+    from ..tools.tuned_plan import check_tuned, raw_plan, tuned_plan_text
     from . import tuned_output
     from .inputs import UsageError, load_any, parse_overrides
     from .outputs import check_output
@@ -150,9 +150,7 @@ def cmd_optimize(a) -> int:
     table, diags = load_any(a.plan, a.set)
     profile = load_profile(a.profile) if a.profile else None
     work = _workload(a.trace, table)
-    pins = list(a.pin)
-    if lists_sizes(table.plan):
-        pins += table.capture_sizes  # an explicit list is the author's choice: keep every size
+    pins = tuned_output.pins_of(table.plan, a.pin)
     budget = a.memory_budget * MIB if a.memory_budget is not None else None
     max_graphs = a.max_graphs if a.max_graphs is not None else len(table.graphs)
     res = optimize(
@@ -173,6 +171,7 @@ def cmd_optimize(a) -> int:
     mem_before, mem_after = estimate(table, profile), estimate(res.table, profile)
     cap = (mem_before["capture_seconds"], mem_after["capture_seconds"])
     header += tuned_output.header_lines(a, res, work, len(table.graphs), cap)
+    notes = [*tuned_output.list_notes(table.plan), *res.notes, *tuned_output.workload_notes(work)]
     engine = tuned_output.engine_of(work)
     if a.start_graphs is not None and a.start_graphs < 0:
         from ..tools.optimize import OptimizeError
@@ -214,7 +213,8 @@ def cmd_optimize(a) -> int:
                     "before": side(table, res.before, mem_before),
                     "after": side(res.table, res.after, mem_after),
                     "reduction_pct": _cut(res.before.padded_tokens, res.after.padded_tokens),
-                    "notes": list(res.notes),
+                    "notes": notes,
+                    "kept": [{"size": s, "why": w} for s, w in res.kept],
                     "outside_trace": outside,
                     "start_sizes": list(start) if start is not None else None,
                     "output": a.output,
@@ -234,7 +234,7 @@ def cmd_optimize(a) -> int:
         f"mixed), {work.steps - above} at or below the largest size {res.top}"
     )
     print(f"graph budget: {res.budget_graphs} graphs ({tuned_output.limit_text(res, a, profile)})")
-    for note in [*res.notes, *tuned_output.workload_notes(work)]:
+    for note in notes:
         print(f"note: {note}")
     print(
         f"\n{'':<18} {'sizes':>6} {'graphs':>7} {'padded tokens':>14} {'per step':>9} "
@@ -252,7 +252,9 @@ def cmd_optimize(a) -> int:
     print(
         f"\npadded tokens: {0.0 - _cut(res.before.padded_tokens, res.after.padded_tokens):+.1f} %"
     )
-    print(f"sizes: {compact_sizes(res.sizes)}")
+    print(f"sizes before: {compact_sizes(table.capture_sizes)}")
+    print(f"sizes after:  {compact_sizes(res.sizes)}")
+    print("\n".join(tuned_output.kept_lines(res)))
     if start is not None:
         print(
             f"on-demand capture: at start sizes {list(start)} (the {a.start_graphs} most used "

@@ -18,9 +18,36 @@ RULE = (
 )
 
 
-def _options(a):
+def _plan_limits(a, engine: str) -> tuple[dict, str | None]:
+    """The seats, tokens (and, for graphplan's scrapes, q) of ``--plan``; flags given win."""
+    if not a.plan:
+        return {}, None
+    from .inputs import load_any
+
+    table, _ = load_any(a.plan, [])
+    limits = {"max_num_seqs": table.max_num_seqs, "max_tokens": table.max_tokens}
+    if engine == "graphplan":  # vLLM counts emitted tokens per step, not the q a step runs
+        limits["decode_query_len"] = table.q
+    given = {k: getattr(a, k) for k in limits if getattr(a, k) is not None}
+    used = {k: v for k, v in limits.items() if k not in given}
+    flag = {"max_num_seqs": "max_num_seqs", "max_tokens": "max_num_batched_tokens"}
+    note = (
+        f"from plan {a.plan}: "
+        + ", ".join(f"{flag.get(k, k)}={v}" for k, v in used.items())
+        + (f" (given flags win: {', '.join(k.replace('_', '-') for k in given)})" if given else "")
+        if used
+        else None
+    )
+    return used, note
+
+
+def _options(a, from_plan: dict):
     from ..tools.metrics import MAX_TOKENS, Options
     from .inputs import UsageError
+
+    def pick(key: str, default):  # the flag, else the plan's, else the default
+        given = getattr(a, key)
+        return given if given is not None else from_plan.get(key, default)
 
     labels = []
     for pair in a.label:
@@ -28,10 +55,13 @@ def _options(a):
         if not eq or not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", k):
             raise UsageError(f"plan workload: --label {pair[:80]!r}: expected NAME=VALUE")
         labels.append((k, v))
+    q: int = pick("decode_query_len", 1)
+    seqs: int = pick("max_num_seqs", 256)
+    tokens: int | None = pick("max_tokens", None)
     for flag, value, hi in (
-        ("--decode-query-len", a.decode_query_len, 1024),
-        ("--max-num-seqs", a.max_num_seqs, MAX_TOKENS),
-        ("--max-tokens", a.max_tokens, MAX_TOKENS),
+        ("--decode-query-len", q, 1024),
+        ("--max-num-seqs", seqs, MAX_TOKENS),
+        ("--max-tokens", tokens, MAX_TOKENS),
     ):
         if value is not None and not 1 <= value <= hi:
             raise UsageError(f"plan workload: {flag} {value}: give 1..{hi}")
@@ -42,25 +72,29 @@ def _options(a):
         labels=tuple(labels),
         merge=a.merge,
         spread=a.spread,
-        decode_query_len=a.decode_query_len,
-        max_num_seqs=a.max_num_seqs,
-        max_tokens=a.max_tokens,
+        decode_query_len=q,
+        max_num_seqs=seqs,
+        max_tokens=tokens,
     )
 
 
 def cmd_workload(a) -> int:
     from ..tools import prom_text
-    from ..tools.metrics import workload_from_scrapes
+    from ..tools.metrics import detect_engine, workload_from_scrapes
     from ..tools.trace_file import write_workload
     from .outputs import check_output
 
     files = [s for s in a.from_metrics if "://" not in s]
-    check_output(a.output, files)
-    opts = _options(a)
+    check_output(a.output, files + ([a.plan] if a.plan else []))
     scrapes = [prom_text.read(src, a.timeout) for src in a.from_metrics]
+    from_plan, plan_note = _plan_limits(a, detect_engine(scrapes, a.engine))
+    opts = _options(a, from_plan)
     work = workload_from_scrapes(
         scrapes, opts, sources=[prom_text.display(s) for s in a.from_metrics]
     )
+    if plan_note:
+        work.header["plan"] = a.plan
+        work.header["notes"].insert(0, plan_note)
     if a.output:
         write_workload(a.output, work.header, work.rows)
     h = work.header
@@ -87,17 +121,17 @@ def cmd_workload(a) -> int:
     print(
         f"{h['engine']}: {h['metric']}{series if len(h['series']) == 1 else ''} in "
         f"{len(scrapes)} scrape(s) ({h['window']})"
-        + (f"; {h['merged']} series pooled (--merge)" if h["merged"] > 1 else "")
+        + (f"; {h['merged']} series added up" if h["merged"] > 1 else "")
     )
     print(
         f"{work.steps} steps: {decode} uniform decode, {work.steps - decode} mixed"
         + (f"; bucket counts spread: {h['spread']}" if h["spread"] else "")
     )
-    for note in work.notes:
+    for note in h["notes"]:
         print(f"note: {note}")
     if a.output:
         print(f"wrote {a.output} ({len(work.rows)} lines and a header)")
-        print(f"next: plan optimize PLAN --trace {a.output} -o tuned.yaml")
+        print(f"next: plan optimize {a.plan or 'PLAN'} --trace {a.output} -o tuned.yaml")
     else:
         print("(no workload written; add -o workload.jsonl)")
     return 0
@@ -134,7 +168,15 @@ def add_workload_command(sub, common) -> None:
     sp.add_argument(
         "--merge",
         action="store_true",
-        help="add up the series left (e.g. the engines of one deployment) instead of refusing",
+        help="add up the series left even when they are of several models (the engines of "
+        "one model are added up without it)",
+    )
+    sp.add_argument(
+        "--plan",
+        metavar="PLAN",
+        help="the plan to tune (or its table.json): its max_num_seqs and max_num_batched_tokens "
+        "(and, for graphplan's scrapes, decode_query_len) set --max-num-seqs, --max-tokens "
+        "(and --decode-query-len) unless given",
     )
     sp.add_argument(
         "--spread",
@@ -146,24 +188,24 @@ def add_workload_command(sub, common) -> None:
     sp.add_argument(
         "--decode-query-len",
         type=int,
-        default=1,
         metavar="Q",
-        help="tokens per request in a decode step (1 + speculative tokens; default 1)",
+        help="tokens per request in a decode step (1 + speculative tokens; default 1, or the "
+        "--plan's for graphplan's scrapes)",
     )
     sp.add_argument(
         "--max-num-seqs",
         type=int,
-        default=256,
         metavar="R",
         help="the engine's max running requests: steps of at most Q*R tokens count as decode "
-        "(default 256)",
+        "(default: the --plan's, else 256)",
     )
     sp.add_argument(
         "--max-tokens",
         type=int,
         metavar="N",
         help="the engine's max_num_batched_tokens: spreads steps above the largest bucket edge "
-        "up to N (default: they are left out)",
+        "up to N and leaves out buckets above N (default: the --plan's; without one, steps above "
+        "the largest edge are left out)",
     )
     sp.add_argument(
         "--timeout",

@@ -115,6 +115,7 @@ def import_plan(
     from .. import compile_plan
 
     mod = adapter(engine)
+    inferred = version is None and not hasattr(mod, "check_version")  # TensorRT-LLM: main
     version = _checked_version(mod, engine, version)
     given = [k for k, v in (("args", args), ("--config", config), ("--log", log)) if v is not None]
     if len(given) != 1:
@@ -125,6 +126,16 @@ def import_plan(
             f"got {', '.join(given) or 'none'}",
         )
     notes: list[Diagnostic] = []
+    assumed = ""
+    if inferred and log is None:
+        from . import version_infer
+
+        read = (
+            (lambda v: mod.read_args(args, v, allow_unknown))
+            if args is not None
+            else (lambda v: mod.read_config(config, v, allow_unknown))
+        )
+        version, assumed = version_infer.from_flags(mod, engine, read)
     if args is not None:
         settings, notes = mod.read_args(args, version, allow_unknown)
         source = "flags"
@@ -142,7 +153,11 @@ def import_plan(
             )
         settings, seen, notes = mod.read_log(log)
         source = log
-        if seen and seen != version:
+        if inferred:
+            from . import version_infer
+
+            version, assumed = version_infer.from_release(mod, engine, seen)
+        elif seen and seen != version:
             notes.append(
                 F.note(
                     "",
@@ -150,6 +165,8 @@ def import_plan(
                     "pass --engine-version to match",
                 )
             )
+    if assumed:
+        notes.insert(0, Diagnostic(code=F.VERSION_NOTE, message=assumed))
     draft = mod.to_draft(settings, version)
     draft.apply_sets(dict(sets or {}))
     mod.finish_sizes(draft, version)

@@ -18,6 +18,8 @@ LOST = "engine-lost-feature"
 """A plan feature the engine cannot express: the engine would run a different table."""
 NOTE = "engine-note"
 """Something the reader should know that does not change the table (never an error)."""
+VERSION_NOTE = "engine-version"
+"""Which engine release ``plan import`` assumed when ``--engine-version`` was not given."""
 
 
 def input_error(

@@ -6,8 +6,13 @@ Prometheus scrapes of a running engine. The rules, stated once (docs/workload.md
   falls back to the gauge ``vllm:num_requests_running``. SGLang publishes no tokens-per-step
   histogram: the gauge ``sglang:num_running_reqs``. graphplan: the histogram
   ``graphplan:iteration_tokens`` with a ``routine`` label (``decode`` / ``mixed``).
-- **Which series.** ``--label k=v`` keeps the series with those labels; several left are an error
-  unless ``--merge`` adds them up (the engines of one data-parallel deployment).
+- **Which series** (``metrics_series``). ``--label k=v`` keeps the series with those labels. Of
+  series that differ only in rank labels inside one engine (SGLang's ``tp_rank``, ``pp_rank``,
+  ``moe_ep_rank``: they report the same batches) the lowest ranks are read. The rest, when they
+  are of one model (one ``model_name``, or none), are the engines of one deployment (vLLM's
+  data-parallel ``engine="0"``, ``engine="1"``, SGLang's ``dp_rank``), which run one plan: they add
+  up (histogram counts summed, gauge samples pooled), with a note. Series of several models are
+  refused, naming the models, unless ``--merge`` adds them up too.
 - **Window.** One scrape: everything since the engine started. Several: the last minus the first;
   a bucket that goes down between two consecutive scrapes is a counter reset and is refused.
 - **Spread.** A bucket ``(lo, hi]`` holding ``c`` steps: ``uniform`` gives the k = hi - lo whole
@@ -31,31 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..records import decode_token_range
+from .metrics_series import ENGINE_METRICS, detect_engine, select
 from .prom_text import NUMBER, Scrape, ScrapeError, series_text
 from .trace_file import HEADER_VERSION, MAX_STEPS
 
 MAX_TOKENS = 1 << 20
 """The schema's largest max_num_batched_tokens: bucket edges above it count as "above"."""
 SPREADS = ("uniform", "upper")
-SHOWN = 8
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMetrics:
-    prefix: str
-    tokens: str | None
-    """Histogram of tokens per step."""
-    running: str | None
-    """Gauge of running requests (the decode batch)."""
-    split: str | None = None
-    """Label of ``tokens`` that tells decode steps from mixed ones."""
-
-
-ENGINE_METRICS = {
-    "vllm": EngineMetrics("vllm:", "vllm:iteration_tokens_total", "vllm:num_requests_running"),
-    "sglang": EngineMetrics("sglang:", None, "sglang:num_running_reqs"),
-    "graphplan": EngineMetrics("graphplan:", "graphplan:iteration_tokens", None, "routine"),
-}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,27 +98,6 @@ def _edge(le: str, source: str, line: int) -> float:
     return v
 
 
-def detect_engine(scrapes: list[Scrape], engine: str | None = None) -> str:
-    names = set().union(*(s.samples for s in scrapes))
-    found = [e for e, m in ENGINE_METRICS.items() if any(n.startswith(m.prefix) for n in names)]
-    where = scrapes[-1].source
-    if engine is not None:
-        if engine not in found:
-            raise ScrapeError(
-                f"{where}: no {engine} series (no metric name starts with "
-                f"{ENGINE_METRICS[engine].prefix!r}); is this a scrape of {engine}?"
-            )
-        return engine
-    if not found:
-        raise ScrapeError(
-            f"{where}: no vLLM, SGLang or graphplan series (no metric name starts with vllm:, "
-            "sglang: or graphplan:); scrape an engine's /metrics (SGLang needs --enable-metrics)"
-        )
-    if len(found) > 1:
-        raise ScrapeError(f"{where}: series of {' and '.join(found)}; say which with --engine")
-    return found[0]
-
-
 def _histograms(scrape: Scrape, family: str) -> dict[tuple, _Hist]:
     src = scrape.source
     kind = scrape.types.get(family)
@@ -169,31 +135,6 @@ def _histograms(scrape: Scrape, family: str) -> dict[tuple, _Hist]:
                 f"(line {h.lines[-1]}) holds {h.cum[-1]}; they must agree"
             )
     return out
-
-
-def _select(keys, name: str, opts: Options, source: str, split: str | None = None) -> list:
-    """The series ``--label`` keeps; several groups (series apart from ``split``) need --merge."""
-    known = {k for key in keys for k, _ in key}
-    for k, _ in opts.labels:
-        if k not in known:
-            raise ScrapeError(
-                f"{source}: --label {k}=...: no {name} series has a label {k!r} (its labels: "
-                f"{', '.join(sorted(known)) or 'none'})"
-            )
-    kept = [key for key in keys if all(dict(key).get(k) == v for k, v in opts.labels)]
-    groups = sorted({tuple(kv for kv in key if kv[0] != split) for key in kept})
-    shown = "; ".join(series_text(name, g) for g in groups[:SHOWN])
-    if not kept:
-        every = "; ".join(series_text(name, k) for k in sorted(keys)[:SHOWN])
-        raise ScrapeError(f"{source}: no {name} series has every --label given; there are: {every}")
-    if len(groups) > 1 and not opts.merge:
-        raise ScrapeError(
-            f"{source}: {len(groups)} {name} series: {shown}"
-            + ("; ..." if len(groups) > SHOWN else "")
-            + "; keep one with --label k=v (e.g. --label engine=0), or add them up with --merge "
-            "(the engines of one deployment)"
-        )
-    return sorted(kept)
 
 
 def _window(scrapes: list[Scrape], hists: list[dict], keys, family: str) -> dict:
@@ -287,7 +228,9 @@ def _from_histogram(scrapes, family: str, split, opts: Options, notes: list):
     hists = [_histograms(sc, family) for sc in scrapes]
     if not hists[-1]:
         return None
-    keys = _select(list(hists[-1]), family, opts, scrapes[-1].source, split)
+    keys = select(
+        list(hists[-1]), family, opts.labels, opts.merge, scrapes[-1].source, split, notes
+    )
     per_key = _scale(_window(scrapes, hists, keys, family), notes)
     merged: dict = {}
     for key, (edges, counts) in per_key.items():
@@ -328,7 +271,7 @@ def _from_gauge(scrapes, name: str, opts: Options, notes: list):
         samples = {s.labels: s for s in sc.samples.get(name, [])}
         if not samples:
             raise ScrapeError(f"{sc.source}: no {name} series; give scrapes of one engine")
-        for key in _select(list(samples), name, opts, sc.source):
+        for key in select(list(samples), name, opts.labels, opts.merge, sc.source, notes=notes):
             s, keys = samples[key], keys | {key}
             r = _whole(s.value, sc.source, s.line, name)
             if r * q > MAX_TOKENS:
@@ -368,6 +311,7 @@ def workload_from_scrapes(scrapes: list[Scrape], opts: Options, sources=()) -> M
             "(scrape the engine's /metrics while it serves)"
         )
     rows, keys, left, merged = got
+    notes[:] = list(dict.fromkeys(notes))  # a gauge's series are selected once per scrape
     total: dict[tuple, int] = {}
     for n, r, m, c in rows:
         total[(n, r, m)] = total.get((n, r, m), 0) + c

@@ -13,10 +13,12 @@ Objective. Given a trace and a plan, choose capture sizes S minimising the *padd
   strongest runtime mode any legal size >= its token count would give it: no step is pushed to
   eager, and no decode step that could replay a FULL graph is padded onto a PIECEWISE one;
 - legality: sizes are <= max_num_batched_tokens and, when decode is FULL with q > 1, multiples of q
-  (what the compiler would round them to); pinned sizes (``--pin``, or every size of a plan with an
-  explicit list) are kept; with ``keep_small`` (the CLI's default; ``--no-small`` turns it off)
+  (what the compiler would round them to); pinned sizes (``--pin``, the plan's
+  ``cudagraph.pinned_sizes``) are kept, and nothing else is: a preset, ranges and an explicit list
+  are all tuned alike; with ``keep_small`` (the CLI's default; ``--no-small`` turns it off)
   so are the plan's sizes below the trace's smallest step, so batches the trace never saw but a
   server still runs (a lone decode) pad as they did before rather than to the trace's smallest size.
+  ``Result.kept`` says which sizes were kept and why.
 Ties go to the fewest graphs. Decode and mixed steps share the sizes, so both are priced together.
 The same DP gives the optimum under every smaller graph budget too: ``curve_graphs`` returns that
 trade-off curve (padded tokens against graphs) up to the given count.
@@ -68,6 +70,9 @@ class Result:
     grid: int
     """Candidate grid step (1, or q, unless the trace had more than MAX_CANDIDATES sizes)."""
     notes: tuple[str, ...]
+    kept: tuple[tuple[int, str], ...] = ()
+    """(size, why) for every size kept whatever the trace says: the pins (``--pin``, the plan's
+    ``cudagraph.pinned_sizes``) and, with ``keep_small``, the plan's sizes below the trace."""
     curve: tuple[tuple[int, int], ...] = ()
     """(graph budget, least padded tokens within it) for every budget up to ``curve_graphs``
     at which some size set fits, in steps of the LoRA case count."""
@@ -101,7 +106,7 @@ def optimize(
     work: Workload,
     max_graphs: int,
     *,
-    pins=(),
+    pins: dict[int, str] | tuple | list = (),
     max_size=None,
     memory_budget=None,
     capture_budget=None,
@@ -119,12 +124,15 @@ def optimize(
     q, seqs, limit = r.decode_query_len, r.max_num_seqs, r.max_num_batched_tokens
     step = q if r.decode_mode is RuntimeMode.FULL and q > 1 else 1
     notes: list[str] = []
-    pins = sorted(set(int(p) for p in pins))
+    given = pins.items() if isinstance(pins, dict) else ((p, "--pin") for p in pins)
+    reason = {int(p): str(w) for p, w in given}  # size -> why it is kept
+    pins = sorted(reason)
     legal = f"multiples of decode_query_len={q} " if step > 1 else ""
     for p in pins:
         if not 1 <= p <= limit or p % step:
+            flag = "--pin" if reason[p] == "--pin" else "cudagraph.pinned_sizes:"
             raise OptimizeError(
-                f"--pin {p}: this plan's capture sizes are {legal}in 1..{limit} "
+                f"{flag} {p}: this plan's capture sizes are {legal}in 1..{limit} "
                 "(max_num_batched_tokens); pin a size that is"
             )
     top = (
@@ -159,6 +167,8 @@ def optimize(
             from .summary import compact_sizes
 
             pins = sorted(set(pins) | set(small))
+            for s in small:
+                reason.setdefault(s, f"below the trace's smallest step ({smallest} tokens)")
             notes.append(
                 f"kept the plan's {len(small)} size(s) below the trace's smallest step "
                 f"({smallest} tokens): {compact_sizes(small)}, so smaller batches pad "
@@ -303,5 +313,6 @@ def optimize(
         table=after_table,
         grid=grid,
         notes=tuple(notes),
+        kept=tuple((p, reason[p]) for p in sorted(reason) if p in sizes),
         curve=curve if curve_graphs else (),
     )

@@ -40,19 +40,25 @@ def check_trace(trace: Trace, table: DispatchTable) -> None:
     """Every step must be a batch the plan can see (the same rules as ``DispatchTable.route``)."""
     n, r, m = trace.num_tokens, trace.num_reqs, trace.max_query_len
     name = table.plan.get("name", "plan")
+    again = (  # a workload from plan workload: the command that writes it for this plan
+        "write the workload for this plan: plan workload --from-metrics ... --plan PLAN (or "
+        f"--max-num-seqs {table.max_num_seqs} --max-tokens {table.max_tokens})"
+        if trace.header
+        else "record the trace with the plan's scheduler limits"
+    )
     checks = (
         (n < 1, "num_tokens {n} must be >= 1", ""),
         (
             n > table.max_tokens,
             "num_tokens {n} exceeds scheduler.max_num_batched_tokens="
             f"{table.max_tokens} of plan {name}",
-            "record the trace with the plan's scheduler limits",
+            again,
         ),
         ((r < 1) | (r > n), "num_reqs {r} must be in 1..num_tokens={n}", ""),
         (
             r > table.max_num_seqs,
             f"num_reqs {{r}} exceeds scheduler.max_num_seqs={table.max_num_seqs} of plan {name}",
-            "record the trace with the plan's scheduler limits",
+            again,
         ),
         (
             (m < 1) | (m * r < n) | (m > n - r + 1),

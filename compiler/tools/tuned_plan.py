@@ -32,11 +32,6 @@ def raw_plan(path: str, overrides: dict) -> tuple[dict, list[str]]:
     return data, comments
 
 
-def lists_sizes(plan: dict) -> bool:
-    """Whether a plan (defaults filled) lists its capture sizes explicitly (no preset, no ranges)."""
-    return isinstance(plan["cudagraph"]["capture_sizes"], list)
-
-
 def tuned_plan_text(
     data: dict, sizes, header: list[str], comments: list[str], start_sizes=None
 ) -> str:

@@ -3,9 +3,12 @@ requests per engine step, label ``routine`` = ``decode`` (every request of the s
 ``decode_query_len`` tokens) or ``mixed``, with the buckets docs/workload.md fixes, so that
 ``plan workload --from-metrics`` reads this server's scrape exactly (compiler/tools/metrics.py).
 
-The buckets differ per routine (one per whole token count for decode steps; the capture sizes,
-powers of two and max_num_batched_tokens for mixed steps), which prometheus_client's Histogram (one
-bucket list per metric) cannot express: this is a custom collector. Its buckets come from the
+The buckets differ per routine (one per whole token count for decode steps; for mixed steps one
+per whole token count up to the largest capture size, at most ``FINE_TOKENS``, then the capture
+sizes, powers of two and max_num_batched_tokens), which prometheus_client's Histogram (one bucket
+list per metric) cannot express: this is a custom collector. Mixed steps need the fine buckets as
+much as decode ones: ``plan optimize`` can only move a size to a token count it can tell apart,
+and above the largest capture size a step runs eager and pads nothing. Its buckets come from the
 start-up table and stay fixed for the server's life, so scrapes over time subtract."""
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ MAX_EDGE = 1 << 20
 """Powers of two up to this (the largest max_num_batched_tokens a plan may have): a plan reloaded
 with a larger token budget still lands its mixed steps in finite buckets."""
 ROUTINES = ("decode", "mixed")
+FINE_TOKENS = 4096
+"""Mixed steps get one bucket per token count up to the largest capture size, but no more than
+this many (a scrape line each: about 230 KiB of text at most)."""
 
 
 def _powers(limit: int) -> list[int]:
@@ -31,8 +37,9 @@ def _powers(limit: int) -> list[int]:
 class IterationHistograms:
     def __init__(self, table: Any, max_num_seqs: int):
         decode_tokens = list(range(1, decode_token_range(table.q, max_num_seqs)[-1] + 1))
+        fine = min(max(table.capture_sizes, default=0), FINE_TOKENS)
         mixed_tokens = sorted(
-            {*table.capture_sizes, *_powers(MAX_EDGE), table.max_tokens, table.max_tokens}
+            {*range(1, fine + 1), *table.capture_sizes, *_powers(MAX_EDGE), table.max_tokens}
         )
         decode_reqs = list(range(1, max_num_seqs + 1))
         mixed_reqs = sorted({*_powers(max_num_seqs), max_num_seqs})
