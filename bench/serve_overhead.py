@@ -213,7 +213,7 @@ def served(a, v: argparse.Namespace) -> dict | None:
     else:
         run = load_test.serve(argparse.Namespace(**{**vars(a), **vars(v)}), work)
         if run is not None:
-            run["async_steps"] = int(metric(run["after"], "graphplan_server_async_steps"))
+            run["async_steps"] = int(metric(run["after"], "graphplan_server_async_steps_total"))
     if run is None:
         return None
     results = run["results"]
