@@ -206,7 +206,7 @@ def test_errors_name_the_scrape_they_are_about(tmp_path, capsys):
 def test_tuning_from_graphplans_own_scrape_removes_real_padding(tmp_path, capsys):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from graphplan.server.iteration_metrics import IterationHistograms
+    from graphplan.server.core.iteration_metrics import IterationHistograms
 
     path = ROOT / "plans" / "hf-mixed.yaml"
     table = compile_plan(yaml.safe_load(path.read_text()))
