@@ -3,7 +3,7 @@
 #   bash bench/gpu_session.sh tests runtime piecewise server    (steps: see below)
 # The device machine has torch but no jsonschema/hypothesis; carry wheels for its Python 3.12
 # (device run with carry [".carry"]; .carry/ is git-ignored), made here once with:
-#   pip download jsonschema hypothesis openai fastapi uvicorn prometheus_client \
+#   pip download jsonschema hypothesis openai fastapi uvicorn prometheus_client pyzmq msgspec httpx \
 #       --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --only-binary=:all: -d .carry/wheels
 # (fastapi, uvicorn, prometheus_client: graphplan-serve's ASGI stack and metrics; the server steps
@@ -17,7 +17,7 @@ export PYTHONPATH="/tmp/gp:$PWD/bench" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}  # single host: Gloo over loopback, not the NIC
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis openai fastapi uvicorn prometheus_client >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
+python -m pip install -q --no-index --find-links .carry/wheels jsonschema hypothesis openai fastapi uvicorn prometheus_client pyzmq msgspec httpx >"$OUT/pip.log" 2>&1 || cat "$OUT/pip.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -c "import torch;print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; date -u; } | tee "$OUT/device.txt"
 for step in "$@"; do
   case "$step" in

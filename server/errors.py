@@ -35,3 +35,14 @@ def error_type(status: int) -> str:
     if status == 404:
         return "not_found_error"
     return "invalid_request_error" if status < 500 else "server_error"
+
+
+def not_serving(state: str) -> RequestError:
+    """The 503 of a request that arrives while the engine is not serving; a draining server asks
+    clients to come back (Retry-After)."""
+    detail = {
+        "starting": ": capturing graphs",
+        "draining": ": finishing the requests in flight before it stops",
+    }
+    headers = {"Retry-After": "5"} if state != "failed" else None
+    return RequestError(503, f"server is {state}{detail.get(state, '')}", headers=headers)

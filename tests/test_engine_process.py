@@ -262,7 +262,7 @@ def test_a_dead_front_end_frees_its_requests_seats_and_blocks(plan):
     conns: dict[str, list] = {"0": [], "1": []}
     try:
         assert s.wait_ready(120)
-        child = s._children[0]
+        child = s._supervisor.frontends[0]
         deadline = time.monotonic() + 60
         while not (conns["0"] and conns["1"]) and time.monotonic() < deadline:
             conn = http.client.HTTPConnection(*s.address, timeout=30)

@@ -15,14 +15,14 @@ from typing import Any
 
 from graphplan.runtime import GraphRunner
 
-from ..errors import RequestError
+from ..errors import RequestError, not_serving
 from ..requests import EventSink, Request, Sampled, greedy_requests
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics, render_metrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
 from .outbox import Outbox
 from .pipeline import Pipeline
-from .plan_swap import Swap, checked_table, swap_result, wait_for_swap
+from .plan_swap import Swap, capture_runner, checked_table, swap_result, wait_for_swap
 from .step_sampler import StepSampler
 
 log = logging.getLogger("graphplan.server")
@@ -176,11 +176,8 @@ class Engine:
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
                 self.metrics.reload("unchanged")
                 self.source, self.overrides = src, ov
-                return {
-                    "fingerprint": old,
-                    "previous": old,
-                    "plan": table.settings.name,
-                    "unchanged": True,
+                return {"fingerprint": old, "previous": old, "plan": table.settings.name} | {
+                    "unchanged": True
                 }
             swap = Swap(table, src, ov)
             with self._cond:
@@ -257,25 +254,8 @@ class Engine:
             self.sampler.release_graphs()
 
     def _capture(self, table) -> GraphRunner:
-        runner = GraphRunner(
-            self.model,
-            table,
-            self.model.static_inputs(),
-            device=self.device,
-            progress=self.progress,
-            compile=self.compiled,
-            on_demand=self.on_demand,
-        )
-        log.info(
-            "capturing %d graphs%s of plan %r (fingerprint %s) on %s",
-            len(table.graphs),
-            " on demand (the start set now, the rest on first use)" if runner.on_demand else "",
-            table.settings.name,
-            table.fingerprint[:19],
-            self.device,
-        )
-        runner.capture()
-        return runner
+        e = self
+        return capture_runner(e.model, table, e.device, e.progress, e.compiled, e.on_demand)
 
     def _loop(self) -> None:
         while True:
@@ -408,14 +388,3 @@ class Engine:
                 self.batcher.abort(r)
             self.finish(r, error)
         self._live = []
-
-
-def not_serving(state: str) -> RequestError:
-    """The 503 of a request that arrives while the engine is not serving; a draining server asks
-    clients to come back (Retry-After)."""
-    detail = {
-        "starting": ": capturing graphs",
-        "draining": ": finishing the requests in flight before it stops",
-    }
-    headers = {"Retry-After": "5"} if state != "failed" else None
-    return RequestError(503, f"server is {state}{detail.get(state, '')}", headers=headers)

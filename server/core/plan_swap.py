@@ -4,6 +4,7 @@ its seats (server/core/engine.py). The old table keeps serving whenever anything
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from graphplan.runtime import GraphRunner
 
 from ..errors import RequestError
 from .model import check_fits, load_table
+
+log = logging.getLogger("graphplan.server")
 
 
 @dataclass(eq=False, slots=True)
@@ -73,3 +76,27 @@ def swap_result(swap: Swap, previous: str) -> dict:
             "seconds": round(cap.get("seconds", 0.0), 4),
         },
     }
+
+
+def capture_runner(model, table, device, progress: bool, compiled, on_demand) -> GraphRunner:
+    """A runner of ``table`` over the model, its graphs captured (the start-up plan's, or a
+    swap's, on the engine thread)."""
+    runner = GraphRunner(
+        model,
+        table,
+        model.static_inputs(),
+        device=device,
+        progress=progress,
+        compile=compiled,
+        on_demand=on_demand,
+    )
+    log.info(
+        "capturing %d graphs%s of plan %r (fingerprint %s) on %s",
+        len(table.graphs),
+        " on demand (the start set now, the rest on first use)" if runner.on_demand else "",
+        table.settings.name,
+        table.fingerprint[:19],
+        device,
+    )
+    runner.capture()
+    return runner

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing.connection
 import socket
 import threading
 from pathlib import Path
@@ -86,9 +85,8 @@ class Server:
         self.processes = processes or frontend is not None
         self.api_server_count = api_server_count
         self.log_level = log_level
-        self._children: list = []  # extra front end processes
-        self._engine_proc: Any = None
-        self._addresses = None
+        self._supervisor: Any = None  # the engine and extra front end processes (index 0)
+        self._addresses: Any = None
         self.drained = True
         self._stopped = False
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
@@ -180,34 +178,19 @@ class Server:
             self.engine.start()
             return self
         if self.index == 0:
-            self._start_processes()
+            from ..wire.supervisor import Supervisor
+
+            self._supervisor = Supervisor(self.engine, self._addresses, self.log_level)
+            self._supervisor.start(
+                self.source,
+                self.overrides,
+                self.engine_kwargs,
+                self._settings(),
+                self._sock,
+                self.api_server_count,
+                type(self),
+            )
         return self
-
-    def _start_processes(self) -> None:
-        from ..wire.engine_proc import EngineConfig, engine_main
-        from ..wire.frontend_proc import FrontendConfig, frontend_main
-        from ..wire.procs import spawn
-
-        a = self._addresses
-        assert a is not None
-        config = EngineConfig(
-            source=self.source,
-            overrides=self.overrides,
-            engine_kwargs=self.engine_kwargs,
-            address=a.engine,
-            frontends=[a.frontend(i) for i in range(a.frontends)],
-            log_level=self.log_level,
-        )
-        self._engine_proc = spawn(engine_main, config, name="graphplan-engine")
-        for i in range(1, self.api_server_count):
-            fc = FrontendConfig(server=self._settings(), index=i, addresses=a)
-            self._children.append(spawn(frontend_main, fc, self._sock, name=f"graphplan-api-{i}"))
-        threading.Thread(target=self._supervise, name="graphplan-supervisor", daemon=True).start()
-        log.info(
-            "engine process %d, %d front end process(es)",
-            self._engine_proc.pid,
-            self.api_server_count,
-        )
 
     def _settings(self) -> dict:
         """What an extra front end needs to build a Server like this one."""
@@ -222,39 +205,6 @@ class Server:
             idle_timeout=self.idle_timeout,
             log_level=self.log_level,
         )
-
-    def _supervise(self) -> None:
-        """Watch the children: the engine's death (not a stop) fails the server; a front end's
-        death frees its requests."""
-        from ..wire import messages as m
-
-        engine = self._engine_proc
-        assert engine is not None
-        watched = {engine.sentinel: 0, **{c.sentinel: i + 1 for i, c in enumerate(self._children)}}
-        while engine.sentinel in watched:
-            for s in multiprocessing.connection.wait(list(watched)):
-                who = watched.pop(s)
-                if who == 0 and self.engine.state not in ("stopped", "failed"):
-                    self._engine_gone(f"the engine process died (exit code {engine.exitcode})")
-                elif who and not self._stopped:
-                    log.error("front end process %d died: freeing its requests", who)
-                    self.engine.send(m.Gone(who))
-
-    def _engine_gone(self, message: str) -> None:
-        from ..wire import messages as m
-
-        log.error("%s: ending every open request", message)
-        self.engine.engine_died(message)
-        a = self._addresses
-        assert a is not None
-        import zmq
-
-        ctx: Any = zmq.Context.instance()
-        for i in range(1, a.frontends):  # tell the other front ends, as the engine would have
-            s = ctx.socket(zmq.PUSH)
-            s.connect(a.frontend(i))
-            s.send(m.encoder.encode(m.Status("failed", error=message)))
-            s.close(linger=1000)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         if not self.processes:
@@ -299,29 +249,11 @@ class Server:
         self._stopped = True
         if not self.processes:
             self.drained = self.engine.stop(self.drain_timeout)
-        elif self.index == 0:
-            self.drained = self._stop_processes()
+        elif self._supervisor is not None:
+            self.drained = self._supervisor.stop(self.drain_timeout)
         self.uvicorn.should_exit = True
         if self._http_thread.is_alive():
             self._http_thread.join()
         self._sock.close()
         log.info("stopped")
         return self.drained
-
-    def _stop_processes(self) -> bool:
-        from ..wire import messages as m
-        from ..wire.procs import end
-
-        client, proc = self.engine, self._engine_proc
-        drained = False
-        if proc is not None and proc.is_alive() and client.state not in ("failed", "stopped"):
-            client.state = "draining"  # this front end refuses new requests at once
-            client.send(m.Drain(self.drain_timeout))
-            client.stopped.wait(self.drain_timeout + 10)
-            drained = client.state == "stopped" and client.drained
-        for p in [*([proc] if proc is not None else []), *self._children]:
-            end(p, 10)
-        client.close()
-        if self._addresses is not None:
-            self._addresses.remove()
-        return drained

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..errors import RequestError
+from ..errors import RequestError, not_serving
 from ..requests import AsyncSink, EventSink, Request, greedy_requests
 from . import messages as m
 
@@ -60,8 +60,6 @@ class EngineClient:
 
     def enqueue(self, reqs: list[Request]) -> None:
         if self.state != "ready":
-            from ..core.engine import not_serving
-
             raise not_serving(self.state)
         wire = []
         for r in reqs:

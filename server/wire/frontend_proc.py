@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from .procs import Addresses, die_with_parent
 
@@ -21,6 +22,9 @@ class FrontendConfig:
     """Server(...)'s keyword arguments for the HTTP side (source, spec, limits, admin token)."""
     index: int
     addresses: Addresses
+    server_class: Any
+    """frontend/app.py's Server, passed by the first front end (pickled by reference) rather than
+    imported here: the front end starts this module's processes."""
 
 
 def frontend_main(config: FrontendConfig, sock: socket.socket) -> None:
@@ -33,13 +37,12 @@ def frontend_main(config: FrontendConfig, sock: socket.socket) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s[api-{config.index}]: %(message)s",
     )
     from ..core.model import load_table
-    from ..frontend.app import Server
     from .client import EngineClient
 
     a = config.addresses
     table = load_table(kw["source"], kw["overrides"])
     client = EngineClient(kw["spec"], table, config.index, a.engine, a.frontend(config.index))
-    server = Server(frontend=(config.index, client, sock), **kw)
+    server = config.server_class(frontend=(config.index, client, sock), **kw)
     server.start()
     client.stopped.wait()
     server.stop()
