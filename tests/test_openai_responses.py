@@ -205,17 +205,37 @@ def test_models_and_errors_are_openais_objects(server):
 
 
 def test_an_error_mid_stream_is_one_error_event_then_done(server, monkeypatch):
-    def failing(reqs):
-        raise RuntimeError("boom")
+    real, calls = server.engine.model.make_batch, []
+
+    def failing(reqs, **kw):  # the first step runs: the stream has begun
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("boom")
+        return real(reqs, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(server.engine.model, "make_batch", failing)
         status, objs = post(
             server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "stream": True}
         )
-    assert status == 200 and set(objs[-1]) == {"error"}
+    assert status == 200 and set(objs[-1]) == {"error"} and "choices" in objs[0]
     conforms(ErrorObject, objs[-1]["error"])
     assert "internal error in the engine step" in objs[-1]["error"]["message"]
+
+
+def test_an_error_before_the_first_token_is_the_http_status(server, monkeypatch):
+    """The stream begins with its first token: a step that fails before it (or a full queue) is
+    the response's status, not an event after a 200."""
+
+    def failing(reqs, **kw):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(server.engine.model, "make_batch", failing)
+        status, body = post(
+            server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 3, "stream": True}
+        )
+    assert status == 500 and "internal error in the engine step" in str(body)
 
 
 @settings(max_examples=200, deadline=None)

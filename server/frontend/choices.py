@@ -10,6 +10,12 @@ from typing import Sequence
 
 from graphplan.models import Tokenizer
 
+try:  # tokenizers >= 0.21
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # the server serves token ids without it
+    RustTokenizer = DecodeStream = None  # type: ignore[assignment,misc]
+
 from ..requests import Request, Sampled
 from .openai_responses import Usage
 from .stop_strings import StopMatcher
@@ -20,31 +26,51 @@ decodes the new ones in context."""
 
 
 class Detokenizer:
-    """Incremental decoding, vLLM's prefix/read offsets: decode ``ids[prefix:]`` and emit what it
-    adds to ``ids[prefix:read]``; O(window) per token, not O(length)."""
+    """Incremental decoding. With a fast tokenizer (a ``tokenizers.Tokenizer`` behind it), its
+    ``DecodeStream`` (Rust) decodes each new token once, as vLLM's fast incremental detokenizer
+    does; otherwise vLLM's prefix/read offsets: decode ``ids[prefix:]`` and emit what it adds to
+    ``ids[prefix:read]``, O(window) per token, not O(length). Either way a token whose bytes do not
+    yet form whole characters waits for the next, and ``flush`` gives what is still held."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self._prefix = self._read = 0
+        self._emitted = 0  # characters emitted (the stream's flush compares the whole text)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = (
+            (backend, DecodeStream(skip_special_tokens=True))
+            if DecodeStream is not None and isinstance(backend, RustTokenizer)
+            else None
+        )
 
     def add(self, token: int) -> str:
         if self.tokenizer is None:
             return ""
         self.ids.append(token)
-        prefix_text = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+        if self._stream is not None:
+            backend, stream = self._stream
+            delta = stream.step(backend, token) or ""
+        else:
+            prefix_text = self._decode(self.ids[self._prefix : self._read])
+            text = self._decode(self.ids[self._prefix :])
+            if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+                return ""
             delta = text[len(prefix_text) :]
             self._prefix = max(0, len(self.ids) - WINDOW)
+        if delta:
             self._read = len(self.ids)
-            return delta
-        return ""
+            self._emitted += len(delta)
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held (an incomplete character at the end), as decoded."""
         if self.tokenizer is None or self._read == len(self.ids):
             return ""
+        if self._stream is not None:
+            text = self._decode(self.ids)
+            self._read = len(self.ids)
+            return text[self._emitted :]
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         text = self._decode(self.ids[self._prefix :])
         self._read = len(self.ids)
