@@ -137,7 +137,8 @@ class Engine:
         count as served, with their latency. Any thread; finished ones are ignored."""
         with self._cond:
             for r in reqs:
-                r.cancelled, r.cancel_status = True, status
+                if not r.cancelled:  # the first reason stands (a stop string, then the hang-up)
+                    r.cancelled, r.cancel_status = True, status
             self._cond.notify()
 
     def health(self) -> dict:

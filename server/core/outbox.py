@@ -46,8 +46,7 @@ class Outbox:
 
     def flush(self) -> None:
         tokens, self._tokens = self._tokens, []
-        for r, now in tokens:
-            self.metrics.token(r, now)
+        self.metrics.tokens(tokens)
         by_sink, self._by_sink = self._by_sink, {}
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncSink, list[Event]]]] = {}
         for sink, items in by_sink.values():

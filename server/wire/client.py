@@ -85,8 +85,9 @@ class EngineClient:
         return sink, reqs
 
     def cancel(self, reqs: list[Request], status: int = 499) -> None:
-        rids = [r.wire_id for r in reqs if not r.finished and r.wire_id is not None]
-        for r in reqs:
+        gone = [r for r in reqs if not (r.finished or r.cancelled) and r.wire_id is not None]
+        rids = [r.wire_id for r in gone]
+        for r in gone:  # the first reason stands (a stop string, then the hang-up)
             r.cancelled = True
         if rids:
             self.send(m.Cancel(self.index, rids, status))
