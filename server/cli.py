@@ -342,7 +342,8 @@ def serve(server: Server) -> int:
     log.info("stopping (%s)%s", why, "" if failed else ": draining")
     drained = server.stop()
     if failed:
-        print(f"graphplan-serve: {why}: stopped", file=sys.stderr, flush=True)
+        error = server.engine.health().get("error", "")
+        print(f"graphplan-serve: {why} ({error}): stopped", file=sys.stderr, flush=True)
         return 1
     name = signal.Signals(signals[0]).name
     if drained:

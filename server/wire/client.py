@@ -167,6 +167,8 @@ class EngineClient:
             sink.put_on_loop(items)
 
     def _status(self, s: m.Status) -> None:
+        if s.state == "failed" and self.state == "starting":  # as the one-process engine logs it
+            log.error("start-up failed: %s", s.error)
         self.plan, self.fingerprint = s.plan or self.plan, s.fingerprint or self.fingerprint
         self.state, self.drained = s.state, s.drained
         if s.error:

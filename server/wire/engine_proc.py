@@ -99,7 +99,7 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self.done.is_set():
-            if not poller.poll(200):
+            if not poller.poll(50):
                 if os.getppid() != parent:  # the server is gone: so is this process
                     return 1
                 continue
