@@ -24,6 +24,7 @@ import random
 import shlex
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
+from graphplan.server.core.model import parse_sets
 from graphplan.server.core.batching import ContinuousBatcher
 
 from real_scale import SHAPES, build_model, captured_runner, kv_pool
@@ -66,6 +68,16 @@ def parse_args(argv=None):
         default="rows",
         help="rows (the server's): the LM head on the sampled rows only, outside the graphs; "
         "all: every token's logits inside the step",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="plan override"
+    )
+    p.add_argument(
+        "--loop",
+        choices=("plain", "engine"),
+        default="plain",
+        help="plain: a synchronous loop of batcher, runner and argmax; engine: the server's engine "
+        "thread (server/core/engine.py, async scheduling, the sampler's graphs), no HTTP",
     )
     p.add_argument("--out")
     a = p.parse_args(argv)
@@ -131,6 +143,94 @@ def run(model, runner, table, prompts, outputs, device) -> dict:
     }
 
 
+class Prebuilt:
+    """A ServingSpec over a model already built (the engine loop serves the bench's model)."""
+
+    name, compile = "bench", ""
+
+    def __init__(self, model):
+        self.model = model
+
+    def limits(self) -> dict:
+        return {
+            "vocab_size": self.model.cfg.vocab_size,
+            "max_model_len": self.model.cfg.max_model_len,
+        }
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    def check(self) -> None:
+        pass
+
+    def load_tokenizer(self) -> None:
+        return None
+
+    def chat_template(self) -> None:
+        return None
+
+    def build(self, table, device):
+        return self.model
+
+
+class Tally:
+    """The engine's events, counted on its thread: each request's first token time, its tokens,
+    and when the last request ends (no queue, no consumer thread taking the GIL per token)."""
+
+    def __init__(self, n: int):
+        self.t0 = 0.0
+        self.first: dict[int, float] = {}
+        self.tokens = [0] * n
+        self.left = n
+        self.done = threading.Event()
+
+    def put_many(self, items) -> None:
+        now = time.perf_counter() - self.t0
+        for tag, kind, _ in items:
+            if kind == "token":
+                self.tokens[tag] += 1
+                self.first.setdefault(tag, now)
+            elif kind in ("done", "error"):
+                self.left -= 1
+        if self.left == 0:
+            self.done.set()
+
+
+def run_engine(model, table, plan: str, prompts, outputs, device) -> dict:
+    """The same workload through the server's Engine (its engine thread, async scheduling)."""
+    from graphplan.server.core.engine import Engine
+    from graphplan.server.requests import GREEDY, Request
+
+    engine = Engine(
+        table, plan, spec=Prebuilt(model), device=str(device), progress=False,
+        max_waiting=len(prompts) + 1,
+    )  # fmt: skip
+    engine.start()
+    assert engine.wait_ready(600), engine.error
+    tally = Tally(len(prompts))
+    reqs = [Request(p, n, tally, GREEDY, tag=i) for i, (p, n) in enumerate(zip(prompts, outputs))]
+    sync(device)
+    tally.t0 = time.perf_counter()
+    engine.enqueue(reqs)
+    tally.done.wait()
+    sync(device)
+    wall = time.perf_counter() - tally.t0
+    steps = int(engine.metrics.value("graphplan_server_steps_total", kind="decode"))
+    steps += int(engine.metrics.value("graphplan_server_steps_total", kind="mixed"))
+    preemptions = int(engine.metrics.value("graphplan_server_preemptions_total"))
+    stats = engine.runner.stats()
+    engine.stop(5)
+    return {
+        "wall": wall,
+        "ttft": sorted(tally.first.values()),
+        "steps": steps,
+        "done": tally.tokens,
+        "preemptions": preemptions,
+        "kinds": {},
+        "stats": stats,
+    }
+
+
 def step_kind(table, batch) -> str:
     """A step's kind for the time breakdown: decode (every request one token) by its request
     count, or mixed (prefill chunks in it); and how it runs (its graph's mode, or eager)."""
@@ -146,7 +246,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)
     hf, load_s = build_model(a, device)
-    table = compile_plan(a.plan)
+    table = compile_plan(a.plan, overrides=parse_sets(a.set) or None)
     max_len = 2 * a.max_len + 16
     pool = kv_pool(a, device, table.max_num_seqs * max_len)
     model = PagedCausalLM(
@@ -154,13 +254,17 @@ def main(argv=None) -> int:
     )
     runner, capture_s = captured_runner(model, table, device)
     prompts, outputs = workload(a, hf.config.vocab_size)
-    r = run(model, runner, table, prompts, outputs, device)
+    if a.loop == "engine":
+        runner.release()  # the engine captures its own
+        r = run_engine(model, table, a.plan, prompts, outputs, device)
+    else:
+        r = run(model, runner, table, prompts, outputs, device)
     ok = r["done"] == outputs  # every request finished with all its tokens
     out_tok, in_tok = sum(outputs), sum(map(len, prompts))
     ttft = r["ttft"]
     q = lambda f: ttft[min(len(ttft) - 1, int(f * len(ttft)))]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    stats = runner.stats()
+    stats = r.get("stats") or runner.stats()
     lines = [
         f"# offline_throughput ({a.shape}), {name}, "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
@@ -181,20 +285,25 @@ def main(argv=None) -> int:
         f"p99 {q(0.99):.2f} s",
         *(f"- anchor: {x}" for x in ANCHORS),
     ]
-    lines += [
-        "",
-        "Where the wall time goes, by step kind (each step timed from the previous one's tokens read "
-        "to its own: schedule, batch, step, LM head, argmax, commit):",
-        "",
-        "| step kind | steps | tokens | seconds | share of wall | ms per step |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    lines += (
+        []
+        if not r["kinds"]
+        else [
+            "",
+            "Where the wall time goes, by step kind (each step timed from the previous one's tokens read "
+            "to its own: schedule, batch, step, LM head, argmax, commit):",
+            "",
+            "| step kind | steps | tokens | seconds | share of wall | ms per step |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+    )
     for kind, (sec, n, tok) in sorted(r["kinds"].items(), key=lambda kv: -kv[1][0]):
         lines.append(
             f"| {kind} | {n} | {tok} | {sec:.2f} | {sec / r['wall']:.1%} | {sec / n * 1e3:.2f} |"
         )
     publish("\n".join(lines) + "\n", a.out)
-    runner.release()
+    if a.loop == "plain":
+        runner.release()
     return 0 if ok else 1
 
 

@@ -82,6 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="CUDA only")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--offline", action="store_true", help="then bench/offline_throughput.py")
+    p.add_argument(
+        "--offline-loop", choices=("plain", "engine"), default="plain",
+        help="bench/offline_throughput.py's --loop",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="append the dated record to this markdown file")
     a = p.parse_args(argv)
     if a.device is None:
@@ -209,7 +213,8 @@ def offline(a) -> dict:
     tok/s, and whether every request finished with all its tokens."""
     cmd = [sys.executable, str(ROOT / "bench" / "offline_throughput.py"), "--device", a.device,
            "--shape", a.shape, "--plan", str(a.plan), "--requests", str(a.requests),
-           "--min-len", str(a.min_len), "--max-len", str(a.max_len), "--seed", str(a.seed)]  # fmt: skip
+           "--min-len", str(a.min_len), "--max-len", str(a.max_len), "--seed", str(a.seed),
+           "--loop", a.offline_loop, *(x for s in a.set for x in ("--set", s))]  # fmt: skip
     child = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     m = re.search(r"\*\*output tokens/s (\d+)\*\*; total tokens/s (\d+)", child.stdout)
     if child.returncode not in (0, 1) or m is None:
