@@ -30,7 +30,7 @@ from graphplan.compiler import __version__
 
 from ..core.metrics import CONTENT_TYPE
 from ..errors import RequestError
-from ..requests import AsyncSink
+from ..requests import AsyncSink, greedy_requests
 from .bodies import parse_generate, parse_reload
 from .http_io import ClientGone, error_response, events, json_response, read_body
 from .openai_api import OpenAIFrontEnd
@@ -64,7 +64,8 @@ def build_app(server: Any) -> Guard:
         body = await read_body(request, server.max_body_bytes, server.idle_timeout)
         g = parse_generate(body, engine.limits())
         sink = AsyncSink(_loop())
-        _, reqs = engine.submit(g.prompts, g.max_tokens, engine.spec.stop_token_ids(), sink)
+        _, reqs = greedy_requests(g.prompts, g.max_tokens, engine.spec.stop_token_ids(), sink)
+        engine.enqueue(reqs)
         if g.stream:
             return StreamingResponse(
                 _ndjson(engine, request, sink, reqs, g.batch), media_type="application/x-ndjson"

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import RequestError, not_serving
-from ..requests import AsyncSink, EventSink, Request, greedy_requests
+from ..requests import AsyncSink, Request
 from . import messages as m
 
 log = logging.getLogger("graphplan.server")
@@ -73,20 +73,9 @@ class EngineClient:
             r.wire_id = rid
         self.send(m.Add(self.index, wire))
 
-    def submit(
-        self,
-        prompts: list[list[int]],
-        max_tokens: int,
-        stop_token_ids: tuple[int, ...] = (),
-        sink: EventSink | None = None,
-    ) -> tuple[Any, list[Request]]:
-        sink, reqs = greedy_requests(prompts, max_tokens, stop_token_ids, sink)
-        self.enqueue(reqs)
-        return sink, reqs
-
     def cancel(self, reqs: list[Request], status: int = 499) -> None:
-        gone = [r for r in reqs if not (r.finished or r.cancelled) and r.wire_id is not None]
-        rids = [r.wire_id for r in gone]
+        gone = [r for r in reqs if not (r.finished or r.cancelled)]
+        rids = [r.wire_id for r in gone if r.wire_id is not None]
         for r in gone:  # the first reason stands (a stop string, then the hang-up)
             r.cancelled = True
         if rids:
