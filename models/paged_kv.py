@@ -170,6 +170,10 @@ class BlockTables:
     def num_free(self) -> int:
         return self._num_free
 
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they will be handed out."""
+        return np.roll(self._ring, -self._head)[: self._num_free].tolist()
+
     def _take(self, out: np.ndarray) -> None:
         """Fill ``out`` with the next ``len(out)`` free blocks (there are that many)."""
         k, n, h = len(out), len(self._ring), self._head
