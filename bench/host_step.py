@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     host = sum(v for k, v in t.items() if k != "read")
     lines = [
         f"## host_step: {a.batch} decodes a step, {'sampled' if a.sampled else 'greedy'}, "
-        f"{a.context}-token prompts, {a.device}",
+        f"{a.device}, {a.context}-token prompts" + (", non_blocking" if a.non_blocking else ""),
         "",
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {where}, torch "
         f"{torch.__version__}, python {platform.python_version()}; "
