@@ -226,6 +226,8 @@ class BlockTables:
         """``reserve(seat, start, count)`` for each request of a step, in order (distinct seats):
         the call is made only for a request that starts a sequence or needs another block (a
         decode needs one every ``block_size`` steps), found with array operations."""
+        if len(seats) and not (0 <= seats.min() and seats.max() < len(self.held)):
+            raise IndexError(f"seats {seats.tolist()}: a seat is out of [0, {len(self.held)})")
         want = -(-(starts + counts) // self.block_size)
         for i in np.flatnonzero((starts == 0) | (want > self.held[seats])).tolist():
             self.reserve(int(seats[i]), int(starts[i]), int(counts[i]))
@@ -255,5 +257,6 @@ class BlockTables:
         return torch.from_numpy(self.table[np.asarray(seats, dtype=np.int64)])
 
     def rows_into(self, seats: np.ndarray, out: np.ndarray) -> None:
-        """The seats' rows into ``out`` [len(seats), max_blocks_per_seq] int32, one gather."""
-        np.take(self.table, seats, axis=0, out=out)
+        """The seats' rows into ``out`` [len(seats), max_blocks_per_seq] int32, one gather
+        (seats in range: ``reserve_all`` checks them)."""
+        np.take(self.table, seats, axis=0, out=out, mode="clip")  # "raise" gathers via a copy

@@ -32,7 +32,7 @@ ALIGN_BYTES = 16
 
 def aligned(n: int, dtype: torch.dtype) -> int:
     """``n`` elements rounded up to whole ``ALIGN_BYTES``."""
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-n // per) * per
 
 
@@ -79,9 +79,9 @@ class PinnedStaging:
         """The first ``n`` elements of the buffer ``host`` gave, as a new tensor on the device:
         one copy (on CUDA ordered on the current stream, the host waiting for nothing when
         ``non_blocking``)."""
+        if not self.pinned:  # numpy's copy: one memcpy, not torch's copy parallel over threads
+            return torch.from_numpy(self._views[self._turn][:n].copy()).to(self.device)
         src = self._bufs[self._turn][:n]
-        if not self.pinned:
-            return src.to(self.device, copy=True)
         out = torch.empty(n, dtype=self.dtype, device=self.device)
         out.copy_(src, non_blocking=non_blocking)
         event = self._events[self._turn]

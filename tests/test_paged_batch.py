@@ -254,6 +254,14 @@ def test_every_input_starts_16_byte_aligned():
         assert batch[name].data_ptr() % 16 == 0, name
 
 
+def test_a_seat_out_of_range_is_an_error_before_anything_is_reserved():
+    builder, _ = pair(num_seats=3)
+    for seat in (-1, 3):
+        with pytest.raises(IndexError, match="out of"):
+            builder.build([(0, 0, [1]), (seat, 0, [2])])
+        assert builder.tables.num_free() == 40
+
+
 def test_an_empty_step_is_empty():
     builder, ref = pair()
     assert_same(builder.build([]), reference_batch(ref, []))
