@@ -56,6 +56,7 @@ for step in "$@"; do
     overhead-sampled) timeout 590 python bench/serve_overhead.py --random-weights --variants sampled,sampled+async,sampled+async+fused --out "$OUT/serve_overhead_sampled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     overhead-all) timeout 590 python bench/serve_overhead.py --random-weights --variants greedy,greedy+async,sampled,sampled+async+fused --out "$OUT/serve_overhead_all.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     hoststep)  timeout 200 python bench/host_step.py --out "$OUT/host_step.md" 2>&1 | tail -6; timeout 200 python bench/host_step.py --sampled --out "$OUT/host_step_sampled.md" 2>&1 | tail -4 ;;
+    hoststep-long) for b in 64 256; do timeout 250 python bench/host_step.py --batch $b --context 1024 --non-blocking --out "$OUT/host_step_long_$b.md" 2>&1 | tail -4; done ;;
     offline)   for m in rows all; do timeout 280 python bench/offline_throughput.py --logits $m --out "$OUT/offline_throughput_$m.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -8; done ;;
     threadcpu) timeout 200 python bench/thread_cpu.py --clients 64 --rounds 3 --out "$OUT/thread_cpu.md" 2>&1 | tail -7 ;;
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
