@@ -8,10 +8,14 @@ batcher's bookkeeping). CPU or GPU; on the CPU the runner's and sampler's launch
 
     python bench/host_step.py --out bench/results/host_step.md          # CUDA when present
     python bench/host_step.py --device cpu --batch 64 --steps 100
+    python bench/host_step.py --device cpu --batch 256 --context 1024 --non-blocking
 
-Every one of ``--batch`` requests decodes every step (a prompt of 16 tokens first, then up to
-``--steps`` more tokens each, greedy or ``--sampled``); the tiny Llama shape of bench/llama_shapes.py
-with random weights, plan ``plans/hf-mixed.yaml`` with ``--batch`` seats.
+Every one of ``--batch`` requests decodes every step (a prompt of ``--context`` tokens first, 16 by
+default, prefilled in untimed steps; then up to ``--steps`` more tokens each, greedy or
+``--sampled``); the tiny Llama shape of bench/llama_shapes.py with random weights, plan
+``plans/hf-mixed.yaml`` with ``--batch`` seats. A long context makes the block tables wide (1024
+tokens: 64 blocks a request at block size 16), which is what ``make_batch`` moves every step.
+``--non-blocking``: ``make_batch(non_blocking=True)``, the async-scheduling engine's call.
 """
 
 from __future__ import annotations
@@ -49,17 +53,24 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=200, help="decode steps timed (after 10 more)")
     p.add_argument("--sampled", action="store_true", help="temperature 0.8, top_p 0.95, seeded")
+    p.add_argument("--context", type=int, default=16, help="prompt tokens of each request")
+    p.add_argument(
+        "--non-blocking", action="store_true", help="make_batch(non_blocking=True), as async does"
+    )
     p.add_argument("--out", help="also write the markdown result here")
     a = p.parse_args(argv)
-    if a.batch < 1 or a.steps < 1:
-        p.error("--batch and --steps must be at least 1")
+    if a.batch < 1 or a.steps < 1 or a.context < 1:
+        p.error("--batch, --steps and --context must be at least 1")
     return a
 
 
 def measure(a) -> dict[str, float]:
     """Mean seconds per step of each phase."""
     device = torch.device(a.device)
-    max_len = 16 + a.steps + 16
+    # requests that finish their prefill early decode in the mixed steps while others prefill
+    # (a budget of 16 tokens a seat: about context / 16 such steps): tokens for those too
+    max_tokens = a.steps + 12 + 2 * -(-a.context // 16)
+    max_len = a.context + max_tokens + 16
     with tempfile.TemporaryDirectory() as tmp:
         path = load_test.write_model(Path(tmp) / "m", "tiny", max_len)
         model = PagedCausalLM.load(
@@ -84,15 +95,18 @@ def measure(a) -> dict[str, float]:
     )
     for i in range(a.batch):
         params = SamplingParams(temperature=0.8, top_p=0.95, seed=i) if a.sampled else GREEDY
-        r = Request([(i * 7 + k) % 400 + 3 for k in range(16)], a.steps + 11, QueueSink(), params)
+        prompt = [(i * 7 + k) % 400 + 3 for k in range(a.context)]
+        r = Request(prompt, max_tokens, QueueSink(), params)
         batcher.add(r, r.prompt, r.max_tokens)
     totals = dict.fromkeys(PHASES, 0.0)
-    for step in range(a.steps + 11):  # the prefill, 10 warm-up decodes, then the timed ones
+    nb = {"non_blocking": True} if a.non_blocking else {}
+    decodes = 0
+    while decodes < a.steps + 10:  # the prefill steps, 10 warm-up decodes, then the timed ones
         t = [time.perf_counter()]
         batch = batcher.schedule()
         assert batch is not None
         t.append(time.perf_counter())
-        inputs = model.make_batch(batch.reqs)
+        inputs = model.make_batch(batch.reqs, **nb)
         t.append(time.perf_counter())
         logits = runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
         t.append(time.perf_counter())
@@ -102,7 +116,10 @@ def measure(a) -> dict[str, float]:
         t.append(time.perf_counter())
         batcher.commit(batch, sampled=[s.token for s in sampled])
         t.append(time.perf_counter())
-        if step > 10:
+        if batch.num_reqs < a.batch or batch.max_query_len > 1:  # still prefilling
+            continue
+        decodes += 1
+        if decodes > 10:
             for name, t0, t1 in zip(PHASES, t, t[1:]):
                 totals[name] += t1 - t0
     return {name: v / a.steps for name, v in totals.items()}
@@ -115,7 +132,7 @@ def main(argv=None) -> int:
     host = sum(v for k, v in t.items() if k != "read")
     lines = [
         f"## host_step: {a.batch} decodes a step, {'sampled' if a.sampled else 'greedy'}, "
-        f"{a.device}",
+        f"{a.device}, {a.context}-token prompts" + (", non_blocking" if a.non_blocking else ""),
         "",
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {where}, torch "
         f"{torch.__version__}, python {platform.python_version()}; "

@@ -15,9 +15,9 @@ is the padding block, so the padding slot is ``num_blocks * block_size``. A toke
 from __future__ import annotations
 
 import os
-from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphplan.compiler.errors import GraphplanError
@@ -144,46 +144,109 @@ class PagedKVCache:
 
 class BlockTables:
     """Blocks per seat (a batcher's cache row), allocated as its sequence grows. A chunk that starts
-    at position 0 is a new sequence: the seat's old blocks go back first."""
+    at position 0 is a new sequence: the seat's old blocks go back first.
+
+    Kept as arrays, so a step's work is a few array operations however long its sequences are:
+    ``table`` [num_seats, max_blocks_per_seq] int32 holds every seat's row (its blocks in order,
+    then the padding block), ``held`` how many blocks each seat holds; the free blocks are a ring,
+    handed out first in, first out. A step's rows are gathered straight into the buffer that goes
+    to the device (``rows_into``) and its slots computed for all its tokens at once
+    (``slots_into``)."""
 
     def __init__(
         self, *, num_blocks: int, block_size: int, num_seats: int, max_blocks_per_seq: int
     ):
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.pad_block = num_blocks
-        self._free = deque(range(num_blocks))
-        self._seats: list[list[int]] = [[] for _ in range(num_seats)]
-        # every seat's row, kept as blocks come and go: a step gathers its rows in one index
-        self.table = torch.full((num_seats, max_blocks_per_seq), num_blocks, dtype=torch.int32)
+        # the free blocks: ring[head], ring[head + 1], ... (mod num_blocks), _num_free of them
+        self._ring = np.arange(num_blocks, dtype=np.int32)
+        self._head, self._num_free = 0, num_blocks
+        self.held = np.zeros(num_seats, dtype=np.int64)
+        """[num_seats]: blocks each seat holds, the first ``held[seat]`` of its row."""
+        self.table = np.full((num_seats, max_blocks_per_seq), num_blocks, dtype=np.int32)
+        """[num_seats, max_blocks_per_seq] int32: every seat's row, padded with the padding
+        block."""
 
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they will be handed out."""
+        return np.roll(self._ring, -self._head)[: self._num_free].tolist()
+
+    def _take(self, out: np.ndarray) -> None:
+        """Fill ``out`` with the next ``len(out)`` free blocks (there are that many)."""
+        k, n, h = len(out), len(self._ring), self._head
+        if not k:
+            return
+        first = min(k, n - h)
+        out[:first] = self._ring[h : h + first]
+        out[first:] = self._ring[: k - first]
+        self._head = (h + k) % n
+        self._num_free -= k
+
+    def _give(self, blocks: np.ndarray) -> None:
+        """Put ``blocks`` back at the ring's end, in order."""
+        k, n = len(blocks), len(self._ring)
+        if not k:
+            return
+        tail = (self._head + self._num_free) % n
+        first = min(k, n - tail)
+        self._ring[tail : tail + first] = blocks[:first]
+        self._ring[: k - first] = blocks[first:]
+        self._num_free += k
 
     def release(self, seat: int) -> None:
-        self._free.extend(self._seats[seat])
-        self.table[seat, : len(self._seats[seat])] = self.pad_block
-        self._seats[seat] = []
+        k = int(self.held[seat])
+        row = self.table[seat]
+        self._give(row[:k])
+        row[:k] = self.pad_block
+        self.held[seat] = 0
 
     def reserve(self, seat: int, start: int, num_tokens: int) -> None:
         """Blocks for positions [0, start + num_tokens) of the seat's sequence."""
         if start == 0:
             self.release(seat)
-        blocks = self._seats[seat]
+        have = int(self.held[seat])
         want = -(-(start + num_tokens) // self.block_size)
         if want > self.max_blocks:
             raise KVCacheSizeError(
                 f"seat {seat}: {start + num_tokens} tokens exceed the "
                 f"{self.max_blocks * self.block_size} a block table holds"
             )
-        while len(blocks) < want:
-            if not self._free:
-                raise KVCacheSizeError(f"seat {seat}: no free KV-cache block left")
-            self.table[seat, len(blocks)] = self._free[0]
-            blocks.append(self._free.popleft())
+        if want <= have:
+            return
+        k = min(want - have, self._num_free)  # as many as there are, then the error
+        self._take(self.table[seat, have : have + k])
+        self.held[seat] = have + k
+        if have + k < want:
+            raise KVCacheSizeError(f"seat {seat}: no free KV-cache block left")
+
+    def reserve_all(self, seats: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> None:
+        """``reserve(seat, start, count)`` for each request of a step, in order (distinct seats):
+        the call is made only for a request that starts a sequence or needs another block (a
+        decode needs one every ``block_size`` steps), found with array operations."""
+        if len(seats) and not (0 <= seats.min() and seats.max() < len(self.held)):
+            raise IndexError(f"seats {seats.tolist()}: a seat is out of [0, {len(self.held)})")
+        want = -(-(starts + counts) // self.block_size)
+        for i in np.flatnonzero((starts == 0) | (want > self.held[seats])).tolist():
+            self.reserve(int(seats[i]), int(starts[i]), int(counts[i]))
 
     def slots(self, seat: int, start: int, num_tokens: int) -> list[int]:
-        blocks, bs = self._seats[seat], self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+        end = start + num_tokens
+        if end > int(self.held[seat]) * self.block_size:
+            raise IndexError(f"seat {seat}: positions up to {end} are past its blocks")
+        pos = np.arange(start, end, dtype=np.int64)
+        out = np.empty(num_tokens, dtype=np.int64)
+        self.slots_into(np.full(num_tokens, seat), pos, out)
+        return out.tolist()
+
+    def slots_into(self, seats: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+        """``out[i]``: the slot of position ``positions[i]`` of seat ``seats[i]``'s sequence
+        (``table[seat][p // block_size] * block_size + p % block_size``)."""
+        bs = self.block_size
+        np.multiply(self.table[seats, positions // bs], bs, out=out, dtype=np.int64)
+        out += positions % bs
 
     def row(self, seat: int) -> list[int]:
         """The seat's block table, padded with the padding block to ``max_blocks_per_seq``."""
@@ -191,4 +254,9 @@ class BlockTables:
 
     def rows(self, seats: list[int]) -> torch.Tensor:
         """[len(seats), max_blocks_per_seq] int32 on the CPU: the seats' block tables."""
-        return self.table.index_select(0, torch.tensor(seats, dtype=torch.int64))
+        return torch.from_numpy(self.table[np.asarray(seats, dtype=np.int64)])
+
+    def rows_into(self, seats: np.ndarray, out: np.ndarray) -> None:
+        """The seats' rows into ``out`` [len(seats), max_blocks_per_seq] int32, one gather
+        (seats in range: ``reserve_all`` checks them)."""
+        np.take(self.table, seats, axis=0, out=out, mode="clip")  # "raise" gathers via a copy

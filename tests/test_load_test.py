@@ -96,6 +96,24 @@ def test_host_step_times_each_phase_of_a_steady_decode_step(tmp_path):
     cells = [float(c) for c in row.strip("| ").split(" | ")]
     assert len(cells) == len(PHASES) + 1 and all(c > 0 for c in cells)
     assert cells[-1] == pytest.approx(sum(cells[:-1]) - cells[PHASES.index("read")], abs=3)
+    # long prompts, prefilled in untimed steps, and make_batch as async scheduling calls it
+    argv = ["--device", "cpu", "--batch", "3", "--steps", "3", "--context", "40", "--non-blocking"]
+    assert host_step([*argv, "--out", str(out)]) == 0
+    assert "## host_step: 3 decodes a step, greedy, cpu, 40-token prompts, non_blocking" in (
+        out.read_text()
+    )
+
+
+def test_make_batch_bench_times_the_steady_decode_batch(tmp_path):
+    from make_batch_bench import main as make_batch_bench
+
+    out = tmp_path / "mb.md"
+    argv = ["--device", "cpu", "--batch", "4", "--context", "20", "--steps", "3", "--repeats", "2"]
+    assert make_batch_bench([*argv, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## make_batch: 4 decodes of 20-token contexts, cpu" in text
+    best, median = (float(c) for c in text.strip().splitlines()[-1].strip("| ").split(" | "))
+    assert 0 < best <= median
 
 
 def test_thread_cpu_reads_each_threads_cpu_per_streamed_token(tmp_path):

@@ -31,10 +31,11 @@ from functools import cached_property
 
 import torch
 
-from graphplan.runtime.buffers import StaticInput, to_device
+from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.piecewise.breakable import current_step
 
 from ..logits import every_token_rows
+from ..paged_batch import PagedBatchBuilder
 from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .fused_decoder import FusedDecoder, fuse, why_not_fused
@@ -156,8 +157,9 @@ class PagedCausalLM(torch.nn.Module):
                 f"max_position_embeddings={limit}"
             )
         reserve = 0
+        self._step_tokens = max_step_tokens or DEFAULT_STEP_TOKENS  # make_batch's staging
         if param.device.type == "cuda" and kv_cache_tokens is None:
-            step = max_step_tokens or DEFAULT_STEP_TOKENS
+            step = self._step_tokens
             reserve = step_reserve_bytes(self, self._pool, shape, max_num_seqs, max_model_len, step)
         blocks = size_blocks(
             shape,
@@ -237,6 +239,12 @@ class PagedCausalLM(torch.nn.Module):
             num_seats=max_num_seqs,
             max_blocks_per_seq=shape.blocks_per_seq(max_model_len),
         )
+        self.batches = PagedBatchBuilder(
+            self.tables,
+            max_tokens=self._step_tokens,
+            max_reqs=max_num_seqs,
+            device=self.hf.device,
+        )
 
     @property
     def fused_ops(self) -> bool:
@@ -299,36 +307,9 @@ class PagedCausalLM(torch.nn.Module):
     # -- batches ----------------------------------------------------------------------------
     def make_batch(self, reqs, *, non_blocking: bool = False) -> dict[str, torch.Tensor]:
         """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments
-        (``non_blocking``: ``graphplan.models.Model.make_batch``)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seats: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        for seat, start, tokens in reqs:
-            n = len(tokens)
-            self.tables.reserve(seat, start, n)
-            ids += tokens
-            pos += range(start, start + n)
-            slots += self.tables.slots(seat, start, n)
-            seats.append(seat)
-            seq_lens.append(start + n)
-            qsl.append(qsl[-1] + n)
-        # three copies to the device, not six: the int64 inputs in one tensor, the int32 in
-        # another, each input a view of its part
-        t, r, dev = len(ids), len(seats), self.device
-        move = (lambda x: to_device(x, dev)) if non_blocking else (lambda x: x.to(dev))
-        i64 = move(torch.tensor(ids + pos + slots, dtype=torch.int64))
-        i32 = move(torch.tensor(seq_lens + qsl, dtype=torch.int32))
-        return dict(
-            input_ids=i64[:t],
-            positions=i64[t : 2 * t],
-            slot_mapping=i64[2 * t :],
-            block_tables=move(self.tables.rows(seats)),
-            seq_lens=i32[:r],
-            query_start_loc=i32[r:],
-        )
+        (``non_blocking``: ``graphplan.models.Model.make_batch``), built in staging buffers
+        reused every step and moved in two copies (``paged_batch.PagedBatchBuilder``)."""
+        return self.batches.build(reqs, non_blocking=non_blocking)
 
     @property
     def kv_pool(self) -> BlockTables:
