@@ -150,9 +150,30 @@ def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
 
 def _check_depth(text: str, file: str) -> None:
     """libyaml composes recursively in C: a plan nested ~100k deep would crash the process, so
-    the event stream (a flat state machine) is checked first."""
+    the event stream (a flat state machine) is checked first. libyaml 0.2.6 (bundled from PyYAML
+    6.0.4) refuses nesting past 1000 levels itself, and may do so while scanning ahead, before
+    any event shows the depth: that refusal is the same too-deep error, located by the
+    pure-Python reader, which streams (and stops at the plan's own limit)."""
+    try:
+        _walk_depth(text, file, _Loader)
+    except yaml.YAMLError as e:
+        if "nesting depth" not in str(e):
+            raise
+        _walk_depth(text, file, yaml.SafeLoader)  # raises too-deep where MAX_DEPTH is crossed
+        mark = getattr(e, "problem_mark", None)
+        _fail(
+            file,
+            "too-deep",
+            f"nested more than {MAX_DEPTH} levels",
+            "plans nest a few levels",
+            mark.line + 1 if mark else 0,
+            mark.column + 1 if mark else 0,
+        )
+
+
+def _walk_depth(text: str, file: str, loader) -> None:
     depth = 0
-    for ev in yaml.parse(text, Loader=_Loader):
+    for ev in yaml.parse(text, Loader=loader):
         if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
             depth += 1
             if depth > MAX_DEPTH:
