@@ -5,6 +5,7 @@ Every failure is a PlanError whose diagnostics carry file, line and column.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -347,6 +348,7 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     overrides = dict(overrides or {})
     data: object
     positions: dict  # plan path -> (line, col)
+    dotted = overrides  # the ones set as dotted plan keys (a template's are its variables)
     if isinstance(source, dict):
         check_overrides(overrides, "<plan>")
         check_value(source, "<plan>")
@@ -354,6 +356,7 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     elif isinstance(source, (str, os.PathLike)):
         file = str(source)
         _, data, positions = read_plan(Path(source), overrides)
+        dotted = {} if Path(source).name.endswith(".j2") else overrides
     else:
         raise TypeError(
             f"compile_plan: source must be a path or a dict, not {type(source).__name__}"
@@ -372,6 +375,10 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
         located = []
         for path, code, message, hint in errors:
             line, col = _position(positions, path)
+            key = _override_of(path, dotted)
+            if key is not None:  # the value came from --set: the file's line holds another
+                line, col = 0, 0
+                message = f"--set {key}={_shown(dotted[key])}: {message}"
             located.append(
                 Diagnostic(
                     code=code,
@@ -387,6 +394,18 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
         raise PlanError(sorted(located, key=lambda d: (d.line, d.col)))
     plan = fill_defaults(data)
     return LoadedPlan(spec=plan_from_dict(plan), plan=plan, file=file, positions=positions)
+
+
+def _override_of(path: tuple, overrides: dict) -> str | None:
+    """The ``--set`` key whose value holds plan ``path`` (the longest one), or None."""
+    keys = [k for k in overrides if path[: len(k.split("."))] == tuple(k.split("."))]
+    return max(keys, key=len) if keys else None
+
+
+def _shown(value) -> str:
+    """An override's value as a ``--set`` would write it (JSON is YAML), cut to a glance."""
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else f"{text[:60]}...[{len(text)} characters]"
 
 
 def _dotted(path: tuple) -> str:

@@ -98,7 +98,8 @@ def test_a_plan_nested_past_the_limit_is_too_deep_at_its_line(tmp_path, reader, 
 
 def test_the_depth_is_located_where_the_limit_is_crossed(tmp_path, reader):
     path = tmp_path / "plan.yaml"
-    path.write_text("version: 1\nname: x\nlora: " + "[" * 5000 + "]" * 5000 + "\n")  # the plan is level 1
+    path.write_text("version: 1\nname: x\nlora: " + "[" * 5000 + "]" * 5000 + "\n")
+    # the plan's mapping is level 1: the 32nd "[" is level 33
     with pytest.raises(PlanError, match=rf"plan.yaml:3:{6 + MAX_DEPTH}: error\[too-deep\]"):
         compile_plan(path)
 
