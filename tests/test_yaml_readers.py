@@ -13,7 +13,7 @@ import yaml
 from yaml.scanner import ScannerError
 
 from graphplan.compiler import PlanError, compile_plan
-from graphplan.compiler import load as L
+from graphplan.compiler import yaml_read as L
 from graphplan.compiler.cli import main
 from graphplan.compiler.limits import MAX_DEPTH
 
