@@ -10,6 +10,10 @@ MAX_SHOWN = 200
 """An echoed run of text without a space longer than this is cut, its length said."""
 MAX_LINE = 4000
 """A rendered diagnostic line longer than this keeps its start and end, its length said."""
+MAX_REPORTED = 20
+"""An error report shows at most this many diagnostics (and at most ``MAX_REPORT`` characters of
+them), then a count of the rest: a plan with 100,000 unknown keys is not a 2 MB message."""
+MAX_REPORT = 8_000
 # C0/C1 controls, DEL, and the bidirectional overrides that reorder what a terminal shows
 _HIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _LONG_RUN = re.compile(r"\S{%d,}" % (MAX_SHOWN + 1))
@@ -82,14 +86,36 @@ class GraphplanError(Exception):
     exit_code = 1
 
 
+def reported(diagnostics) -> tuple[list[Diagnostic], int]:
+    """(the diagnostics an error report shows, how many it leaves out): the first ones, at most
+    ``MAX_REPORTED`` and ``MAX_REPORT`` characters of formatted text (always the first)."""
+    diagnostics = list(diagnostics)
+    shown: list[Diagnostic] = []
+    size = 0
+    for d in diagnostics[:MAX_REPORTED]:
+        size += len(d.format()) + 1
+        if shown and size > MAX_REPORT:
+            break
+        shown.append(d)
+    return shown, len(diagnostics) - len(shown)
+
+
+def left_out_line(count: int, kind: str = "error") -> str:
+    """The line that ends a report that left ``count`` diagnostics out."""
+    return f"... and {count} more {kind}{'s' if count != 1 else ''} (the first are shown above)"
+
+
 class PlanError(GraphplanError):
-    """The plan is invalid: bad YAML, schema violations, or rules that span fields."""
+    """The plan is invalid: bad YAML, schema violations, or rules that span fields. Holds every
+    diagnostic; its message shows the first (``reported``) and counts the rest."""
 
     exit_code = 2
 
     def __init__(self, diagnostics: list[Diagnostic]):
         self.diagnostics = list(diagnostics)
-        super().__init__("\n".join(d.format() for d in self.diagnostics))
+        shown, left_out = reported(self.diagnostics)
+        lines = [d.format() for d in shown] + ([left_out_line(left_out)] if left_out else [])
+        super().__init__("\n".join(lines))
 
 
 class TableError(GraphplanError):

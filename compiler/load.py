@@ -5,19 +5,28 @@ Every failure is a PlanError whose diagnostics carry file, line and column.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
-import yaml
-
 from .errors import Diagnostic, PlanError
-from .limits import MAX_DEPTH, MAX_NODES, MAX_PLAN_BYTES, check_value, read_regular_file
+from .limits import MAX_DEPTH, MAX_PLAN_BYTES, check_value, read_regular_file
 from .schema import fill_defaults, schema_errors
 from .spec import PlanSpec, plan_from_dict
+from .yaml_read import parse_set_value, parse_yaml
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_PLAN_BYTES",
+    "LoadedPlan",
+    "load_plan",
+    "parse_set_value",
+    "parse_yaml",
+    "read_plan",
+    "read_text",
+]
 
 
 @dataclass
@@ -69,165 +78,6 @@ def read_text(path: Path) -> str:
             line,
             col,
         )
-
-
-_INT_TAG = "tag:yaml.org,2002:int"
-
-
-def _positions(node, path=(), out=None, file="<plan>", walk=None) -> dict:
-    """Walk a composed YAML node: record positions, reject duplicate and non-scalar keys, and
-    bound nesting, recursive aliases and alias expansion (a "billion laughs" plan)."""
-    out = {} if out is None else out
-    walk = {"open": set(), "size": {}, "total": 0} if walk is None else walk
-    out.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
-    if id(node) in walk["open"]:
-        _fail(
-            file,
-            "recursive-alias",
-            "an alias refers to a node that contains it",
-            "remove the alias",
-            node.start_mark.line + 1,
-            node.start_mark.column + 1,
-        )
-    if id(node) in walk["size"]:  # an alias seen before: count its expansion, positions known
-        walk["total"] += walk["size"][id(node)]
-    else:
-        before = walk["total"]
-        walk["total"] += 1
-        walk["open"].add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[str, int] = {}  # key -> its line
-            for k, v in node.value:
-                if not isinstance(k, yaml.ScalarNode):
-                    _fail(
-                        file,
-                        "bad-key",
-                        "a key must be a plain word, not a list or mapping",
-                        "write `name: value`",
-                        k.start_mark.line + 1,
-                        k.start_mark.column + 1,
-                    )
-                key = k.value
-                if key in seen:
-                    _fail(
-                        file,
-                        "duplicate-key",
-                        f"key '{key}' appears twice (first at line {seen[key]})",
-                        "remove one of them",
-                        k.start_mark.line + 1,
-                        k.start_mark.column + 1,
-                    )
-                seen[key] = k.start_mark.line + 1
-                out.setdefault(
-                    path + (key, "<key>"), (k.start_mark.line + 1, k.start_mark.column + 1)
-                )
-                _positions(v, path + (key,), out, file, walk)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                _positions(v, path + (i,), out, file, walk)
-        elif node.tag == _INT_TAG and len(node.value) > 300:  # int("9" * 5000) is a ValueError
-            _fail(
-                file,
-                "out-of-range",
-                f"a {len(node.value)}-character integer; plan integers have a few digits",
-                "use a plan-sized number",
-                node.start_mark.line + 1,
-                node.start_mark.column + 1,
-            )
-        walk["open"].discard(id(node))
-        walk["size"][id(node)] = walk["total"] - before
-    if walk["total"] > MAX_NODES:
-        _fail(
-            file,
-            "too-large",
-            f"more than {MAX_NODES} values (aliases expanded)",
-            "plans are small: use a preset or ranges, and no nested aliases",
-            node.start_mark.line + 1,
-            node.start_mark.column + 1,
-        )
-    return out
-
-
-def _check_depth(text: str, file: str) -> None:
-    """libyaml composes recursively in C: a plan nested ~100k deep would crash the process, so
-    the event stream (a flat state machine) is checked first."""
-    depth = 0
-    for ev in yaml.parse(text, Loader=_Loader):
-        if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                _fail(
-                    file,
-                    "too-deep",
-                    f"nested more than {MAX_DEPTH} levels",
-                    "plans nest a few levels",
-                    ev.start_mark.line + 1,
-                    ev.start_mark.column + 1,
-                )
-        elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            depth -= 1
-
-
-def parse_yaml(text: str, file: str) -> tuple[object, dict]:
-    loader = _Loader(text)
-    try:
-        _check_depth(text, file)
-        node = loader.get_single_node()
-        if node is None:
-            _fail(
-                file,
-                "empty",
-                "the plan is empty",
-                "start from a shipped plan, e.g. plans/llama3-8b-h100.yaml",
-            )
-        positions = _positions(node, file=file)
-        data = loader.construct_document(node)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e)
-        _fail(
-            file,
-            "yaml",
-            f"invalid YAML: {problem}",
-            "check indentation, colons and quotes",
-            mark.line + 1 if mark else 0,
-            mark.column + 1 if mark else 0,
-        )
-    finally:
-        loader.dispose()
-    return data, positions
-
-
-def parse_set_value(text: str, key: str, file: str = "<plan>"):
-    """One ``--set KEY=VALUE`` value, read as YAML under the plan file's bounds (size, depth,
-    aliases); text that is not YAML stays a string. An error names the plan ``file`` it applies
-    to and the ``--set`` itself: ``plan.yaml: error[too-deep]: --set a.b=[[[...: ...``."""
-    try:
-        return _set_value(text, key)
-    except PlanError as e:
-        d = e.diagnostics[0]
-        message = f"--set {key}={text}: {d.message}"
-        raise PlanError([replace(d, file=file, line=0, col=0, message=message)]) from None
-
-
-def _set_value(text: str, key: str):
-    where = f"--set {key}"
-    if len(text) > MAX_PLAN_BYTES:
-        _fail(where, "too-large", f"{len(text)} characters; a value is at most {MAX_PLAN_BYTES}")
-    if not text.strip():
-        return ""
-    loader = _Loader(text)
-    try:
-        _check_depth(text, where)
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _positions(node, file=where)
-        return loader.construct_document(node)
-    except yaml.YAMLError:
-        return text
-    finally:
-        loader.dispose()
 
 
 def check_overrides(overrides: dict, file: str) -> None:
@@ -326,6 +176,7 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     overrides = dict(overrides or {})
     data: object
     positions: dict  # plan path -> (line, col)
+    dotted = overrides  # the ones set as dotted plan keys (a template's are its variables)
     if isinstance(source, dict):
         check_overrides(overrides, "<plan>")
         check_value(source, "<plan>")
@@ -333,6 +184,7 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
     elif isinstance(source, (str, os.PathLike)):
         file = str(source)
         _, data, positions = read_plan(Path(source), overrides)
+        dotted = {} if Path(source).name.endswith(".j2") else overrides
     else:
         raise TypeError(
             f"compile_plan: source must be a path or a dict, not {type(source).__name__}"
@@ -351,6 +203,10 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
         located = []
         for path, code, message, hint in errors:
             line, col = _position(positions, path)
+            key = _override_of(path, dotted)
+            if key is not None:  # the value came from --set: the file's line holds another
+                line, col = 0, 0
+                message = f"--set {key}={_shown(dotted[key])}: {message}"
             located.append(
                 Diagnostic(
                     code=code,
@@ -366,6 +222,18 @@ def load_plan(source, overrides: dict | None = None) -> LoadedPlan:
         raise PlanError(sorted(located, key=lambda d: (d.line, d.col)))
     plan = fill_defaults(data)
     return LoadedPlan(spec=plan_from_dict(plan), plan=plan, file=file, positions=positions)
+
+
+def _override_of(path: tuple, overrides: dict) -> str | None:
+    """The ``--set`` key whose value holds plan ``path`` (the longest one), or None."""
+    keys = [k for k in overrides if path[: len(k.split("."))] == tuple(k.split("."))]
+    return max(keys, key=len) if keys else None
+
+
+def _shown(value) -> str:
+    """An override's value as a ``--set`` would write it (JSON is YAML), cut to a glance."""
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else f"{text[:60]}...[{len(text)} characters]"
 
 
 def _dotted(path: tuple) -> str:

@@ -82,15 +82,58 @@ def _type_name(v) -> str:
     }.get(type(v), type(v).__name__)
 
 
+FORMS = {
+    "preset": "{preset: vllm | sglang | trtllm, ceiling, max_size, enable_padding}",
+    "ranges": "{ranges: [{from, to, step}, ...], include: [...]}",
+}
+"""capture_sizes' two mapping forms (beside a list), each told apart by its required key."""
+
+
+def _form(schema) -> str | None:
+    """ "preset" or "ranges" when ``schema`` is one of capture_sizes' mapping forms."""
+    required = schema.get("required") if isinstance(schema, dict) else None
+    return required[0] if required in (["preset"], ["ranges"]) else None
+
+
+def _other_form(form: str | None) -> tuple[str, list] | None:
+    if form is None:
+        return None
+    other = "ranges" if form == "preset" else "preset"
+    return other, list(load_schema()["$defs"][f"size_{other}"]["properties"])
+
+
+def _formless(instance: dict) -> tuple[str, str]:
+    """(message, hint) for a capture_sizes mapping with neither ``preset`` nor ``ranges``."""
+    keys = ", ".join(repr(k)[:40] for k in list(instance)[:8]) or "no keys"
+    return (
+        f"a mapping of capture sizes is the preset form {FORMS['preset']} or the ranges form "
+        f"{FORMS['ranges']}; this one has neither 'preset' nor 'ranges' ({keys})",
+        "add ranges: [{from: 8, to: 64, step: 8}] beside include"
+        if "include" in instance
+        else "add preset: vllm, or ranges: [{from: 8, to: 64, step: 8}]; or give a list, "
+        "e.g. [1, 2, 4, 8]",
+    )
+
+
 def schema_errors(instance, name: str = "plan.schema.json") -> list[tuple[tuple, str, str, str]]:
     """Every schema violation as (path, code, message, hint); empty when valid."""
     out = []
+    formless = set()  # paths of mappings in neither form, reported once
     for e in _validator(name).iter_errors(instance):
         path, v, val = tuple(e.absolute_path), e.validator, e.validator_value
+        form = _form(e.schema)
+        if form == "preset" and isinstance(e.instance, dict) and "preset" not in e.instance:
+            if path not in formless:  # the schema fell through to the preset form
+                formless.add(path)
+                out.append((path, "missing-key", *_formless(e.instance)))
+            continue
         if v == "additionalProperties":
             known = list(e.schema.get("properties", {}))
+            other = _other_form(form)
             for key in sorted(set(e.instance) - set(known), key=str):
                 hint = did_you_mean(key, known) or f"known keys: {', '.join(known)}"
+                if other and key in other[1]:
+                    hint = f"'{key}' belongs to the {other[0]} form {FORMS[other[0]]}"
                 out.append((path + (key, "<key>"), "unknown-key", f"unknown key '{key}'", hint))
             continue
         if v == "enum":

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the tiny Llama, or a Hugging Face decoder "
         "(--model), through graphplan's runtime.",
     )
+    from graphplan.compiler import __version__
+
+    p.add_argument(
+        "--version", action="version", version=f"graphplan-serve (graphplan) {__version__}"
+    )
     p.add_argument(
         "--plan", required=True, help="a plan (.yaml, .yaml.j2) or a compiled table.json"
     )
@@ -247,6 +252,10 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         parser.error(
             "--api-server-count > 1 needs the engine in a process of its own: drop --single-process"
         )
+    try:
+        torch.device(a.device)
+    except RuntimeError:
+        parser.error(f"--device {a.device!r} is not a torch device: use cpu, cuda or cuda:N")
     if a.fused_sampler and not a.device.startswith("cuda"):
         parser.error(
             f"--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not {a.device}"

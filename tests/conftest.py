@@ -55,6 +55,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+CPU_FREE_BYTES = 16 << 30
+"""The free CPU memory every test sees (models/paged_kv.py's ``free_memory_bytes``), whatever
+the host has: a KV cache sized from a share of it, and the check that a model fits, are the
+same on every machine. CUDA's stays the device's own (GPU tests measure it)."""
+TORCH_THREADS = 2
+"""torch's CPU threads in every test, whatever the host's CPU count (CI has 2 cores)."""
+
+
+@pytest.fixture(autouse=True)
+def host_independent(monkeypatch):
+    try:
+        import torch
+
+        from graphplan.models import paged_kv
+        from graphplan.models.hf import config_check
+    except ImportError:  # a runtime-less install runs the compiler's tests
+        yield
+        return
+    real = paged_kv.free_memory_bytes
+
+    def free_memory_bytes(device) -> int:
+        return CPU_FREE_BYTES if torch.device(device).type == "cpu" else real(device)
+
+    monkeypatch.setattr(paged_kv, "free_memory_bytes", free_memory_bytes)
+    monkeypatch.setattr(config_check, "free_memory_bytes", free_memory_bytes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

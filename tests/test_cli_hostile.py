@@ -21,7 +21,7 @@ from test_table import resealed  # the forger's helper
 
 from graphplan.compiler import compile_plan
 from graphplan.compiler.cli import main
-from graphplan.compiler.errors import visible
+from graphplan.compiler.errors import MAX_REPORT, MAX_REPORTED, visible
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "plans" / "tiny-llama.yaml")
@@ -211,3 +211,78 @@ def test_the_installed_plan_command_prints_hostile_input_visibly(tmp_path):
     assert done.returncode == 2 and not out.exists() and done.stdout == b""
     assert b"\x1b" not in done.stderr and b"\\x1b[2J" in done.stderr
     assert b"[300009 characters]" in done.stderr and len(done.stderr) < 1000
+
+
+# -- bounded reports ------------------------------------------------------------------------------
+
+
+def test_a_plan_with_49000_unknown_keys_reports_the_first_and_counts_the_rest(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("version: 1\nname: x\n" + "".join(f"k{i}: 1\n" for i in range(49_000)))
+    code, out, err = run(capsys, "validate", plan)
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == MAX_REPORTED + 1
+    assert lines[0] == f"{plan}:3:1: error[unknown-key]: k0: unknown key 'k0' (known keys: " + (
+        "version, name, scheduler, cudagraph, lora, parallel, limits)"
+    )
+    assert lines[-1] == f"... and {49_000 - MAX_REPORTED} more errors (the first are shown above)"
+    code, out, err = run(capsys, "validate", plan, "--format", "json")
+    error = json.loads(out)["error"]
+    assert len(error["diagnostics"]) == MAX_REPORTED
+    assert error["diagnostics_left_out"] == 49_000 - MAX_REPORTED
+    assert len(out) < 16_000 and len(err) < 4_000
+
+
+def test_a_report_of_long_errors_stays_under_64_kib_in_text_and_json(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    key = " ".join(["\\e[2J"] * 700)  # long, with spaces (no run to cut), and escapes
+    plan.write_text(
+        "version: 1\nname: x\nscheduler:\n"
+        + "".join(f'  ? "{key} {i}"\n  : 1\n' for i in range(600))
+    )
+    code, out, err = run(capsys, "validate", plan, "--format", "json")
+    assert code == 2 and "\x1b" not in out + err
+    assert len(err) < MAX_REPORT + 5_000 and len(out) < 64 * 1024
+    error = json.loads(out)["error"]
+    assert error["diagnostics_left_out"] == 600 - len(error["diagnostics"]) > 500
+    assert err.splitlines()[-1].startswith(f"... and {error['diagnostics_left_out']} more errors")
+
+
+def test_thousands_of_warnings_print_the_first_and_a_count(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "version: 1\nname: x\nscheduler: {max_num_seqs: 8, max_num_batched_tokens: 64}\n"
+        f"cudagraph: {{capture_sizes: {list(range(1, 4097))}}}\n"
+    )
+    code, out, err = run(capsys, "validate", plan)
+    lines = err.splitlines()
+    assert code == 0 and len(lines) == MAX_REPORTED + 1 and out.startswith(f"{plan}: ok")
+    assert "warning[size-dropped]: cudagraph.capture_sizes[64]: size 65 is above" in lines[0]
+    assert lines[-1] == f"... and {4032 - MAX_REPORTED} more warnings (the first are shown above)"
+    code, out, _ = run(capsys, "validate", plan, "--format", "json")
+    assert len(json.loads(out)["diagnostics"]) == 4032  # the data keeps them all
+
+
+# -- --set values are reported at the --set ----------------------------------------------------
+
+
+def test_a_set_value_the_schema_refuses_is_reported_at_the_set_not_the_files_line(capsys):
+    code, out, err = run(capsys, "validate", TINY, "--set", "cudagraph.capture_sizes=[0]")
+    assert code == 2 and out == ""
+    assert err == (
+        f"{TINY}: error[out-of-range]: cudagraph.capture_sizes[0]: "
+        "--set cudagraph.capture_sizes=[0]: 0 must be >= 1\n"
+    )
+    code, _, err = run(capsys, "validate", TINY, "--set", "scheduler.max_seqs=4")
+    assert code == 2 and err == (
+        f"{TINY}: error[unknown-key]: scheduler.max_seqs: --set scheduler.max_seqs=4: "
+        "unknown key 'max_seqs' (did you mean 'max_num_seqs'?)\n"
+    )
+
+
+def test_a_long_set_value_is_shown_cut_in_its_error(capsys):
+    code, _, err = run(
+        capsys, "validate", TINY, "--set", f"cudagraph.capture_sizes={[1] * 4000 + [0]}"
+    )
+    assert code == 2 and len(err) < 1000
+    assert "--set cudagraph.capture_sizes=[1, 1, 1" in err and "[12003 characters]" in err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU_FREE_BYTES
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import (
@@ -213,14 +214,25 @@ def test_the_default_pool_holds_every_seat_at_its_longest_when_memory_allows(mon
     assert m.cfg.num_blocks == int(21 * per_block * 0.9) // per_block - 1 == 17
 
 
+def test_every_test_sees_the_same_free_cpu_memory_and_threads_whatever_the_host():
+    """conftest.host_independent: what a KV cache is sized from, and how many threads reduce."""
+    from graphplan.models import paged_kv
+    from graphplan.models.hf import config_check
+
+    assert paged_kv.free_memory_bytes("cpu") == CPU_FREE_BYTES
+    assert config_check.free_memory_bytes(torch.device("cpu")) == CPU_FREE_BYTES
+    assert torch.get_num_threads() == 2
+
+
 def test_kv_cache_sized_from_a_token_budget_or_a_memory_fraction():
     cfg = small_config("llama")
     m = load_random(cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_cache_tokens=400)
     assert m.cfg.num_blocks == 100 and m.cache.kv.shape[2] == 101  # + the padding block
     m = load_random(
         cfg, max_num_seqs=4, max_model_len=32, block_size=4, kv_memory_fraction=1e-5
-    )  # of the free memory: a few hundred KiB
-    assert m.cfg.num_blocks >= 32
+    )  # of the free memory every test sees (conftest.CPU_FREE_BYTES): 168 KiB
+    per_block = m.cache.shape.bytes_per_token * 4
+    assert m.cfg.num_blocks == int(CPU_FREE_BYTES * 1e-5) // per_block - 1 == 82
     with pytest.raises(KVCacheSizeError, match="memory fraction 1e-12 of"):
         load_random(cfg, max_num_seqs=4, max_model_len=32, kv_memory_fraction=1e-12)
     with pytest.raises(KVCacheSizeError, match="not both"):

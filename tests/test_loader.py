@@ -221,6 +221,41 @@ def test_absurdly_long_size_lists_are_errors(tmp_path, key):
     assert hint == "use a preset or ranges instead of a long list"
 
 
+@pytest.mark.parametrize(
+    "sizes, hint",
+    [
+        ("{include: [1, 2]}", "add ranges: [{from: 8, to: 64, step: 8}] beside include"),
+        (
+            "{}",
+            "add preset: vllm, or ranges: [{from: 8, to: 64, step: 8}]; or give a list, e.g. [1, 2, 4, 8]",
+        ),
+    ],
+)
+def test_a_size_mapping_of_neither_form_names_both_forms(tmp_path, sizes, hint):
+    code, line, col, message, found_hint = only(
+        GOOD + f"cudagraph:\n  capture_sizes: {sizes}\n", tmp_path
+    )
+    assert (code, line, col, found_hint) == ("missing-key", 7, 18, hint)
+    assert message.startswith(
+        "a mapping of capture sizes is the preset form {preset: vllm | sglang | trtllm, ceiling, "
+        "max_size, enable_padding} or the ranges form {ranges: [{from, to, step}, ...], "
+        "include: [...]}; this one has neither 'preset' nor 'ranges'"
+    )
+
+
+@pytest.mark.parametrize(
+    "sizes, key, form",
+    [
+        ("{preset: vllm, include: [3]}", "include", "ranges"),
+        ("{ranges: [], ceiling: 8}", "ceiling", "preset"),
+    ],
+)
+def test_a_key_of_the_other_size_form_says_which_form_it_belongs_to(tmp_path, sizes, key, form):
+    code, _, _, message, hint = only(GOOD + f"cudagraph:\n  capture_sizes: {sizes}\n", tmp_path)
+    assert (code, message) == ("unknown-key", f"unknown key '{key}'")
+    assert hint.startswith(f"'{key}' belongs to the {form} form {{")
+
+
 def test_exactly_4096_sizes_are_allowed(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text(
@@ -356,9 +391,25 @@ def test_overrides_of_a_dict_plan_leave_the_dict_untouched():
     assert t.plan["scheduler"]["max_num_seqs"] == 4 and plan["scheduler"]["max_num_seqs"] == 8
 
 
-def test_a_bad_override_is_located_at_the_key_it_overrides(tmp_path):
+def test_a_bad_override_is_reported_at_the_set_not_at_the_files_line(tmp_path):
+    """The file's line holds the value the --set replaced: the error names the --set instead."""
     found = errors_of(GOOD, tmp_path, overrides={"scheduler.max_num_seqs": "many"})
-    assert [(c, line, col) for c, line, col, *_ in found] == [("wrong-type", 4, 17)]
+    assert found == [
+        (
+            "wrong-type",
+            0,
+            0,
+            "--set scheduler.max_num_seqs=many: expected integer, got string 'many'",
+            "",
+        )
+    ]
+    found = errors_of(GOOD, tmp_path, overrides={"cudagraph.capture_sizes": [4, 0]})
+    assert found[0][:4] == (
+        "out-of-range",
+        0,
+        0,
+        "--set cudagraph.capture_sizes=[4, 0]: 0 must be >= 1",
+    )
 
 
 def test_an_override_of_an_unknown_key_is_an_unknown_key(tmp_path):

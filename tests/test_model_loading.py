@@ -527,6 +527,47 @@ def test_only_regular_files_inside_the_directory_are_read(tmp_path):
         load(d)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["model.safetensors", "config.json", "tokenizer.json", "generation_config.json", "extra"],
+)
+@pytest.mark.parametrize("loop", ["itself", "two links"])
+def test_a_symlink_loop_in_place_of_any_file_is_a_one_line_error(tmp_path, capsys, name, loop):
+    from graphplan.server.cli import main
+
+    d = write_model_dir(tmp_path / "m")
+    (d / name).unlink(missing_ok=True)
+    if loop == "itself":
+        (d / name).symlink_to(name)
+    else:
+        (d / name).symlink_to("other")
+        (d / "other").symlink_to(name)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    capsys.readouterr()
+    assert main(["--model", str(d), "--plan", str(plan), "--port", "0", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"server: {d}/"), err
+    assert "is a symlink loop (its links lead back to themselves)" in err[0]
+
+
+def test_a_model_directory_that_is_a_symlink_loop_is_a_one_line_error(tmp_path):
+    link = tmp_path / "m"
+    link.symlink_to("m")
+    with pytest.raises(
+        ModelLoadError, match=r"m: is a symlink that leads nowhere \(dangling, or a loop\)"
+    ):
+        load(link)
+
+
+def test_a_model_given_by_its_config_json_is_named_after_its_directory(tmp_path):
+
+    d = write_model_dir(tmp_path / "my-model")
+    assert HFSpec(model=str(d / "config.json")).name == "my-model"
+    assert HFSpec(model=f"{d}/").name == "my-model"
+    assert HFSpec(model=str(d / "config.json"), served_model_name="x").name == "x"
+
+
 def test_a_hugging_face_cache_snapshot_reads_its_blobs(tmp_path):
     """snapshots/REV/name -> ../../blobs/HASH, as huggingface_hub lays out its cache."""
     d = save(random_model("qwen3"), tmp_path / "src", "safetensors")

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--layers", "0"], "--layers: '0' must be at least 1"),
         (["--max-model-len", "x"], "--max-model-len: 'x' is not an integer"),
         (["--log-level", "LOUD"], "--log-level: invalid choice: 'LOUD'"),
+        (["--device", "gpu0"], "--device 'gpu0' is not a torch device: use cpu, cuda or cuda:N"),
         (
             ["--device", "cpu", "--fused-sampler"],
             "--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not cpu",
@@ -54,6 +55,16 @@ def test_every_bad_cli_value_is_a_usage_error(flags, message, capsys):
         main(["--plan", "plans/tiny-llama.yaml", *flags])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "usage: graphplan-serve" in err and message in err, err
+
+
+@pytest.mark.parametrize("flags", [["--version"], ["--plan", "x.yaml", "--version"]])
+def test_version_needs_no_plan(flags, capsys):
+    from graphplan.compiler import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"graphplan-serve (graphplan) {__version__}\n"
 
 
 @pytest.mark.parametrize(

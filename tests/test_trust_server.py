@@ -250,6 +250,14 @@ def test_bad_reload_bodies_and_paths_answer_4xx(server, plans):
         ("PUT", "/nope", 404),
         ("DELETE", "/nope", 404),
         ("GET", "/nope", 404),
+        ("PATCH", "/", 404),
+        # a method no route takes: 405 where the path is a route, 501 where it is none
+        *[
+            (m, p, 405)
+            for m in ("TRACE", "CONNECT", "OPTIONS")
+            for p in ("/generate", "/v1/models")
+        ],
+        *[(m, p, 501) for m in ("TRACE", "CONNECT", "OPTIONS", "FOO") for p in ("/", "/nope")],
     ],
 )
 def test_wrong_and_unknown_methods_answer_json(server, method, path, status):
@@ -257,6 +265,69 @@ def test_wrong_and_unknown_methods_answer_json(server, method, path, status):
     assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, body
     if status == 405:
         assert resp.getheader("Allow") in ("GET", "POST") and method in body["error"]["message"]
+    if status == 501:
+        assert body["error"]["message"] == (
+            f"{method} is not implemented by this server; its routes take GET and POST"
+        )
+
+
+@pytest.mark.parametrize(
+    "head, status",
+    [
+        (b"GET /" + b"a" * 40_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /healthz?" + b"a" * 9_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"A" * 9_000 + b" /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 40_000 + b"\r\n\r\n", 431),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+            + (b"X-A: " + b"b" * 6000 + b"\r\n") * 3
+            + b"\r\n",
+            431,
+        ),
+    ],
+    ids=["40KB-path", "9KB-query", "9KB-method", "40KB-header", "18KB-headers"],
+)
+@pytest.mark.parametrize("arrival", ["whole", "unended"])
+def test_an_oversized_request_line_is_414_and_oversized_headers_431(server, head, status, arrival):
+    """A whole head (one send) is parsed by h11, then refused by the app (http_app.Guard); one
+    that has not ended within h11's 16 KiB buffer (sent in pieces) is refused by the protocol
+    (http_protocol). Either way: the one error shape, and no echo of the input."""
+    if arrival == "unended":  # 17,000 bytes in pieces, all read by the server before it answers
+        head = head.replace(b"\r\n\r\n", b"\r\n")[:17_000].ljust(17_000, b"a")
+        pieces = [head[i : i + 1000] for i in range(0, len(head), 1000)]
+    else:
+        pieces = [head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")]
+    with socket.create_connection(server.address, timeout=10) as sock:
+        for piece in pieces:
+            sock.sendall(piece)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    top, _, body = reply.decode().partition("\r\n\r\n")
+    assert top.split("\r\n")[0].split(" ")[1] == str(status), top
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and len(reply) < 1000
+    assert error["message"] == (
+        "the request line is over 8192 bytes; send a shorter URL (a request's data goes in its "
+        "body)"
+        if status == 414
+        else "the request headers are over 16384 bytes"
+    )
+
+
+def test_a_head_just_within_the_bounds_is_served(server):
+    path = "/healthz?" + "a" * 8000
+    status, body, _ = call(server, "GET", path, headers={"X-A": "b" * 7000})
+    assert status == 200 and body["status"] == "ready"
+
+
+def test_echoed_paths_and_methods_are_cut_and_escaped(server):
+    status, body, _ = call(server, "GET", "/%1b[2J" + "a" * 5000)
+    message = body["error"]["message"]
+    assert status == 404 and "\x1b" not in message and "\\x1b[2J" in message
+    assert " characters]..." in message and len(message) < 400
+    status, body, _ = call(server, "M" * 5000, "/healthz")
+    assert status == 405 and "[5000 characters]" in body["error"]["message"]
 
 
 def _raw(server, data: bytes) -> tuple[str, str]:
@@ -513,3 +584,39 @@ def test_tampered_tables_through_reload_answer_422_and_the_server_keeps_serving_
     assert seen[422] >= 15, seen
     assert call(server, "POST", "/admin/reload", {"path": "plan.yaml"}, ADMIN)[0] == 200
     assert server.engine.metrics.value("graphplan_server_step_errors_total") == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, where, shown",
+    [
+        ([1, 10**30], "prompt[1]", "1000000000000000000000000000000"),
+        ([[1], [2, 3, -(10**30)]], "prompt[1][2]", "-1000000000000000000000000000000"),
+        ([5, 10**1000], "prompt[1]", "of 3322 bits"),
+        ([128], "prompt[0]", "128"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_named_with_the_vocabulary(
+    server, prompt, where, shown
+):
+    status, body, _ = call(
+        server, "POST", "/v1/completions", {"model": "tiny-llama", "prompt": prompt}
+    )
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert body["error"]["message"] == (
+        f"{where}: token id {shown} is outside the vocabulary 0..127 of model 'tiny-llama'"
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt, param, message",
+    [
+        ([1.5], "prompt[0]", "Input should be a valid integer, not 1.5"),
+        ([[1, 2], [3, True]], "prompt[1][1]", "Input should be a valid integer, not True"),
+    ],
+)
+def test_a_prompt_of_the_wrong_type_names_the_id_not_the_text_form(server, prompt, param, message):
+    status, body, _ = call(
+        server, "POST", "/v1/completions", {"model": "tiny-llama", "prompt": prompt}
+    )
+    assert status == 400 and body["error"]["param"] == param
+    assert body["error"]["message"] == f"'{param}': {message}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import UsageError
+from ..errors import UsageError, left_out_line, reported
 from ..plan_or_table import load_table_or_plan
 
 __all__ = ["UsageError", "load_any", "parse_overrides", "print_diags"]
@@ -35,5 +35,11 @@ def load_any(path: str, sets=None):
 
 
 def print_diags(diags) -> None:
-    for d in diags:
+    """Warnings on stderr: the first ones (``errors.reported``) and a count of the rest (a plan
+    with 4096 sizes past its token budget has a warning for each; ``--format json`` and the
+    table hold them all)."""
+    shown, left_out = reported(diags)
+    for d in shown:
         print(d.format(), file=sys.stderr)
+    if left_out:
+        print(left_out_line(left_out, "warning"), file=sys.stderr)

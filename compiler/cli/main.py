@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import GraphplanError, did_you_mean, visible
+from ..errors import GraphplanError, did_you_mean, reported, visible
 from .inputs import UsageError, load_any, print_diags
 
 PLAN_EXTRA = ("yaml", "jsonschema", "jinja2")  # the `graphplan[plan]` extra (pyproject.toml)
@@ -227,6 +227,7 @@ def _fail(argv: list[str], message: str, exit_code: int, kind: str, diagnostics=
     message = "\n".join(visible(line) for line in message.split("\n"))
     print(message, file=sys.stderr)
     if _wants_json(argv):
+        shown, left_out = reported(diagnostics)  # the ones the message shows
         print(
             json.dumps(
                 {
@@ -236,9 +237,10 @@ def _fail(argv: list[str], message: str, exit_code: int, kind: str, diagnostics=
                         "exit_code": exit_code,
                         "message": message,
                         "diagnostics": [
-                            {**d.to_json(), "file": d.file, "line": d.line, "col": d.col}
-                            for d in diagnostics
+                            {**d.to_json(), "file": visible(d.file), "line": d.line, "col": d.col}
+                            for d in shown
                         ],
+                        "diagnostics_left_out": left_out,
                     },
                 },
                 sort_keys=True,

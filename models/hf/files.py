@@ -51,15 +51,36 @@ def model_dir(source) -> Path:
     if path.name == "config.json" and path.parent.is_dir():
         return path.parent
     if st is None:
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            raise ModelLoadError(
+                f"{source}: no such directory; give a local model directory (config.json, "
+                "model.safetensors or its shards, tokenizer files)"
+            ) from None
+        except OSError as e:
+            raise ModelLoadError(f"{source}: cannot read it ({e.strerror or e})") from None
         raise ModelLoadError(
-            f"{source}: no such directory; give a local model directory (config.json, "
-            "model.safetensors or its shards, tokenizer files)"
+            f"{source}: is a symlink that leads nowhere (dangling, or a loop); give the model's "
+            "directory itself"
         )
     raise ModelLoadError(f"{source}: is not a directory; give the model's directory")
 
 
+def _real(path: Path) -> Path:
+    """``path`` with every symlink followed; a loop of symlinks is a ModelLoadError (Python
+    raises RuntimeError or OSError for one, depending on its version)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        raise ModelLoadError(
+            f"{path}: is a symlink loop (its links lead back to themselves); put the file itself "
+            "there, or remove it"
+        ) from None
+
+
 def _roots(directory: Path) -> tuple[Path, ...]:
-    real = directory.resolve()
+    real = _real(directory)
     if real.parent.name == "snapshots":  # snapshots/REV/name -> ../../blobs/HASH
         return real, real.parent.parent / "blobs"
     return (real,)
@@ -81,7 +102,7 @@ def checked_path(
         return None
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e})") from None
-    real = path.resolve()
+    real = _real(path)
     if stat.S_ISLNK(st.st_mode):
         if not any(real.is_relative_to(root) for root in _roots(directory)):
             raise ModelLoadError(

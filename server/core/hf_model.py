@@ -40,7 +40,16 @@ class HFSpec:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
+        """``served_model_name``, else the directory's name (of DIR for ``DIR/config.json``)."""
+        if self.served_model_name:
+            return self.served_model_name
+        from graphplan.compiler.errors import GraphplanError
+        from graphplan.models.hf.files import model_dir
+
+        try:
+            return model_dir(self.model).resolve().name
+        except (GraphplanError, OSError, RuntimeError):  # not a directory: check() says so
+            return Path(self.model).name
 
     def _config(self) -> dict:
         return _checked_config(self.model)

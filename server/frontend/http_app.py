@@ -7,8 +7,9 @@
 
 Every error, on every route, is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status for the client's mistakes (400 bad body, 401/403 admin token, 404 unknown path or model, 405
-wrong method, 408 body too slow, 411 no length, 413 too large, 422 a plan rejected, 429 queue full,
-431 too many headers) and 5xx only for the server's own faults. ``/admin/`` routes need
+wrong method, 408 body too slow, 411 no length, 413 too large, 414 request line too long, 422 a
+plan rejected, 429 queue full, 431 too many or too large headers) and 5xx only for the server's own
+faults, or 501 for a method no route takes (TRACE, CONNECT, OPTIONS, FOO) on an unknown path. ``/admin/`` routes need
 ``Authorization: Bearer <token>`` (server/frontend/security.py) and are off without one. The guard
 middleware counts every response by route and status and writes one access-log line per request.
 """
@@ -27,12 +28,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from graphplan.compiler import __version__
+from graphplan.compiler.errors import visible
 
 from ..core.metrics import CONTENT_TYPE
 from ..errors import RequestError
 from ..requests import AsyncSink, greedy_requests
 from .bodies import parse_generate, parse_reload
 from .http_io import ClientGone, error_response, events, json_response, read_body
+from .http_protocol import over_bounds
 from .openai_api import OpenAIFrontEnd
 from .security import ADMIN_PREFIX
 
@@ -40,6 +43,8 @@ log = logging.getLogger("graphplan.server")
 access = logging.getLogger("graphplan.server.access")
 SERVER_HEADER = f"graphplan-server/{__version__}"  # the package's one version
 MAX_HEADERS = 100
+RESOURCE_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH")
+"""Methods that name a resource: on an unknown path they get 404 (any other method, 501)."""
 
 
 def build_app(server: Any) -> Guard:
@@ -108,16 +113,19 @@ def build_app(server: Any) -> Guard:
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
-        where = f"{request.method} {request.url.path}"
-        message = (
-            f"no such endpoint: {where}"
-            if e.status_code == 404
-            else f"{request.method} is not allowed on {request.url.path}; use "
-            f"{ {k.lower(): v for k, v in (e.headers or {}).items()}.get('allow', '') }"
-            if e.status_code == 405
-            else str(e.detail)
-        )
-        return error_response(RequestError(e.status_code, message, headers=dict(e.headers or {})))
+        method, path = visible(request.method), visible(request.url.path)  # long ones cut
+        status = e.status_code
+        if status == 404 and request.method not in RESOURCE_METHODS:
+            status = 501  # e.g. TRACE /, CONNECT host:443, OPTIONS *: implemented nowhere
+            message = f"{method} is not implemented by this server; its routes take GET and POST"
+        elif status == 404:
+            message = f"no such endpoint: {method} {path}"
+        elif status == 405:
+            allow = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow", "")
+            message = f"{method} is not allowed on {path}; use {allow}"
+        else:
+            message = visible(str(e.detail))
+        return error_response(RequestError(status, message, headers=dict(e.headers or {})))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: HTTPRequest, e: Exception) -> Response:
@@ -208,8 +216,8 @@ class Guard:
             access.info(
                 '%s "%s %s" %d %d %.1fms',
                 client[0],
-                method,
-                path,
+                visible(method),  # escapes shown, long values cut: one line per request
+                visible(path),
                 code,
                 status["bytes"],
                 1000 * (time.perf_counter() - t0),
@@ -218,6 +226,15 @@ class Guard:
     def _refusal(self, scope: Scope) -> RequestError | None:
         if len(scope["headers"]) > MAX_HEADERS:
             return RequestError(431, f"more than {MAX_HEADERS} request headers")
+        query = scope.get("query_string") or b""
+        target = len(scope.get("raw_path") or scope["path"].encode()) + (
+            len(query) + 1 if query else 0
+        )
+        line = len(scope["method"]) + 1 + target + len(" HTTP/1.1\r\n")
+        head = line + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        refused = over_bounds(line, head)  # the bounds of a head h11 gave up on, for whole ones
+        if refused is not None:
+            return refused
         if scope["path"].startswith(ADMIN_PREFIX):
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             try:

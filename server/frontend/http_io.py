@@ -32,7 +32,7 @@ def json_response(status: int, obj: Any, headers: dict[str, str] | None = None) 
 
 
 def error_response(e: RequestError) -> Response:
-    if e.status >= 500:
+    if e.status >= 500 and e.status != 501:  # 501: a client's method no route takes
         log.warning("-> %d %s", e.status, e.message)
     return json_response(e.status, error_body(e), e.headers or None)
 

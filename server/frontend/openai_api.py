@@ -164,9 +164,12 @@ class OpenAIFrontEnd:
         vocab = self.engine.limits()["vocab_size"]
         bad = next((i for i, t in enumerate(p) if not 0 <= t < vocab), None)
         if bad is not None:
+            t = p[bad]  # JSON allows 4300 digits
+            shown = str(t) if abs(t).bit_length() <= 133 else f"of {abs(t).bit_length()} bits"
             raise APIError(
                 400,
-                f"{where}[{bad}]: token id {p[bad]} is outside the vocabulary 0..{vocab - 1}",
+                f"{where}[{bad}]: token id {shown} is outside the vocabulary 0..{vocab - 1} "
+                f"of model {self.model_name!r}",
                 "prompt",
             )
         return p

@@ -33,6 +33,9 @@ MAX_IDS = 1 << 20
 BIG = 2**63
 Number = StrictFloat | StrictInt
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=-BIG, le=BIG)]], Field(max_length=MAX_IDS)]
+PromptIds = Annotated[list[StrictInt], Field(max_length=MAX_IDS)]
+"""A prompt's ids, any size (JSON's own bound: 4300 digits): the front end names one outside the
+vocabulary, and the vocabulary (openai_api's ``_tokens``)."""
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
 Stop = Text | Annotated[list[Text], Field(max_length=64)] | None
 
@@ -96,7 +99,7 @@ class Sampling(Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Text | TokenIds | Annotated[list[Text] | list[TokenIds], Field(max_length=MAX_PROMPTS)]
+Prompt = Text | PromptIds | Annotated[list[Text] | list[PromptIds], Field(max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(Sampling):
@@ -192,7 +195,14 @@ def parse(kind: type[T], body: bytes) -> T:
 
 
 def _api_error(kind: type[Body], e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # a union (prompt: text, ids, or lists of either) fails once per member: the deepest failure
+    # is the one the client meant ("prompt[1]: ... integer, not 1.5", not "... a valid string")
+    field = errors[0]["loc"][:1]
+    err = max(
+        errors,
+        key=lambda x: sum(not _union_tag(p) for p in x["loc"]) if x["loc"][:1] == field else 0,
+    )
     loc = [str(x) for x in err["loc"] if not _union_tag(x)]
     param = _dotted(loc) or None
     t = err["type"]
