@@ -32,8 +32,8 @@ import torch
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
-from graphplan.server.core.model import parse_sets
 from graphplan.server.core.batching import ContinuousBatcher
+from graphplan.server.core.model import parse_sets
 
 from real_scale import SHAPES, build_model, captured_runner, kv_pool
 from timing import publish, sync
@@ -69,9 +69,7 @@ def parse_args(argv=None):
         help="rows (the server's): the LM head on the sampled rows only, outside the graphs; "
         "all: every token's logits inside the step",
     )
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="plan override"
-    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="plan override")
     p.add_argument(
         "--loop",
         choices=("plain", "engine"),

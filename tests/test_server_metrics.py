@@ -9,9 +9,9 @@ import asyncio
 import re
 import time
 
+import prometheus_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from graphplan.server.core.metrics import TOKEN_BUCKETS, BatchHistogram
