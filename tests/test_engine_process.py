@@ -183,8 +183,8 @@ def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1
         front = [p for p in _children(proc.pid) if p != engine]
 
         async def run():
-            clients = asyncio.create_task(_stream_all(port, 64, 40))
-            await asyncio.sleep(1.0)  # they are streaming
+            clients = asyncio.create_task(_stream_all(port, 256, 40))
+            await asyncio.sleep(1.5)  # they are streaming
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
             return killed, await clients

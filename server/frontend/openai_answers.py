@@ -108,11 +108,15 @@ async def stream(
     choices: list[Choice],
     tokenizer: Tokenizer | None,
     cancel: Callable[[list[Request]], None],
+    waiting: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[bytes]:
-    """The events of a stream; ``cancel`` gets the unfinished requests when it ends."""
+    """The events of a stream; ``cancel`` gets the unfinished requests when it ends. While
+    ``waiting()`` says more of the request's events are already queued (the front end fell a step
+    or more behind), events are joined into one write: the same bytes, fewer sends."""
     reqs = [c.request for c in choices]
     offsets = [0] * len(choices)  # text_offset of each choice's next token
     opened = [job.echo is None] * len(choices)  # its echoed prompt was sent
+    held: list[bytes] = []
     try:
         if job.chat:
             for c in choices:
@@ -120,24 +124,28 @@ async def stream(
                 opening = ChatChunkChoice(
                     index=c.index, delta=first, logprobs=None, finish_reason=None
                 )
-                yield job.chunk([opening]).sse()
+                held.append(job.chunk([opening]).sse())
         try:
             async for c, d in run:
                 plain = d.finish_reason is None and not (_lp(c) and d.logprobs)
                 if plain and (job.chat or opened[c.index]):  # most tokens: text alone
-                    yield plain_chunk(job, c.index, d)
-                    continue
-                choice: ChatChunkChoice | CompletionChoice
-                if job.chat:
-                    choice = _chat_chunk(c, d, tokenizer)
+                    held.append(plain_chunk(job, c.index, d))
                 else:
-                    choice = _completion_chunk(job, c, d, tokenizer, offsets, opened)
-                yield job.chunk([choice]).sse()
+                    choice: ChatChunkChoice | CompletionChoice
+                    if job.chat:
+                        choice = _chat_chunk(c, d, tokenizer)
+                    else:
+                        choice = _completion_chunk(job, c, d, tokenizer, offsets, opened)
+                    held.append(job.chunk([choice]).sse())
+                if not waiting():
+                    yield b"".join(held)
+                    held.clear()
         except RequestError as e:
-            yield error_model(e).sse()
+            held.append(error_model(e).sse())
         if job.include_usage:
-            yield job.chunk([], usage(job.prompts, choices)).sse()
-        yield b"data: [DONE]\n\n"
+            held.append(job.chunk([], usage(job.prompts, choices)).sse())
+        held.append(b"data: [DONE]\n\n")
+        yield b"".join(held)
     except ClientGone:
         pass
     finally:

@@ -235,7 +235,12 @@ class OpenAIFrontEnd:
                 self.engine.cancel([r for r in reqs if not r.finished])
                 raise
             gen = answers.stream(
-                job, _after(first, run), choices, self.tokenizer, self.engine.cancel
+                job,
+                _after(first, run),
+                choices,
+                self.tokenizer,
+                self.engine.cancel,
+                waiting=lambda: not sink.queue.empty(),
             )
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
