@@ -73,9 +73,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--loop",
         choices=("plain", "engine"),
-        default="plain",
-        help="plain: a synchronous loop of batcher, runner and argmax; engine: the server's engine "
-        "thread (server/core/engine.py, async scheduling, the sampler's graphs), no HTTP",
+        default="engine",
+        help="engine (default): the server's engine thread (server/core/engine.py, async "
+        "scheduling, the sampler's graphs), no HTTP: 9,174 vs 8,364 output tok/s on an H100; "
+        "plain: a synchronous loop of batcher, runner and argmax, with the time by step kind",
     )
     p.add_argument("--out")
     a = p.parse_args(argv)

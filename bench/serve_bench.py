@@ -83,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--offline", action="store_true", help="then bench/offline_throughput.py")
     p.add_argument(
-        "--offline-loop", choices=("plain", "engine"), default="plain",
+        "--offline-loop", choices=("plain", "engine"), default="engine",
         help="bench/offline_throughput.py's --loop",
     )  # fmt: skip
     p.add_argument("--out", type=Path, help="append the dated record to this markdown file")
