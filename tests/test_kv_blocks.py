@@ -235,7 +235,11 @@ def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_
         "--out",
         str(out),
     ]
-    assert offline_throughput.main(argv) == 0
+    assert offline_throughput.main([*argv, "--loop", "engine"]) == 0  # the server's engine thread
+    text = out.read_text()
+    assert "every request finished with all its tokens: True" in text
+    assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
+    assert offline_throughput.main([*argv, "--loop", "plain"]) == 0
     text = out.read_text()
     assert "every request finished with all its tokens: True" in text
     assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
