@@ -37,10 +37,12 @@ def test_the_smoke_run_serves_every_request_whole_and_reports_each_figure(tmp_pa
     want = ["16", "16", "0", "0", str(sum(map(len, prompts))), str(sum(outputs))]
     assert row[:6] == want  # every request whole; prompt and output tokens as drawn
     assert float(row[6]) > 0 and re.fullmatch(r"\*\*\d+\*\*", row[7]) and int(row[8]) > 0
-    for name in ("TTFT", "TPOT", "ITL"):  # mean, p50, p99 (a behind front end joins events:
+    for name in ("TTFT", "TPOT", "ITL"):  # mean, p50, p99 ms
         cells = re.search(rf"^\| {name} \| (.+) \|$", text, re.M).group(1).split(" | ")
-        mean, p50, p99 = map(float, cells)  # tokens of one write arrive together, gap 0)
-        assert mean > 0 and 0 <= p50 <= p99 and p99 > 0
+        mean, p50, p99 = map(float, cells)
+        # a front end behind the tiny model's steps joins a stream's events into one write: its
+        # tokens arrive together, gaps of 0.0 ms (serve_stats' arithmetic has its own test)
+        assert 0 <= p50 <= p99 and mean >= 0 and (name != "TTFT" or p50 > 0)
     procs = re.findall(r"^\| (\d) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+)%", text, re.M)
     assert [p[:2] for p in procs] == [("0", "8"), ("1", "8")]  # two client processes, 8 each
     assert "graphplan-serve --plan " in text and " --random-weights " in text
