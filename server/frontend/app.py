@@ -73,8 +73,8 @@ class Server:
         log_level: int = logging.INFO,
         frontend: Any = None,
     ):
-        """``frontend``: (index, EngineClient, socket) when this is an extra front end process
-        (server/wire/frontend_proc.py): it serves through that client on that socket."""
+        """``frontend``: (index, Addresses, socket) when this is an extra front end process
+        (server/wire/frontend_proc.py): it serves on that socket through a client of its own."""
         self.source, self.overrides, self.spec = str(source), overrides, spec
         self.admin = AdminGate(admin_token)  # no token: admin routes are off
         self.reload_dir = ReloadDir(
@@ -87,6 +87,7 @@ class Server:
         self.log_level = log_level
         self._supervisor: Any = None  # the engine and extra front end processes (index 0)
         self._addresses: Any = None
+        self.engine: Any  # the in-process Engine, or an EngineClient to the engine process
         self.drained = True
         self._stopped = False
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
@@ -99,17 +100,16 @@ class Server:
             async_scheduling=async_scheduling,
             fused_sampler=fused_sampler,
         )
-        if frontend is not None:
-            self.index, self.engine, self._sock = frontend
-        elif processes:
+        if self.processes:
             from ..wire.client import EngineClient
             from ..wire.procs import Addresses
 
-            self.index = 0
-            self._addresses = Addresses.new(api_server_count)
-            self.engine = EngineClient(
-                spec, table, 0, self._addresses.engine, self._addresses.frontend(0)
-            )
+            if frontend is not None:
+                self.index, self._addresses, self._sock = frontend
+            else:
+                self.index, self._addresses = 0, Addresses.new(api_server_count)
+            a = self._addresses
+            self.engine = EngineClient(spec, table, self.index, a.engine, a.frontend(self.index))
         else:
             from ..core.engine import Engine
 

@@ -169,6 +169,11 @@ class EngineClient:
                 fut.set_result(m.Reply(-1, 503, f"the engine {s.state}"))
             self._calls.clear()
 
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests here at once (503) and ask the engine to drain."""
+        self.state = "draining"
+        self.send(m.Drain(timeout))
+
     def fail_all(self, message: str) -> None:
         """End every open request with a 503 (on the event loop): the engine is gone."""
         events = [[rid, m.ERROR, 503, message, [None, None]] for rid in list(self.live)]

@@ -36,14 +36,9 @@ def frontend_main(config: FrontendConfig, sock: socket.socket) -> None:
         level=kw["log_level"],
         format=f"%(asctime)s %(levelname)s %(name)s[api-{config.index}]: %(message)s",
     )
-    from ..core.model import load_table
-    from .client import EngineClient
-
-    a = config.addresses
-    table = load_table(kw["source"], kw["overrides"])
-    client = EngineClient(kw["spec"], table, config.index, a.engine, a.frontend(config.index))
-    server = config.server_class(frontend=(config.index, client, sock), **kw)
+    server = config.server_class(frontend=(config.index, config.addresses, sock), **kw)
     server.start()
+    client = server.engine
     client.stopped.wait()
     server.stop()
     client.close()

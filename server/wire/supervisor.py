@@ -84,8 +84,7 @@ class Supervisor:
         client, engine = self.client, self.engine
         drained = False
         if engine.is_alive() and client.state not in ("failed", "stopped"):
-            client.state = "draining"  # this front end refuses new requests at once
-            client.send(m.Drain(drain_timeout))
+            client.drain(drain_timeout)
             client.stopped.wait(drain_timeout + 10)
             drained = client.state == "stopped" and client.drained
         for p in [engine, *self.frontends]:
