@@ -180,6 +180,8 @@ class Tally:
         self.t0 = 0.0
         self.first: dict[int, float] = {}
         self.tokens = [0] * n
+        self.last = [0.0] * n
+        self.gaps: list[float] = []  # every inter-token latency (s), as a client would see them
         self.left = n
         self.done = threading.Event()
 
@@ -187,7 +189,10 @@ class Tally:
         now = time.perf_counter() - self.t0
         for tag, kind, _ in items:
             if kind == "token":
+                if self.tokens[tag]:
+                    self.gaps.append(now - self.last[tag])
                 self.tokens[tag] += 1
+                self.last[tag] = now
                 self.first.setdefault(tag, now)
             elif kind in ("done", "error"):
                 self.left -= 1
@@ -207,6 +212,14 @@ def run_engine(model, table, plan: str, prompts, outputs, device) -> dict:
     engine.start()
     assert engine.wait_ready(600), engine.error
     tally = Tally(len(prompts))
+    steps_seen: list[tuple[float, int, int]] = []  # (delivered at, requests, longest query) a step
+    observe = engine.metrics.step
+
+    def step(seconds: float, batch, decode_query_len: int) -> None:
+        steps_seen.append((time.perf_counter(), batch.num_reqs, batch.max_query_len))
+        observe(seconds, batch, decode_query_len)
+
+    engine.metrics.step = step  # type: ignore[method-assign]
     reqs = [Request(p, n, tally, GREEDY, tag=i) for i, (p, n) in enumerate(zip(prompts, outputs))]
     sync(device)
     tally.t0 = time.perf_counter()
@@ -227,7 +240,22 @@ def run_engine(model, table, plan: str, prompts, outputs, device) -> dict:
         "preemptions": preemptions,
         "kinds": {},
         "stats": stats,
+        "itl": sorted(tally.gaps),
+        "full_step": full_batch_step(steps_seen, table.max_num_seqs),
     }
+
+
+def full_batch_step(steps: list[tuple[float, int, int]], seats: int) -> tuple[float, int] | None:
+    """The engine's decode step at full batch: the median time between a decode-only step's tokens
+    and the previous step's, over the steps with at least 90 % of the seats running (with async
+    scheduling a step's own span overlaps its neighbours'; the interval is what it costs), and how
+    many there were. Issue 34's ITL bar is 2x this."""
+    full = sorted(
+        t - prev[0]
+        for prev, (t, n, q) in zip(steps, steps[1:])
+        if q == 1 and prev[2] == 1 and n >= 0.9 * seats
+    )
+    return (full[len(full) // 2], len(full)) if full else None
 
 
 def step_kind(table, batch) -> str:
@@ -239,6 +267,22 @@ def step_kind(table, batch) -> str:
         top = next(b for b in (8, 32, 64, 128, 256, 1 << 30) if batch.num_reqs <= b)
         return f"decode, {batch.num_reqs if top > 256 else f'<= {top}'} requests, {how}"
     return f"mixed, {how}"
+
+
+def itl_lines(r: dict) -> list[str]:
+    """The engine loop's inter-token latency beside its decode step at full batch."""
+    if not r.get("itl"):
+        return []
+    itl = r["itl"]
+    p = lambda f: itl[min(len(itl) - 1, int(f * len(itl)))] * 1e3
+    line = f"- inter-token latency: p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms"
+    if r.get("full_step"):
+        step, n = r["full_step"]
+        line += (
+            f"; decode step at full batch (median of {n} decode-only steps with >= 90 % of the "
+            f"seats) {step * 1e3:.1f} ms: ITL p99 / step {p(0.99) / (step * 1e3):.2f}"
+        )
+    return [line]
 
 
 def main(argv=None) -> int:
@@ -282,6 +326,7 @@ def main(argv=None) -> int:
         f"{(out_tok + in_tok) / r['wall']:.0f}",
         f"- time to first token: mean {statistics.mean(ttft):.2f} s, p50 {q(0.5):.2f} s, "
         f"p99 {q(0.99):.2f} s",
+        *itl_lines(r),
         *(f"- anchor: {x}" for x in ANCHORS),
     ]
     lines += (
