@@ -30,7 +30,8 @@ def first_row(text: str, header: str) -> list[str]:
 
 def test_the_smoke_run_serves_every_request_whole_and_reports_each_figure(tmp_path):
     out = tmp_path / "serve_bench.md"
-    assert main([*SMOKE, "--offline", "--out", str(out)]) == 0
+    # 4 seats, so that the offline run has decode steps at full batch for the ITL bar's line
+    assert main([*SMOKE, "--set", "scheduler.max_num_seqs=4", "--offline", "--out", str(out)]) == 0
     text = out.read_text()
     prompts, outputs = drawn("loguniform", 16, 32, 512)
     row = first_row(text, "| requests | whole |")
@@ -48,6 +49,11 @@ def test_the_smoke_run_serves_every_request_whole_and_reports_each_figure(tmp_pa
     assert "graphplan-serve --plan " in text and " --random-weights " in text
     assert "2 client processes (httpx)" in text and "at request rate inf" in text
     assert re.search(r"\*\*served / offline \d+\.\d{3}\*\*", text)
+    itl_p99 = float(re.search(r"^\| ITL \| (.+) \|$", text, re.M).group(1).split(" | ")[2])
+    bar = re.search(r"- served ITL p99 ([\d.]+) ms against the offline engine's decode step at full "
+                    r"batch, ([\d.]+) ms: \*\*([\d.]+)x\*\* \((met|MISSED): <= 2.0x\)", text)  # fmt: skip
+    assert bar and float(bar[1]) == round(itl_p99, 1) and float(bar[2]) > 0
+    assert bar[4] == ("met" if float(bar[3]) <= 2.0 else "MISSED")
     assert all(f"- anchor: {x}" in text for x in ANCHORS)
     assert "not answered whole" not in text
     assert text.rstrip().endswith("**PASS**: every request finished whole")
