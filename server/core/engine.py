@@ -42,7 +42,10 @@ class Engine:
         on_demand: bool | None = None,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        enable_prefix_caching: bool = True,
     ):
+        # full KV blocks shared by content (models/prefix_cache.py), on a model with a block pool
+        self.enable_prefix_caching = enable_prefix_caching
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
@@ -235,6 +238,7 @@ class Engine:
             max_model_len=cfg.max_model_len,
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
+            prefix_caching=self.enable_prefix_caching,
         )
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
@@ -295,6 +299,7 @@ class Engine:
             batch = self.batcher.schedule()
             if self.batcher.num_preemptions > preempted:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
+            self.metrics.prefix_cache(self.batcher)
             if batch is not None:
                 self._step(batch)
             else:
