@@ -64,6 +64,7 @@ class _Request:
     keys: list[bytes] = field(default_factory=list)  # of its full blocks, as they fill
     registered: int = 0  # its blocks named in the pool
     cached: int = -1  # tokens found cached at its first admission
+    lookup: bool = True  # it may start with cached blocks
 
     @property
     def ending(self) -> bool:
@@ -114,6 +115,9 @@ class ContinuousBatcher:
             self._prefix = kv_pool
         self.prefix_queries = self.prefix_hits = 0
         """Tokens looked up at admission, and those found cached (vLLM's prefix cache stats)."""
+        self.preempted: list[Hashable] = []
+        """Ids of the requests preempted since a server last cleared it (its sampler forgets
+        their slots: one readmitted to a row it sampled on before must not find it stale)."""
         self.cached_tokens: dict[Hashable, int] = {}
         """request id -> prompt tokens found cached at its first admission (a server pops it)."""
         self._free_rows = deque(range(num_cache_rows))
@@ -130,10 +134,12 @@ class ContinuousBatcher:
         max_new_tokens: int,
         stop_token_ids: Sequence[int] = (),
         extra_key: str | bytes | None = None,
+        cache_lookup: bool = True,
     ) -> None:
         """Queue a request; it joins a batch at the next ``schedule()`` with room for it.
         ``extra_key``: what else changes its K/V (a LoRA adapter id): blocks are shared only
-        between requests with the same one."""
+        between requests with the same one. ``cache_lookup=False``: it computes its whole prompt
+        (it asks for the prompt's logprobs, which cached positions would not have)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt or max_new_tokens < 1:
@@ -153,6 +159,7 @@ class ContinuousBatcher:
                 max_new_tokens=max_new_tokens,
                 stop=frozenset(stop_token_ids),
                 root=root_key(extra_key) if self._prefix is not None else b"",
+                lookup=cache_lookup,
             )
         )
 
@@ -197,7 +204,7 @@ class ContinuousBatcher:
             budget and self._waiting and self._free_rows and len(self._running) < self.max_num_seqs
         ):
             r = self._waiting[0]
-            hit = prefix_blocks.lookup(r, self._prefix) if self._prefix is not None else []
+            hit = prefix_blocks.lookup(r, self._prefix) if self._prefix and r.lookup else []
             taken = self._prefix.free_cost(hit) if self._prefix is not None else 0
             r.computed = len(hit) * self._blocks.block_size if hit else 0
             room = None if free is None else free - taken
@@ -278,6 +285,7 @@ class ContinuousBatcher:
         self._blocks.release(r.row)
         r.row, r.computed, r.registered = -1, 0, 0
         self._waiting.appendleft(r)
+        self.preempted.append(r.id)
         self.num_preemptions += 1
 
     def _admitted_with(self, r: _Request, hit: list[int]) -> None:
@@ -285,8 +293,9 @@ class ContinuousBatcher:
         assert self._prefix is not None
         self._prefix.attach(r.row, hit)
         r.registered = len(hit)
-        self.prefix_queries += prefix_blocks.real_tokens(r)
-        self.prefix_hits += r.computed
+        if r.lookup:
+            self.prefix_queries += prefix_blocks.real_tokens(r)
+            self.prefix_hits += r.computed
         if r.cached < 0:
             r.cached = self.cached_tokens[r.id] = r.computed
 

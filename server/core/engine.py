@@ -275,7 +275,9 @@ class Engine:
                 self._live = self._live + new  # before the clear: stop() never sees neither
                 self._waiting.clear()
             for r in new:  # joining the queue changes no running request: safe mid-pipeline
-                self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
+                self.batcher.add(
+                    r, r.prompt, r.max_tokens, r.stop, cache_lookup=r.prompt_logprobs is None
+                )
                 self.metrics.prompt_tokens.inc(len(r.prompt))
             if self.pipeline.busy:  # async scheduling: a step is in flight
                 cancelled = any(r.cancelled for r in self._live)
@@ -300,6 +302,9 @@ class Engine:
             if self.batcher.num_preemptions > preempted:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
             self.metrics.prefix_cache(self.batcher)
+            for r in self.batcher.preempted:  # rebound, replaying their tokens, where they resume
+                self.sampler.release(r)
+            self.batcher.preempted.clear()
             if batch is not None:
                 self._step(batch)
             else:
