@@ -21,6 +21,7 @@ blocks; the batcher, ``server/core/batching.py``, looks prompts up and registers
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -49,13 +50,13 @@ def chain_keys(
     if count <= 0:
         return []
     lo = first * block_size
-    data = np.asarray(tokens[lo : lo + count * block_size], dtype="<i8").tobytes()
+    data = memoryview(array("q", tokens[lo : lo + count * block_size]).tobytes())  # one process's
     step = block_size * 8
     out = []
     for i in range(count):
-        h = hashlib.blake2b(parent, digest_size=DIGEST)
-        h.update(data[i * step : (i + 1) * step])
-        parent = h.digest()
+        parent = hashlib.blake2b(
+            parent + data[i * step : (i + 1) * step], digest_size=DIGEST
+        ).digest()
         out.append(parent)
     return out
 

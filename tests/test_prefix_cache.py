@@ -156,9 +156,7 @@ def run(prompts, max_new, *, cache, blocks, bs, seqs, budget, max_len, arrivals,
         if batch is None:
             continue
         tokens = []
-        for rid, (row, start, toks), sample in zip(
-            batch.request_ids, batch.reqs, batch.sample_rows
-        ):
+        for (row, start, toks), sample in zip(batch.reqs, batch.sample_rows):
             pool.reserve(row, start, len(toks))  # what make_batch does
             slots = pool.slots(row, start, len(toks))
             for s in slots:

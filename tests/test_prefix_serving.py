@@ -29,12 +29,13 @@ def hf_dir(tmp_path_factory):
     return write_model_dir(tmp_path_factory.mktemp("hf") / "m")
 
 
-def _engine(hf_dir, async_scheduling: bool, cache: bool) -> Engine:
-    spec = HFSpec(model=str(hf_dir), max_model_len=64, kv_cache_tokens=96, block_size=4)
+def _engine(hf_dir, async_scheduling: bool, cache: bool, spec=None, device="cpu") -> Engine:
+    spec = spec or HFSpec(model=str(hf_dir), max_model_len=64, kv_cache_tokens=96, block_size=4)
     e = Engine(
         load_table_from_text(plan_text(mode="FULL_DECODE_ONLY", sizes=(1, 2, 4), seqs=4)),
         "plan.yaml",
         spec=spec,
+        device=device,
         progress=False,
         async_scheduling=async_scheduling,
         enable_prefix_caching=cache,
@@ -73,7 +74,11 @@ def workloads(draw):
         own = prompt(draw(st.integers(0, 40)), draw(st.integers(0 if k < 2 else 1, 6)))
         head = SYSTEM[k][:n] if k < 2 else []
         reqs.append(((head + own) or [3], draw(st.integers(1, 12)), (), GREEDY))
-    cuts = sorted(set(draw(st.lists(st.integers(1, len(reqs) - 1), max_size=2)))) if len(reqs) > 1 else []
+    cuts = (
+        sorted(set(draw(st.lists(st.integers(1, len(reqs) - 1), max_size=2))))
+        if len(reqs) > 1
+        else []
+    )
     waves, last = [], 0
     for c in [*cuts, len(reqs)]:
         waves.append(reqs[last:c])
@@ -187,3 +192,46 @@ def test_cached_tokens_are_exact_in_the_usage_and_answers_equal_the_cache_off(se
     metrics = httpx.get(text + "/metrics").text
     hits = [ln for ln in metrics.splitlines() if ln.startswith("graphplan_prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= 3 * 32
+
+
+# -- the plan side ----------------------------------------------------------------------------------
+def _scrape(server) -> str:
+    import httpx
+
+    return httpx.get(server.url + "/metrics").text
+
+
+def _step_tokens(text: str) -> float:
+    """Tokens run by every engine step so far (graphplan:iteration_tokens, both routines)."""
+    sums = [ln for ln in text.splitlines() if ln.startswith("graphplan:iteration_tokens_sum")]
+    assert len(sums) == 2, sums
+    return sum(float(ln.split()[-1]) for ln in sums)
+
+
+def test_plan_workload_and_optimize_read_a_cached_servers_shorter_prefill_steps(
+    servers, tmp_path, capsys
+):
+    """Six requests one after the other sharing a 44-token start: with the cache the steps run
+    exactly 5 x 32 tokens fewer (the prefill chunks are shorter, the decodes the same) than
+    without it; ``plan workload`` and ``plan optimize`` read the cached server's scrape."""
+    from graphplan.compiler.cli import main
+
+    shared = " ".join(f"w{70 + i % 40}" for i in range(40))
+    ran = {}
+    for mode in ("one", "off"):
+        client, before = openai_client(servers[mode]), _step_tokens(_scrape(servers[mode]))
+        for i in range(6):
+            client.completions.create(
+                model=NAME, prompt=f"w1 {shared} w2 w{i + 3}", max_tokens=3, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+        ran[mode] = _step_tokens(_scrape(servers[mode])) - before
+    assert ran["off"] - ran["one"] == 5 * 32
+    scrape, work = tmp_path / "cached.prom", tmp_path / "w.jsonl"
+    scrape.write_text(_scrape(servers["one"]))
+    plan = servers["one"].source
+    assert main(["workload", "--from-metrics", str(scrape), "--plan", plan, "-o", str(work)]) == 0
+    assert work.read_text().strip()
+    capsys.readouterr()
+    assert main(["optimize", plan, "--trace", str(work), "--format", "json"]) == 0
+    assert '"after"' in capsys.readouterr().out

@@ -300,8 +300,10 @@ class ContinuousBatcher:
             r.cached = self.cached_tokens[r.id] = r.computed
 
     def _register(self, r: _Request) -> None:
-        if self._prefix is not None:
-            prefix_blocks.register(r, self._prefix)
+        """Name ``r``'s newly filled blocks (prefix caching; cheap when none filled)."""
+        p = self._prefix
+        if p is not None and r.computed >= (r.registered + 1) * p.block_size:
+            prefix_blocks.register(r, p)
 
     def commit(self, batch: StepBatch, logits=None, *, sampled=None) -> list[TokenEvent]:
         """Record a step from its ``logits`` [num_tokens, vocab] (a tensor; greedy: the argmax of

@@ -302,8 +302,9 @@ class Engine:
             if self.batcher.num_preemptions > preempted:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
             self.metrics.prefix_cache(self.batcher)
-            for r in self.batcher.preempted:  # rebound, replaying their tokens, where they resume
-                self.sampler.release(r)
+            if self.sampler is not None:  # rebound, replaying their tokens, where they resume
+                for r in self.batcher.preempted:
+                    self.sampler.release(r)
             self.batcher.preempted.clear()
             if batch is not None:
                 self._step(batch)

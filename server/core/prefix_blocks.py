@@ -47,11 +47,12 @@ def real_tokens(r: Any) -> int:
 
 def keys_up_to(r: Any, pool: PrefixPool, blocks: int) -> list[bytes]:
     """``r.keys`` grown to its first ``blocks`` full blocks (all of real tokens)."""
-    have = len(r.keys)
+    have, bs = len(r.keys), pool.block_size
     if blocks > have:
-        seq = r.prompt + tuple(r.output) if r.output else r.prompt
+        lo, hi, n = have * bs, blocks * bs, len(r.prompt)
+        tokens = [*r.prompt[lo:hi], *r.output[max(0, lo - n) : max(0, hi - n)]]
         parent = r.keys[-1] if have else r.root
-        r.keys += chain_keys(seq, pool.block_size, parent, have, blocks - have)
+        r.keys += chain_keys(tokens, bs, parent, 0, blocks - have)
     return r.keys
 
 
