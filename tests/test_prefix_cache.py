@@ -123,6 +123,17 @@ def test_the_accounting_check_catches_a_leak_and_a_double_hold():
 
 
 # -- the batcher over a simulated cache ----------------------------------------------------------
+def batcher(pool, seqs: int, budget: int, max_len: int, **kw) -> ContinuousBatcher:
+    return ContinuousBatcher(
+        max_num_seqs=seqs,
+        token_budget=budget,
+        max_model_len=max_len,
+        num_cache_rows=seqs,
+        kv_pool=pool,
+        **kw,
+    )
+
+
 def run(prompts, max_new, *, cache, blocks, bs, seqs, budget, max_len, arrivals, cancels):
     """Serve ``prompts`` (request i arrives at step ``arrivals[i]``; ``cancels`` {i: step} aborts
     it then) over a simulated cache. Returns the finished outputs, the batcher, the pool."""
@@ -133,14 +144,7 @@ def run(prompts, max_new, *, cache, blocks, bs, seqs, budget, max_len, arrivals,
         max_blocks_per_seq=-(-max_len // bs),
         prefix_caching=cache,
     )
-    b = ContinuousBatcher(
-        max_num_seqs=seqs,
-        token_budget=budget,
-        max_model_len=max_len,
-        num_cache_rows=seqs,
-        kv_pool=pool,
-        prefix_caching=cache,
-    )
+    b = batcher(pool, seqs, budget, max_len, prefix_caching=cache)
     kv = np.full((blocks + 1) * bs, -1, dtype=np.int64)  # the token whose K/V each slot holds
     step = added = 0
     while added < len(prompts) or b.has_work():
@@ -258,15 +262,7 @@ def test_admission_counts_only_the_blocks_still_needed():
     """A pool of 12 blocks of 4 and a cached 32-token prompt: a request sharing it needs 1 more
     block (its 33rd token), not 9, and is admitted though 8 of its blocks are cached ones."""
     pool = tables(12, seats=3, width=12)
-    b = ContinuousBatcher(
-        max_num_seqs=2,
-        token_budget=64,
-        max_model_len=48,
-        num_cache_rows=2,
-        kv_pool=pool,
-        watermark=0.0,
-        prefix_caching=True,
-    )
+    b = batcher(pool, 2, 64, 48, watermark=0.0, prefix_caching=True)
     system = SHARED[1][:32]
     b.add("a", system + [1], 1)
     s = b.schedule()

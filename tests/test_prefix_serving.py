@@ -12,9 +12,10 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_async_scheduling import _engine as started
 from test_async_scheduling import prompt, run
 from test_openai_sampling import NAME, PLAN, TEMPLATE
-from test_server import load_table_from_text, plan_text
+from test_server import plan_text
 
 from graphplan.server import Engine
 from graphplan.server.core.hf_model import HFSpec
@@ -31,17 +32,8 @@ def hf_dir(tmp_path_factory):
 
 def _engine(hf_dir, async_scheduling: bool, cache: bool, spec=None, device="cpu") -> Engine:
     spec = spec or HFSpec(model=str(hf_dir), max_model_len=64, kv_cache_tokens=96, block_size=4)
-    e = Engine(
-        load_table_from_text(plan_text(mode="FULL_DECODE_ONLY", sizes=(1, 2, 4), seqs=4)),
-        "plan.yaml",
-        spec=spec,
-        device=device,
-        progress=False,
-        async_scheduling=async_scheduling,
-        enable_prefix_caching=cache,
-    )
-    e.start()
-    assert e.wait_ready(60), e.error
+    plan = plan_text(mode="FULL_DECODE_ONLY", sizes=(1, 2, 4), seqs=4)
+    e = started(spec, plan, async_scheduling, device, enable_prefix_caching=cache)
     make_batch, pool = e.model.make_batch, e.model.kv_pool
 
     def checked(reqs, **kw):  # the accounting holds before every step's blocks are taken
