@@ -9,6 +9,7 @@ device; ``--device cpu --shape tiny`` is a smoke run that checks the program.
     python bench/serve_bench.py --server-arg='--api-server-count 2' --server-arg=--no-async-scheduling
     python bench/serve_bench.py --url http://127.0.0.1:8000                       # a running server
     python bench/serve_bench.py --device cpu --shape tiny --requests 16 --max-len 32   # smoke
+    python bench/serve_bench.py --workload chat --prefix-caching compare   # issue 38: on vs off
 
 The server: ``graphplan-serve --plan P --model DIR --random-weights ...`` (``python -m
 graphplan.server`` where the script is not installed), a subprocess, ready at /healthz 200. DIR is
@@ -25,6 +26,13 @@ ShareGPT-like lengths. Prompts are token ids; every request is greedy with ``ign
 at once (``--request-rate inf``) or as a Poisson process. Clients (bench/serve_clients.py): 8
 processes on CUDA (2 on the CPU), each an asyncio loop of raw httpx (default) or the ``openai``
 client. The arithmetic (bench/serve_stats.py) follows vLLM's and SGLang's benchmarks.
+
+``--prefix-caching compare`` runs the workload twice in one run, the server started with
+``--enable-prefix-caching`` then ``--no-enable-prefix-caching``, and prints both tables, the
+ratios (TTFT p50 off / on, output tok/s on / off) against issue 38's bars (the ``chat`` workload:
+>= 4x and >= 1.5x; any other, nothing shared: output tok/s within 3 %), the cache's hit rate
+(graphplan_prefix_cache_hits_total / queries_total) and the step mix from /metrics (engine steps,
+tokens per step: a cached prefix leaves shorter prefill chunks).
 
 ``--offline`` then runs bench/offline_throughput.py's engine loop on the same workload (a
 subprocess, after the server has stopped) and prints served / offline output tok/s; the issue's bar
@@ -53,7 +61,7 @@ import serve_clients
 from llama_shapes import SHAPES
 from offline_throughput import ANCHORS
 from serve_stats import Outcome, client_bound, summary, table
-from serve_workload import WORKLOADS, body, requests, send_offsets
+from serve_workload import WORKLOADS, body, chat_max_len, requests, send_offsets
 from sse_clients import free_port
 from timing import publish
 
@@ -76,6 +84,13 @@ def parse_args(argv=None):
     p.add_argument("--min-len", type=int, default=4)
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt and longest output")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-len", type=int, default=2000, help="chat: the shared system prompt")
+    p.add_argument("--turns", type=int, default=3, help="chat: most turns of a conversation")
+    p.add_argument("--turn-len", type=int, default=60, help="chat: a user turn's median tokens")
+    p.add_argument(
+        "--prefix-caching", choices=("default", "on", "off", "compare"), default="default",
+        help="the server's --[no-]enable-prefix-caching; compare: both, one after the other",
+    )  # fmt: skip
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, or inf")
     p.add_argument("--client-procs", type=int, default=None, help="default 8 (CPU: 2)")
     p.add_argument("--client", choices=("httpx", "openai"), default="httpx")
@@ -94,9 +109,13 @@ def parse_args(argv=None):
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     a.client_procs = a.client_procs or (2 if a.device == "cpu" else 8)
+    if a.workload == "chat":  # the longest conversation fits
+        a.max_model_len = a.max_model_len or chat_max_len(a) + 16
     a.max_model_len = a.max_model_len or 2 * a.max_len + 16  # offline_throughput's
     if a.set is None:
         a.set = load_test.PLAN_SETS["tiny"] if a.shape == "tiny" else []
+    if a.prefix_caching == "compare" and (a.url or a.offline):
+        p.error("--prefix-caching compare starts the server twice: no --url, no --offline")
     if a.offline and (a.url or a.workload != "loguniform"):
         p.error("--offline runs bench/offline_throughput.py's workload: loguniform, no --url")
     if not 1 <= a.client_procs <= a.requests:
@@ -116,7 +135,8 @@ def write_tokenizer(path: Path, vocab: int) -> Path:
 
 
 def server_command(a, model_dir: Path, port: int) -> list[str]:
-    exe = shutil.which("graphplan-serve")
+    beside = Path(sys.executable).parent / "graphplan-serve"  # this Python's, before PATH's
+    exe = str(beside) if beside.exists() else shutil.which("graphplan-serve")
     cmd = [exe] if exe else [sys.executable, "-m", "graphplan.server"]
     cmd += ["--plan", str(a.plan), "--model", str(model_dir), "--random-weights"]
     cmd += ["--served-model-name", "serve-bench", "--port", str(port), "--device", a.device]
@@ -125,6 +145,10 @@ def server_command(a, model_dir: Path, port: int) -> list[str]:
         cmd += ["--kv-memory-fraction", str(a.kv_memory_fraction)]
     for s in a.set:
         cmd += ["--set", s]
+    if a.prefix_caching in ("on", "off"):
+        cmd.append(
+            "--enable-prefix-caching" if a.prefix_caching == "on" else "--no-enable-prefix-caching"
+        )
     return cmd + [x for arg in a.server_arg for x in shlex.split(arg)]
 
 
@@ -186,6 +210,7 @@ def served(a) -> dict:
         if a.url:
             wait_ready(a.url, None, a.startup_timeout, tmp / "none")
             s = clients(a, a.url.rstrip("/"), tmp)
+            s["metrics"] = scrape(a.url.rstrip("/"))
             return {"summary": s, "server": f"attached to {a.url}", "startup_s": None}
         model_dir = load_test.write_model(tmp / f"llama-{a.shape}", a.shape, a.max_model_len)
         write_tokenizer(model_dir, SHAPES[a.shape]["vocab_size"])
@@ -199,9 +224,42 @@ def served(a) -> dict:
             startup = wait_ready(url, proc, a.startup_timeout, log)
             print(f"serve_bench: server ready in {startup:.1f} s", flush=True)
             s = clients(a, url, tmp)
+            s["metrics"] = scrape(url)
         finally:
             stop(proc)
     return {"summary": s, "server": f"`{shown(cmd)}`", "startup_s": startup}
+
+
+SCRAPED = {
+    "hits": r"graphplan_prefix_cache_hits_total",
+    "queries": r"graphplan_prefix_cache_queries_total",
+    "prompt_tokens": r"graphplan_server_prompt_tokens_total",
+    "step_tokens": r"graphplan_server_step_tokens_total",
+    "steps_decode": r'graphplan_server_steps_total\{kind="decode"\}',
+    "steps_mixed": r'graphplan_server_steps_total\{kind="mixed"\}',
+}
+
+
+def scrape(url: str) -> dict:
+    """The server's prefix-cache counters and step mix from /metrics (0 where absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for k, name in SCRAPED.items():
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        out[k] = float(m[1]) if m else 0.0
+    return out
+
+
+def mix(m: dict) -> str:
+    """The cache's hit rate and the step mix, in one line."""
+    steps = m["steps_decode"] + m["steps_mixed"]
+    rate = m["hits"] / m["queries"] if m["queries"] else 0.0
+    per = m["step_tokens"] / steps if steps else 0.0
+    return (
+        f"prefix cache hit rate {rate:.1%} ({m['hits']:.0f} of {m['queries']:.0f} tokens); "
+        f"steps {steps:.0f} ({m['steps_mixed']:.0f} with a prefill), {m['step_tokens']:.0f} "
+        f"tokens computed, {per:.1f} per step"
+    )
 
 
 def shown(cmd: list[str]) -> str:
@@ -230,6 +288,12 @@ def offline(a) -> dict:
     }
 
 
+def workload_name(a) -> str:
+    if a.workload != "chat":
+        return a.workload
+    return f"chat: a {a.system_len}-token system prompt, conversations of up to {a.turns} turns"
+
+
 def device_name(a) -> str:
     if not a.device.startswith("cuda"):
         return a.device
@@ -248,7 +312,7 @@ def report(a, argv, run: dict, off: dict | None) -> tuple[str, bool]:
         f"command: `python bench/serve_bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
         f"server: {run['server']}"
         + (f"; ready in {run['startup_s']:.1f} s" if run["startup_s"] is not None else ""),
-        f"- {a.requests} requests ({a.workload}, lengths {a.min_len}-{a.max_len}, seed {a.seed}) "
+        f"- {a.requests} requests ({workload_name(a)}, lengths {a.min_len}-{a.max_len}, seed {a.seed}) "
         f"at request rate {rate}; {a.client_procs} client processes ({a.client}), streaming "
         "/v1/completions, greedy, ignore_eos",
         "",
@@ -276,13 +340,48 @@ def report(a, argv, run: dict, off: dict | None) -> tuple[str, bool]:
                 f"batch, {off['full_step_ms']:.1f} ms: **{x:.2f}x** "
                 f"({'met' if x <= ITL_BAR else 'MISSED'}: <= {ITL_BAR}x)"
             )
+    if "metrics" in s:
+        lines.append(f"- {mix(s['metrics'])}")
     lines += [f"- anchor: {x}" for x in ANCHORS]
     lines.append(f"\n**{'PASS' if ok else 'FAIL'}**: every request finished whole")
     return "\n".join(lines) + "\n", ok
 
 
+def compare(a, argv) -> tuple[str, bool]:
+    """``--prefix-caching compare``: the workload with the cache on, then off; both reports and
+    the ratios against issue 38's bars."""
+    runs, texts, ok = {}, [], True
+    for mode in ("on", "off"):
+        a.prefix_caching = mode
+        runs[mode] = served(a)
+        text, whole = report(a, argv, runs[mode], None)
+        texts.append(
+            text.replace("## serve_bench (", f"## serve_bench (prefix caching {mode}, ", 1)
+        )
+        ok &= whole
+    a.prefix_caching = "compare"
+    on, off = runs["on"]["summary"], runs["off"]["summary"]
+    ttft = off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"]
+    ttft99 = off["ttft_ms"]["p99"] / on["ttft_ms"]["p99"]
+    tok = on["output_tok_s"] / off["output_tok_s"]
+    shared = a.workload == "chat"
+    met = ttft >= 4 and tok >= 1.5 if shared else abs(tok - 1) <= 0.03
+    bar = "TTFT p50 >= 4x lower, output tok/s >= 1.5x" if shared else "output tok/s within 3 %"
+    texts.append(
+        f"### prefix caching on vs off ({a.workload})\n"
+        f"- TTFT p50 off / on **{ttft:.2f}x** (p99 {ttft99:.2f}x); output tok/s on / off "
+        f"**{tok:.3f}x**: issue 38's bar ({bar}) **{'met' if met else 'MISSED'}**\n"
+        f"- on: {mix(on['metrics'])}\n- off: {mix(off['metrics'])}\n"
+    )
+    return "\n".join(texts), ok
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.prefix_caching == "compare":
+        text, ok = compare(a, argv)
+        publish(text, str(a.out) if a.out else None, append=True)
+        return 0 if ok else 1
     run = served(a)
     off = offline(a) if a.offline else None
     text, ok = report(a, argv, run, off)

@@ -11,6 +11,13 @@ sent, and the body each sends.
   holds 215,692 prompt and 195,472 output tokens, near the 215,196 and 197,520 of the 1,000
   ShareGPT requests (Llama-3 tokenizer) that vLLM PR #8125 reports; the shape (heavy tail toward
   short turns) is ShareGPT's, the individual lengths are not.
+- ``chat``: chat traffic for prefix caching (issue 38). One system prompt of ``--system-len``
+  tokens (default 2,000) starts every request; requests are turns of conversations of 1 to
+  ``--turns`` turns, each turn re-sending the earlier ones: system, user 1, assistant 1, ..., user
+  k (user turns log-normal, median ``--turn-len`` tokens, default 60, at most 4x that; the
+  assistant turns re-sent are drawn too, 5/3 as long: the history a client holds). Outputs are ShareGPT-like, clipped to [min_len, max_len].
+  Requests are ordered turn by turn (every conversation's first turn, then the second turns...),
+  so a turn is sent after the one before it in its conversation.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import random
 
 from offline_throughput import workload as offline_workload
 
-WORKLOADS = ("loguniform", "sharegpt")
+WORKLOADS = ("loguniform", "sharegpt", "chat")
+CHAT_SIGMA = 0.8  # log-normal sigma of a turn's length (its median: --turn-len, 5/3 of it)
 SHAREGPT_PROMPT = (130, 1.05)  # log-normal (median tokens, sigma)
 SHAREGPT_OUTPUT = (135, 0.9)
 
@@ -40,8 +48,41 @@ def sharegpt(a, vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outputs
 
 
+def chat(a, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """``a.requests`` turns of conversations sharing one system prompt (see the docstring)."""
+    rng = random.Random(a.seed)
+    system = [rng.randrange(1, vocab) for _ in range(a.system_len)]
+    convs: list[list[list[int]]] = []  # each conversation's prompts, turn by turn
+    left = a.requests
+    while left:
+        turns = min(left, rng.randint(1, a.turns))
+        history, prompts = list(system), []
+        for t in range(turns):
+            if t:  # the previous answer, as the client re-sends it
+                history += _words(rng, vocab, a.turn_len * 5 / 3)
+            history += _words(rng, vocab, a.turn_len)
+            prompts.append(list(history))
+        convs.append(prompts)
+        left -= turns
+    ordered = [c[t] for t in range(a.turns) for c in convs if t < len(c)]
+    outputs = lognormal(len(ordered), *SHAREGPT_OUTPUT, a.min_len, a.max_len, rng)
+    return ordered, outputs
+
+
+def chat_max_len(a) -> int:
+    """The longest prompt the chat workload can draw, and its longest output."""
+    return a.system_len + a.turns * 4 * round(a.turn_len * 8 / 3) + a.max_len
+
+
+def _words(rng, vocab: int, median: float) -> list[int]:
+    (n,) = lognormal(1, median, CHAT_SIGMA, 1, 4 * round(median), rng)
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
 def requests(a, vocab: int) -> tuple[list[list[int]], list[int]]:
     """The workload's (prompts as token ids, output lengths), one of each per request."""
+    if a.workload == "chat":
+        return chat(a, vocab)
     if a.workload == "loguniform":
         ns = argparse.Namespace(
             seed=a.seed, requests=a.requests, min_len=a.min_len, max_len=a.max_len

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from graphplan.compiler.errors import GraphplanError
+
+from .prefix_cache import PrefixCache
 
 GiB = 1 << 30
 
@@ -151,10 +154,22 @@ class BlockTables:
     then the padding block), ``held`` how many blocks each seat holds; the free blocks are a ring,
     handed out first in, first out. A step's rows are gathered straight into the buffer that goes
     to the device (``rows_into``) and its slots computed for all its tokens at once
-    (``slots_into``)."""
+    (``slots_into``).
+
+    With prefix caching (``enable_prefix_caching``; ``prefix_cache.PrefixCache``) blocks are
+    shared between seats by reference count: ``attach`` starts a seat's row with cached blocks
+    (``lookup``), ``register`` names a seat's full written blocks by their keys, and a released
+    block that has a key stays cached, counted free, until ``_take`` evicts it (least recently
+    used first, after the plainly free blocks)."""
 
     def __init__(
-        self, *, num_blocks: int, block_size: int, num_seats: int, max_blocks_per_seq: int
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_seats: int,
+        max_blocks_per_seq: int,
+        prefix_caching: bool = False,
     ):
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.pad_block = num_blocks
@@ -166,16 +181,31 @@ class BlockTables:
         self.table = np.full((num_seats, max_blocks_per_seq), num_blocks, dtype=np.int32)
         """[num_seats, max_blocks_per_seq] int32: every seat's row, padded with the padding
         block."""
+        self.cache: PrefixCache | None = None
+        if prefix_caching:
+            self.enable_prefix_caching()
 
     def num_free(self) -> int:
-        return self._num_free
+        """Blocks a seat can take: the plainly free ones and the cached ones no seat holds."""
+        return self._num_free + (len(self.cache.lru) if self.cache is not None else 0)
 
     def free_blocks(self) -> list[int]:
         """The free blocks in the order they will be handed out."""
         return np.roll(self._ring, -self._head)[: self._num_free].tolist()
 
     def _take(self, out: np.ndarray) -> None:
-        """Fill ``out`` with the next ``len(out)`` free blocks (there are that many)."""
+        """Fill ``out`` with the next ``len(out)`` free blocks (there are that many): plainly free
+        ones first, then (prefix caching) the least recently used cached ones, evicted."""
+        if self.cache is not None:
+            plain = min(len(out), self._num_free)
+            if plain < len(out):
+                out[plain:] = self.cache.evict(len(out) - plain)
+            self._take_ring(out[:plain])
+            self.cache.ref[out[:plain]] = 1
+        else:
+            self._take_ring(out)
+
+    def _take_ring(self, out: np.ndarray) -> None:
         k, n, h = len(out), len(self._ring), self._head
         if not k:
             return
@@ -199,7 +229,10 @@ class BlockTables:
     def release(self, seat: int) -> None:
         k = int(self.held[seat])
         row = self.table[seat]
-        self._give(row[:k])
+        if self.cache is not None:
+            self._give(np.asarray(self.cache.release(row[:k].tolist()), dtype=np.int32))
+        else:
+            self._give(row[:k])
         row[:k] = self.pad_block
         self.held[seat] = 0
 
@@ -216,7 +249,7 @@ class BlockTables:
             )
         if want <= have:
             return
-        k = min(want - have, self._num_free)  # as many as there are, then the error
+        k = min(want - have, self.num_free())  # as many as there are, then the error
         self._take(self.table[seat, have : have + k])
         self.held[seat] = have + k
         if have + k < want:
@@ -260,3 +293,63 @@ class BlockTables:
         """The seats' rows into ``out`` [len(seats), max_blocks_per_seq] int32, one gather
         (seats in range: ``reserve_all`` checks them)."""
         np.take(self.table, seats, axis=0, out=out, mode="clip")  # "raise" gathers via a copy
+
+    # -- prefix caching (models/prefix_cache.py) ---------------------------------------------------
+    def enable_prefix_caching(self) -> None:
+        """Share full blocks by content from now on (while no seat holds a block)."""
+        if self.cache is not None:
+            return
+        if self.held.any():
+            raise RuntimeError("prefix caching can only be turned on while no seat holds blocks")
+        self.cache = PrefixCache(self.pad_block)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.cache is not None
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of ``keys`` (none without prefix caching)."""
+        return self.cache.match(keys) if self.cache is not None else []
+
+    def free_cost(self, blocks: Sequence[int]) -> int:
+        """Free blocks that attaching ``blocks`` takes (those cached that no seat holds)."""
+        return self.cache.free_cost(blocks) if self.cache is not None else 0
+
+    def attach(self, seat: int, blocks: Sequence[int]) -> None:
+        """Start ``seat``'s sequence (it holds none) with the cached ``blocks`` (``lookup``'s)."""
+        if not blocks:
+            return
+        if self.cache is None or self.held[seat]:
+            raise RuntimeError(f"seat {seat}: attach needs prefix caching and an empty seat")
+        self.cache.acquire(blocks)
+        self.table[seat, : len(blocks)] = blocks
+        self.held[seat] = len(blocks)
+
+    def register(self, seat: int, keys: Sequence[bytes], first: int = 0) -> None:
+        """``keys[i]`` names the seat's block i (full, its K/V written by a launched step), for
+        ``i >= first``."""
+        if self.cache is None:
+            return
+        if len(keys) > int(self.held[seat]):
+            raise IndexError(f"seat {seat}: {len(keys)} keys for {int(self.held[seat])} blocks")
+        row = self.table[seat]
+        for i in range(first, len(keys)):
+            self.cache.register(int(row[i]), keys[i])
+
+    def check_accounting(self) -> None:
+        """Raise AssertionError unless every block is exactly one of: plainly free, cached and
+        free, or held by the seats (each holder counted in its reference count)."""
+        held = [self.table[s, : int(k)] for s, k in enumerate(self.held.tolist())]
+        rows = np.concatenate(held) if held else np.zeros(0, dtype=np.int32)
+        assert (rows < self.pad_block).all(), "a seat holds the padding block"
+        for s, k in enumerate(self.held.tolist()):
+            assert (self.table[s, k:] == self.pad_block).all(), f"seat {s}: a stale block"
+        holders = np.bincount(rows, minlength=self.pad_block)
+        free = self.free_blocks()
+        if self.cache is not None:
+            self.cache.check(free, holders)
+            return
+        assert holders.max(initial=0) <= 1, "a block is held twice"
+        seen = holders.copy()
+        np.add.at(seen, np.asarray(free, dtype=np.int64), 1)
+        assert (seen == 1).all(), "a block is lost, or both free and held"

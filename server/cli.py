@@ -163,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the same tokens either way",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on by default (as in vLLM): full KV blocks are found by their tokens and shared, so "
+        "a prompt's cached beginning (a system prompt, earlier turns) is not computed again; "
+        "the same tokens either way",
+    )
+    p.add_argument(
         "--fused-sampler",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -308,6 +316,7 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             max_waiting=a.max_waiting,
             async_scheduling=a.async_scheduling,
             fused_sampler=a.fused_sampler,
+            enable_prefix_caching=a.enable_prefix_caching,
             processes=not a.single_process,
             api_server_count=a.api_server_count,
             log_level=logging.getLevelName(a.log_level),

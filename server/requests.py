@@ -106,6 +106,9 @@ class Request:
     wire_id: int | None = None  # its id between a front end process and the engine's
     finished: bool = False
     finish_reason: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at its admission (the usage's cached_tokens)."""
+    cached_sent: bool = False  # the engine process sent cached_tokens to its front end
 
 
 def greedy_requests(

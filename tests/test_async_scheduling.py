@@ -24,7 +24,7 @@ from hf_models import write_model_dir
 SPEC = ModelSpec(layers=2, hidden=64, vocab_size=128, max_model_len=48, seed=0)
 
 
-def _engine(spec, plan: str, async_scheduling: bool, device: str = "cpu") -> Engine:
+def _engine(spec, plan: str, async_scheduling: bool, device: str = "cpu", **kw) -> Engine:
     e = Engine(
         load_table_from_text(plan),
         "plan.yaml",
@@ -32,6 +32,7 @@ def _engine(spec, plan: str, async_scheduling: bool, device: str = "cpu") -> Eng
         device=device,
         progress=False,
         async_scheduling=async_scheduling,
+        **kw,
     )
     e.start()
     assert e.wait_ready(60), e.error

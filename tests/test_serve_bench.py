@@ -12,7 +12,7 @@ import pytest
 from offline_throughput import ANCHORS
 from serve_bench import main
 from serve_stats import Outcome, client_bound, itl, percentile, summary, table, tpot, ttft
-from serve_workload import requests, send_offsets
+from serve_workload import chat_max_len, requests, send_offsets
 
 SMOKE = ["--device", "cpu", "--shape", "tiny", "--requests", "16", "--max-len", "32"]
 
@@ -139,3 +139,41 @@ def test_requests_go_all_at_once_at_rate_inf_else_as_a_poisson_process():
     gaps = [b - a for a, b in zip(t, t[1:])]
     assert t[0] == 0.0 and all(g > 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)
+
+
+def test_the_chat_workload_shares_its_system_prompt_and_each_turn_resends_the_earlier():
+    a = argparse.Namespace(
+        workload="chat",
+        seed=0,
+        requests=300,
+        min_len=4,
+        max_len=256,
+        system_len=2000,
+        turns=3,
+        turn_len=60,
+    )
+    prompts, outputs = requests(a, 128256)
+    assert len(prompts) == len(outputs) == 300 and 4 <= min(outputs) <= max(outputs) <= 256
+    assert max(map(len, prompts)) + 256 <= chat_max_len(a) == 2000 + 3 * 4 * 160 + 256
+    system = prompts[0][:2000]
+    assert all(p[:2000] == system and len(p) > 2000 for p in prompts)
+    # a later turn starts with an earlier request's whole prompt (its conversation so far)
+    later = [p for p in prompts if any(len(q) < len(p) and p[: len(q)] == q for q in prompts)]
+    assert len(later) > 50 and prompts[: len(prompts) - len(later)] != []
+
+
+def test_prefix_caching_compare_runs_the_chat_workload_on_and_off(tmp_path):
+    """The smoke size of the GPU step: both runs whole, the ratios, and the hit rate (> 0 with the
+    cache on, none off)."""
+    out = tmp_path / "prefix.md"
+    argv = [*SMOKE[:-4], "--requests", "12", "--max-len", "8", "--workload", "chat"]
+    argv += ["--system-len", "64", "--turn-len", "3", "--prefix-caching", "compare"]
+    assert main([*argv, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## serve_bench (prefix caching on, tiny, chat), cpu" in text
+    assert "## serve_bench (prefix caching off, tiny, chat), cpu" in text
+    assert "--no-enable-prefix-caching" in text and text.count("**PASS**") == 2
+    assert re.search(r"TTFT p50 off / on \*\*\d+\.\d\dx\*\*", text)
+    on = re.search(r"- on: prefix cache hit rate ([\d.]+)% \((\d+) of (\d+) tokens\)", text)
+    off = re.search(r"- off: prefix cache hit rate 0\.0% \(0 of 0 tokens\)", text)
+    assert on and float(on[1]) > 30 and off

@@ -27,6 +27,12 @@ decode cannot get its next block, the most recently admitted requests not yet in
 preempted (vLLM's recompute policy): their blocks and row go back, and they wait at the head of the
 queue with the tokens they generated, which are prefilled again when they are readmitted. Nothing is
 lost, and a pool that holds one ``max_model_len`` sequence lets every request finish.
+
+Prefix caching (``prefix_caching=True`` over a pool that shares blocks by content,
+``server/core/prefix_blocks.py``): a request is admitted with the longest run of cached blocks
+matching its sequence, its ``computed`` starting past them, so admission counts only the blocks it
+still needs (and the cached ones it takes out of the free count) and the token budget only the
+tokens to compute; the blocks its steps fill are registered as they are committed.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from graphplan.models.prefix_cache import root_key
 from graphplan.models.protocol import BlockPool
 
+from . import prefix_blocks
 from .step_batch import StepBatch, TokenEvent
 
 PLACEHOLDER = -1
@@ -52,6 +60,11 @@ class _Request:
     row: int = -1
     computed: int = 0  # tokens whose K/V is in the cache
     output: list[int] = field(default_factory=list)
+    root: bytes = b""  # prefix caching: its chain's start (prefix_cache.root_key)
+    keys: list[bytes] = field(default_factory=list)  # of its full blocks, as they fill
+    registered: int = 0  # its blocks named in the pool
+    cached: int = -1  # tokens found cached at its first admission
+    lookup: bool = True  # it may start with cached blocks
 
     @property
     def ending(self) -> bool:
@@ -85,6 +98,7 @@ class ContinuousBatcher:
         num_cache_rows: int,
         kv_pool: BlockPool | None = None,
         watermark: float = 0.01,
+        prefix_caching: bool = False,
     ):
         if min(max_num_seqs, token_budget, max_model_len, num_cache_rows) < 1:
             raise ValueError(
@@ -95,6 +109,17 @@ class ContinuousBatcher:
         self.kv_pool = kv_pool
         self._watermark = int(watermark * kv_pool.num_free()) if kv_pool is not None else 0
         self.num_preemptions = 0
+        self._prefix: prefix_blocks.PrefixPool | None = None
+        if prefix_caching and isinstance(kv_pool, prefix_blocks.PrefixPool):
+            kv_pool.enable_prefix_caching()
+            self._prefix = kv_pool
+        self.prefix_queries = self.prefix_hits = 0
+        """Tokens looked up at admission, and those found cached (vLLM's prefix cache stats)."""
+        self.preempted: list[Hashable] = []
+        """Ids of the requests preempted since a server last cleared it (its sampler forgets
+        their slots: one readmitted to a row it sampled on before must not find it stale)."""
+        self.cached_tokens: dict[Hashable, int] = {}
+        """request id -> prompt tokens found cached at its first admission (a server pops it)."""
         self._free_rows = deque(range(num_cache_rows))
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order
@@ -108,8 +133,13 @@ class ContinuousBatcher:
         prompt: Sequence[int],
         max_new_tokens: int,
         stop_token_ids: Sequence[int] = (),
+        extra_key: str | bytes | None = None,
+        cache_lookup: bool = True,
     ) -> None:
-        """Queue a request; it joins a batch at the next ``schedule()`` with room for it."""
+        """Queue a request; it joins a batch at the next ``schedule()`` with room for it.
+        ``extra_key``: what else changes its K/V (a LoRA adapter id): blocks are shared only
+        between requests with the same one. ``cache_lookup=False``: it computes its whole prompt
+        (it asks for the prompt's logprobs, which cached positions would not have)."""
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt or max_new_tokens < 1:
@@ -128,6 +158,8 @@ class ContinuousBatcher:
                 prompt=tuple(prompt),
                 max_new_tokens=max_new_tokens,
                 stop=frozenset(stop_token_ids),
+                root=root_key(extra_key) if self._prefix is not None else b"",
+                lookup=cache_lookup,
             )
         )
 
@@ -137,6 +169,7 @@ class ContinuousBatcher:
         for r in [r for r in self._running if r.id == request_id]:
             self._retire(r)
         self._known.discard(request_id)  # a waiting one held no row
+        self.cached_tokens.pop(request_id, None)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -171,15 +204,22 @@ class ContinuousBatcher:
             budget and self._waiting and self._free_rows and len(self._running) < self.max_num_seqs
         ):
             r = self._waiting[0]
-            n = self._fits(r, min(budget, r.pending), free, self._watermark)
+            hit = prefix_blocks.lookup(r, self._prefix) if self._prefix and r.lookup else []
+            taken = self._prefix.free_cost(hit) if self._prefix is not None else 0
+            r.computed = len(hit) * self._blocks.block_size if hit else 0
+            room = None if free is None else free - taken
+            n = self._fits(r, min(budget, r.pending), room, self._watermark)
             if not n:
+                r.computed = 0
                 break  # admission waits for blocks, in arrival order
             self._waiting.popleft()
             r.row = self._free_rows.popleft()
             self._running.append(r)
+            if self._prefix is not None:
+                self._admitted_with(r, hit)
             picked.append((r, r.chunk(n)))
             budget -= n
-            free = None if free is None else free - self._grow(r, n)
+            free = None if room is None else room - self._grow(r, n)
         if not picked:
             return None
         reqs, rows, first = [], [], 0
@@ -243,9 +283,27 @@ class ContinuousBatcher:
         self._running.remove(r)
         self._free_rows.append(r.row)
         self._blocks.release(r.row)
-        r.row, r.computed = -1, 0
+        r.row, r.computed, r.registered = -1, 0, 0
         self._waiting.appendleft(r)
+        self.preempted.append(r.id)
         self.num_preemptions += 1
+
+    def _admitted_with(self, r: _Request, hit: list[int]) -> None:
+        """``r`` takes its seat with the cached blocks ``hit`` (prefix caching)."""
+        assert self._prefix is not None
+        self._prefix.attach(r.row, hit)
+        r.registered = len(hit)
+        if r.lookup:
+            self.prefix_queries += prefix_blocks.real_tokens(r)
+            self.prefix_hits += r.computed
+        if r.cached < 0:
+            r.cached = self.cached_tokens[r.id] = r.computed
+
+    def _register(self, r: _Request) -> None:
+        """Name ``r``'s newly filled blocks (prefix caching; cheap when none filled)."""
+        p = self._prefix
+        if p is not None and r.computed >= (r.registered + 1) * p.block_size:
+            prefix_blocks.register(r, p)
 
     def commit(self, batch: StepBatch, logits=None, *, sampled=None) -> list[TokenEvent]:
         """Record a step from its ``logits`` [num_tokens, vocab] (a tensor; greedy: the argmax of
@@ -274,6 +332,7 @@ class ContinuousBatcher:
             if r is None:  # aborted while its step ran
                 continue
             r.computed += len(toks)
+            self._register(r)
             if row < 0 or tok is None:
                 continue
             if tok is None:
@@ -349,6 +408,7 @@ class ContinuousBatcher:
                 continue
             assert r.output and r.output[-1] == PLACEHOLDER, "resolve without speculate"
             r.output[-1] = int(tok)
+            self._register(r)
             events.append(self._ended_or_not(r))
         return events
 

@@ -42,7 +42,10 @@ class Engine:
         on_demand: bool | None = None,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        enable_prefix_caching: bool = True,
     ):
+        # full KV blocks shared by content (models/prefix_cache.py), on a model with a block pool
+        self.enable_prefix_caching = enable_prefix_caching
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
@@ -235,6 +238,7 @@ class Engine:
             max_model_len=cfg.max_model_len,
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
+            prefix_caching=self.enable_prefix_caching,
         )
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
@@ -271,7 +275,9 @@ class Engine:
                 self._live = self._live + new  # before the clear: stop() never sees neither
                 self._waiting.clear()
             for r in new:  # joining the queue changes no running request: safe mid-pipeline
-                self.batcher.add(r, r.prompt, r.max_tokens, r.stop)
+                self.batcher.add(
+                    r, r.prompt, r.max_tokens, r.stop, cache_lookup=r.prompt_logprobs is None
+                )
                 self.metrics.prompt_tokens.inc(len(r.prompt))
             if self.pipeline.busy:  # async scheduling: a step is in flight
                 cancelled = any(r.cancelled for r in self._live)
@@ -295,6 +301,11 @@ class Engine:
             batch = self.batcher.schedule()
             if self.batcher.num_preemptions > preempted:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
+            self.metrics.prefix_cache(self.batcher)
+            if self.sampler is not None:  # rebound, replaying their tokens, where they resume
+                for r in self.batcher.preempted:
+                    self.sampler.release(r)
+            self.batcher.preempted.clear()
             if batch is not None:
                 self._step(batch)
             else:

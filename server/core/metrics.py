@@ -13,6 +13,8 @@ Series, all ``graphplan_server_*`` unless named:
     async_steps_total                      steps launched before the previous one's tokens were read
     ready, queue_depth (waiting), running_requests, kv_blocks_used, kv_blocks_free   gauges
     graphplan:iteration_tokens{routine}, graphplan:iteration_requests{routine}   docs/workload.md
+    graphplan_prefix_cache_queries_total, graphplan_prefix_cache_hits_total   prompt tokens looked
+        up in the prefix cache at admission, and those found cached (vLLM's prefix_cache_*)
 """
 
 from __future__ import annotations
@@ -124,6 +126,27 @@ class ServerMetrics:
             registry=r,
         )
         self.iterations: IterationHistograms | None = None
+        self.prefix_queries = Counter(
+            "graphplan_prefix_cache_queries",
+            "Tokens looked up in the prefix cache when a request is admitted.",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "graphplan_prefix_cache_hits",
+            "Tokens of those found cached (their K/V is not computed again).",
+            registry=r,
+        )
+        self._prefix_seen = (0, 0)
+
+    def prefix_cache(self, batcher: Any) -> None:
+        """Count the batcher's prefix-cache lookups since the last call (engine thread)."""
+        q, h = batcher.prefix_queries, batcher.prefix_hits
+        q0, h0 = self._prefix_seen
+        if q > q0:
+            self.prefix_queries.inc(q - q0)
+        if h > h0:
+            self.prefix_hits.inc(h - h0)
+        self._prefix_seen = (q, h)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (0 when it has none yet): ``value("graphplan_server_steps_total",

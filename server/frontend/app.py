@@ -68,6 +68,7 @@ class Server:
         max_waiting: int = 1024,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        enable_prefix_caching: bool = True,
         processes: bool = False,
         api_server_count: int = 1,
         log_level: int = logging.INFO,
@@ -99,6 +100,7 @@ class Server:
             max_waiting=max_waiting,
             async_scheduling=async_scheduling,
             fused_sampler=fused_sampler,
+            enable_prefix_caching=enable_prefix_caching,
         )
         if self.processes:
             from ..wire.client import EngineClient

@@ -17,7 +17,7 @@ except ImportError:  # the server serves token ids without it
     RustTokenizer = DecodeStream = None  # type: ignore[assignment,misc]
 
 from ..requests import Request, Sampled
-from .openai_responses import Usage
+from .openai_responses import PromptTokensDetails, Usage
 from .stop_strings import StopMatcher
 
 WINDOW = 6
@@ -164,4 +164,13 @@ class Choice:
 def usage(prompts: Sequence[Sequence[int]], choices: Sequence[Choice]) -> Usage:
     prompt = sum(len(p) for p in prompts)
     gen = sum(c.completion_tokens for c in choices)
-    return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
+    n = max(1, len(choices) // max(1, len(prompts)))  # choices per prompt, prompt-major
+    cached = [0] * len(prompts)
+    for c in choices:  # a prompt's tokens count once: its choice that found the most cached
+        cached[c.index // n] = max(cached[c.index // n], c.request.cached_tokens)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=gen,
+        total_tokens=prompt + gen,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached)),
+    )

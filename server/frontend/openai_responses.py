@@ -73,10 +73,17 @@ class ModelList(Out):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(Out):
+    cached_tokens: int
+    """Prompt tokens whose K/V came from the prefix cache (not computed again)."""
+
+
 class Usage(Out):
+    OMIT_NONE = frozenset({"prompt_tokens_details"})
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # -- /v1/completions -----------------------------------------------------------------------------

@@ -145,6 +145,9 @@ class EngineClient:
                 continue
             if kind == "token":
                 r.out.append(value.token)
+                cached = m.cached_tokens(e)
+                if cached is not None:
+                    r.cached_tokens = cached
             elif kind in ("done", "error"):
                 del self.live[rid]
                 r.finished = True

@@ -56,7 +56,11 @@ class FrontendSink:
         live = self.core.live
         events = []
         for rid, kind, value in items:
-            events.append(m.event_out(rid, kind, value))
+            r = live.get((self.index, rid)) if kind == "token" else None
+            cached = None
+            if r is not None and not r.cached_sent:
+                cached, r.cached_sent = r.cached_tokens, True
+            events.append(m.event_out(rid, kind, value, cached))
             if kind in ("done", "error"):
                 live.pop((self.index, rid), None)
         self.send(m.Step(events))

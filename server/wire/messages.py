@@ -11,7 +11,7 @@ requests in one message (tokens, prompt logprobs, ends, errors), not one message
 ``Status`` the engine's state (ready, draining, stopped, failed) and its plan; ``Reply``.
 
 An event is ``[rid, kind, a, b, c]``; the kinds and their fields are ``TOKEN`` (token, logprob,
-top), ``DONE`` (finish reason), ``ERROR`` (status, message, [param, code]) and ``PROMPT``
+top; a request's first token event adds its prompt tokens found in the prefix cache), ``DONE`` (finish reason), ``ERROR`` (status, message, [param, code]) and ``PROMPT``
 (a list of ``[token, logprob, top]``). ``event_out`` and ``event_in`` turn the engine's
 ``(tag, kind, value)`` events into these and back.
 """
@@ -104,16 +104,23 @@ to_engine = msgspec.msgpack.Decoder(ToEngine)
 to_frontend = msgspec.msgpack.Decoder(ToFrontend)
 
 
-def event_out(rid: int, kind: str, value: Any) -> list[Any]:
-    """An engine event for the wire."""
+def event_out(rid: int, kind: str, value: Any, cached: int | None = None) -> list[Any]:
+    """An engine event for the wire (``cached``: with a request's first token, its prompt tokens
+    found in the prefix cache)."""
     k = KINDS[kind]
     if k == TOKEN:
-        return [rid, k, value.token, value.logprob, value.top or None]
+        e = [rid, k, value.token, value.logprob, value.top or None]
+        return e if cached is None else [*e, cached]
     if k == DONE:
         return [rid, k, value]
     if k == ERROR:
         return [rid, k, value.status, value.message, [value.param, value.code]]
     return [rid, k, [[s.token, s.logprob, s.top or None] for s in value]]
+
+
+def cached_tokens(e: list[Any]) -> int | None:
+    """The prefix-cache hit a first token event carries (None: not one)."""
+    return int(e[5]) if e[1] == TOKEN and len(e) > 5 else None
 
 
 def event_in(e: list[Any]) -> tuple[int, str, Any]:
