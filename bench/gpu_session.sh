@@ -68,6 +68,7 @@ for step in "$@"; do
     threadcpu) timeout 200 python bench/thread_cpu.py --clients 64 --rounds 3 --out "$OUT/thread_cpu.md" 2>&1 | tail -7 ;;
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
+    lora)      timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_lora_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -12; timeout 240 python bench/lora_bench.py --out "$OUT/lora_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
     *)         echo "unknown step $step" ;;
   esac

@@ -17,32 +17,7 @@ from graphplan.models.hf.lora_slots import LoraSlotError
 from graphplan.runtime import GraphRunner
 
 from hf_models import reference_logits, reference_model, small_config, tokens
-from lora_adapters import merged_model, write_adapter
-
-LENS = (12, 12, 10, 12)  # seat i: adapter ADAPTERS[i]; seat 3 the base model
-STEPS = [
-    [(0, 5), (1, 4), (3, 3)],  # prefill chunks of three
-    [(0, 4), (1, 5), (2, 6), (3, 4)],  # the rest of the prompts, a whole one
-    [(0, 1), (1, 1), (2, 1), (3, 1)],  # uniform decode: 3 adapters + base
-    [(3, 1)],  # the base model alone: LoRA case 0 where the plan separates it
-    [(2, 1), (0, 1)],  # two adapters
-    [(1, 1), (3, 1)],  # one adapter and the base
-    [(0, 1), (1, 1), (2, 2), (3, 2)],  # mixed
-]
-
-
-def plan(mode: str, **lora) -> dict:
-    cudagraph = {"mode": mode, "attention_support": "ALWAYS", "capture_sizes": [1, 2, 4, 8, 16, 32]}
-    if mode == "FULL_AND_PIECEWISE":
-        cudagraph["splitting_ops"] = ["attention"]
-    return {
-        "version": 1,
-        "name": "lora-test",
-        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32},
-        "cudagraph": cudagraph,
-        "lora": {"enabled": True, "max_loras": 3, **lora},
-    }
-
+from lora_adapters import LENS, STEPS, merged_model, plan, run_mixed, write_adapter
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
@@ -77,32 +52,6 @@ def model(adapters):
 def references(model, adapters):
     ref = reference_model(model)
     return [merged_model(ref, d) for d in adapters[1]] + [ref]
-
-
-@torch.no_grad()
-def run_mixed(model, runner, table, seqs):
-    """The schedule, seat i on adapter 'abc'[i] (seat 3: none); per request its logits, and per
-    step (the graph id routing names, replays counted by the runner per graph id)."""
-    for seat, name in enumerate(["a", "b", "c", None]):
-        model.release(seat)
-        model.lora.bind(seat, name)
-    done, rows, seen = [0] * 4, [[] for _ in seqs], []
-    for step in STEPS:
-        reqs = [(i, done[i], seqs[i][done[i] : done[i] + n]) for i, n in step]
-        for i, n in step:
-            done[i] += n
-        active = model.num_active_loras(reqs)
-        mql = max(n for _, n in step)
-        want = table.route(sum(n for _, n in step), len(reqs), mql, active).to_json()["graph_id"]
-        before = list(runner._stats.replays)
-        out = runner.step(model.make_batch(reqs), len(reqs), mql, num_active_loras=active)
-        after = runner._stats.replays
-        seen.append((want, [g for g in range(len(after)) if after[g] != before[g]], active))
-        first = 0
-        for i, n in step:
-            rows[i].append(out[first : first + n].clone())
-            first += n
-    return [torch.cat(r) for r in rows], seen
 
 
 def test_the_schedule_runs_each_token_once():

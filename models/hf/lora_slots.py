@@ -71,7 +71,7 @@ class LoraSlots:
             self.weights.append(per)
         self.shapes = shapes
         self.scales = torch.zeros(s, dtype=dtype, device=device)
-        self._slot_ids = torch.arange(s, device=device)
+        self.slot_ids = torch.arange(s, device=device)
 
     @torch.no_grad()
     def load(self, slot: int, adapter: LoraAdapter) -> None:
@@ -115,7 +115,7 @@ class LoraStep:
     def __init__(self, slots: LoraSlots, lora_slots: torch.Tensor):
         self.slots = slots
         t, s, r = lora_slots.shape[0], slots.max_loras, slots.max_rank
-        onehot = (lora_slots[:, None] == slots._slot_ids[None, :]).to(slots.scales.dtype)
+        onehot = (lora_slots[:, None] == slots.slot_ids[None, :]).to(slots.scales.dtype)
         onehot = onehot * slots.scales[None, :]  # [T, S]: the token's slot's scale, else 0
         self.masks = {n: onehot[:, :, None].expand(t, s, n * r).reshape(t, s * n * r) for n in (1, 2, 3)}
 
