@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             t = timed(lora, active)
             rows.append((b, active, t, t_base))
     for seat in range(top):
-        model.lora.unbind(seat)
+        model.lora.bind(seat, None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     lines = [
         f"# lora_bench ({a.shape}), {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",

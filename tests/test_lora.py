@@ -106,7 +106,7 @@ def test_the_base_model_alone_gives_the_models_own_logits_and_differs_with_an_ad
             out = runner.step(model.make_batch(reqs), 1, 6, model.num_active_loras(reqs))
             torch.testing.assert_close(out, reference_logits(ref, seq), atol=1e-4, rtol=1e-4)
         assert (reference_logits(references[0], seq) - out).abs().max() > 1e-2
-    model.lora.unbind(0)
+    model.lora.bind(0, None)
     runner.release()
 
 
@@ -114,28 +114,25 @@ def test_the_base_model_alone_gives_the_models_own_logits_and_differs_with_an_ad
 def test_slots_hold_at_most_max_loras_and_evict_the_least_recently_used_idle_one(adapters, model):
     cfg, dirs = adapters
     lora = model.lora
-    for seat in range(4):
-        lora.unbind(seat)
+    lora.assign([(s, None) for s in range(4)])
     lora.add(read_adapter("d", dirs[0], cfg, max_rank=8))
     for name in "abc":
         lora.acquire(name)
     assert list(lora.resident) == ["a", "b", "c"]
-    lora.bind(0, "b")  # in use: never evicted
+    lora.bind(0, "b")  # bound to a seat: kept
     lora.acquire("a")  # a is now the most recent
     slot_c = lora.resident["c"]
-    assert lora.acquire("d") == slot_c and "c" not in lora.resident
-    lora.bind(1, "a")
-    lora.bind(2, "d")
-    assert not lora.can_bind("c")
-    with pytest.raises(LoraSlotError, match="all 3 LoRA slots are in use"):
-        lora.bind(3, "c")
-    with pytest.raises(LoraSlotError, match="in use by 1 running request"):
-        lora.remove("d")
-    lora.unbind(2)
+    assert lora.bind(1, "d") == slot_c and "c" not in lora.resident
+    with pytest.raises(LoraSlotError, match="all 3 LoRA slots hold adapters in use"):
+        lora.acquire("c", keep={"a", "b", "d"})
+    assert lora.assign([(0, "c"), (1, "a"), (2, "a"), (3, None)]) == 2  # evicts b, the LRU
+    assert lora.seat_slot == [lora.resident["c"], lora.resident["a"], lora.resident["a"], -1]
+    assert set(lora.resident) == {"a", "c", "d"}
+    with pytest.raises(LoraSlotError, match="a step with 4 adapters; at most 3"):
+        lora.assign([(0, "a"), (1, "b"), (2, "c"), (3, "d")])
     lora.remove("d")
     assert "d" not in lora.adapters and "d" not in lora.resident
-    for seat in range(4):
-        lora.unbind(seat)
+    lora.assign([(s, None) for s in range(4)])
 
 
 # ---- hostile adapter directories ---------------------------------------------------------
@@ -232,5 +229,5 @@ def test_a_graph_of_lora_case_0_records_no_lora_kernels(model, references):
         with_a = runner.step(model.make_batch(reqs), 1, 4, num_active_loras=1)
     torch.testing.assert_close(base, reference_logits(references[3], seq), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(with_a, reference_logits(references[0], seq), atol=1e-4, rtol=1e-4)
-    model.lora.unbind(0)
+    model.lora.bind(0, None)
     runner.release()

@@ -128,32 +128,26 @@ class LoraStep:
 
 
 class LoraManager:
-    """Adapters by name on the host, up to ``max_loras`` in device slots (LRU), and the slot of
-    each sequence seat (``bind``); ``token_slots`` and ``num_active`` describe a step's batch."""
+    """Adapters by name on the host, up to ``max_loras`` in device slots (least recently used
+    evicted), and the slot of each sequence seat; ``assign`` binds a step's seats, and
+    ``token_slots`` and ``num_active`` describe its batch."""
 
     def __init__(self, slots: LoraSlots, num_seats: int):
         self.slots = slots
         self.adapters: dict[str, LoraAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
-        self.users: dict[str, int] = {}  # name -> seats bound to it
         self.seat_slot = [-1] * num_seats
         self.seat_name: list[str | None] = [None] * num_seats
 
     def add(self, adapter: LoraAdapter) -> None:
-        """Register ``adapter`` (replacing an idle one of the same name)."""
-        if self.users.get(adapter.name):
-            raise LoraSlotError(f"LoRA adapter {adapter.name!r} is in use; unload it first")
+        """Register ``adapter`` (replacing one of the same name: its slot is reloaded on use)."""
         self._evict(adapter.name)
         self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
+        """Forget adapter ``name`` (the caller makes sure no running sequence uses it)."""
         if name not in self.adapters:
             raise LoraSlotError(f"LoRA adapter {name!r} is not loaded")
-        if self.users.get(name):
-            raise LoraSlotError(
-                f"LoRA adapter {name!r} is in use by {self.users[name]} running request(s); "
-                "unload it once they finish"
-            )
         self._evict(name)
         del self.adapters[name]
 
@@ -161,10 +155,13 @@ class LoraManager:
         slot = self.resident.pop(name, None)
         if slot is not None:
             self.slots.clear(slot)
+        for seat, n in enumerate(self.seat_name):
+            if n == name:
+                self.seat_slot[seat], self.seat_name[seat] = -1, None
 
-    def acquire(self, name: str) -> int:
-        """The device slot of adapter ``name``, loading it (evicting the least recently used idle
-        adapter) when it is not resident."""
+    def acquire(self, name: str, keep=frozenset()) -> int:
+        """The device slot of adapter ``name``, loading it when it is not resident (into a free
+        slot, else the least recently used one whose adapter is not in ``keep``)."""
         if name not in self.adapters:
             raise LoraSlotError(f"LoRA adapter {name!r} is not loaded")
         if name in self.resident:
@@ -173,39 +170,38 @@ class LoraManager:
         taken = set(self.resident.values())
         free = [s for s in range(self.slots.max_loras) if s not in taken]
         if not free:
-            idle = next((n for n in self.resident if not self.users.get(n)), None)
+            idle = next((n for n in self.resident if n not in keep), None)
             if idle is None:
                 raise LoraSlotError(
-                    f"all {self.slots.max_loras} LoRA slots are in use by running requests "
-                    "(raise --max-loras)"
+                    f"all {self.slots.max_loras} LoRA slots hold adapters in use (--max-loras)"
                 )
             free = [self.resident.pop(idle)]
         self.slots.load(free[0], self.adapters[name])
         self.resident[name] = free[0]
         return free[0]
 
-    def can_bind(self, name: str | None) -> bool:
-        """Whether a sequence of adapter ``name`` could get a slot now."""
-        if name is None or name in self.resident:
-            return True
-        busy = sum(1 for n in self.resident if self.users.get(n))
-        return busy < self.slots.max_loras
+    def assign(self, pairs) -> int:
+        """Bind each ``(seat, adapter name or None)`` of a step; returns its count of distinct
+        adapters (its ``num_active_loras``). At most ``max_loras`` of them."""
+        names = {n for _, n in pairs if n is not None}
+        if len(names) > self.slots.max_loras:
+            raise LoraSlotError(
+                f"a step with {len(names)} adapters; at most {self.slots.max_loras} (--max-loras)"
+            )
+        for n in names:
+            self.acquire(n, keep=names)
+        for seat, n in pairs:
+            self.seat_slot[seat] = -1 if n is None else self.resident[n]
+            self.seat_name[seat] = n
+        return len(names)
 
     def bind(self, seat: int, name: str | None) -> int:
-        """Seat ``seat`` runs adapter ``name`` (None: the base model) from now on; its slot."""
-        self.unbind(seat)
-        if name is None:
-            return -1
-        slot = self.acquire(name)
-        self.users[name] = self.users.get(name, 0) + 1
+        """Seat ``seat`` runs adapter ``name`` (None: the base model), keeping every other seat's
+        adapter resident; its slot."""
+        keep = {n for n in self.seat_name if n is not None} | {name}
+        slot = -1 if name is None else self.acquire(name, keep=keep)
         self.seat_slot[seat], self.seat_name[seat] = slot, name
         return slot
-
-    def unbind(self, seat: int) -> None:
-        name = self.seat_name[seat]
-        if name is not None:
-            self.users[name] -= 1
-        self.seat_slot[seat], self.seat_name[seat] = -1, None
 
     def token_slots(self, reqs) -> torch.Tensor:
         """``[T]`` int64 slot per token of ``reqs`` (``(seat, start_pos, token_ids)``)."""
