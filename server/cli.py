@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without it a directory with no weights is refused",
     )
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
+    add_lora_flags(p)
     p.add_argument(
         "--kv-cache-tokens",
         type=POSITIVE_INT,
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    lora = next((f for f, v in lora_flags(a) if v), None)
+    if lora and not a.model:
+        parser.error(f"{lora} applies to --model (LoRA adapters of a Hugging Face checkpoint)")
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     if a.single_process and a.api_server_count > 1:
@@ -278,6 +282,9 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             kv_memory_fraction=a.kv_memory_fraction,
             served_model_name=a.served_model_name,
             compile=a.compile,
+            lora_modules=tuple(a.lora_modules or ()),
+            max_loras=a.max_loras,
+            max_lora_rank=a.max_lora_rank,
         )
     else:
         spec = ModelSpec(
@@ -372,3 +379,43 @@ def _exit_now(signum: int, when: str) -> None:
     print(f"graphplan-serve: {name} {when}: exiting now", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(128 + signum)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags; the plan's ``lora`` block decides whether graphs carry LoRA kernels."""
+    from .core.lora_serving import parse_module
+
+    def module(text: str) -> tuple[str, str]:
+        try:
+            return parse_module(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=module,
+        metavar="NAME=DIR",
+        help="--model: LoRA adapters (PEFT directories) loaded at start; a request's model "
+        "field picks one by NAME. Needs a plan with lora.enabled",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=POSITIVE_INT,
+        help="--model: adapter slots on the device (default and at most: the plan's "
+        "lora.max_loras)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=POSITIVE_INT,
+        help="--model: the highest adapter rank served (default 16; at most 512)",
+    )
+
+
+def lora_flags(a: argparse.Namespace) -> list[tuple[str, object]]:
+    return [
+        ("--lora-modules", a.lora_modules),
+        ("--max-loras", a.max_loras),
+        ("--max-lora-rank", a.max_lora_rank),
+    ]

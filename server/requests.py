@@ -106,6 +106,8 @@ class Request:
     wire_id: int | None = None  # its id between a front end process and the engine's
     finished: bool = False
     finish_reason: str | None = None
+    lora: str | None = None
+    """The LoRA adapter it runs (the request's ``model`` names it); None: the base model."""
 
 
 def greedy_requests(

@@ -22,6 +22,7 @@ recently used evicted, never one a running sequence uses), and each sequence sea
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -138,6 +139,8 @@ class LoraManager:
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self.seat_slot = [-1] * num_seats
         self.seat_name: list[str | None] = [None] * num_seats
+        self.lock = threading.Lock()
+        """Held by the engine's step (``assign``) and by loads and unloads from other threads."""
 
     def add(self, adapter: LoraAdapter) -> None:
         """Register ``adapter`` (replacing one of the same name: its slot is reloaded on use)."""
@@ -183,6 +186,10 @@ class LoraManager:
     def assign(self, pairs) -> int:
         """Bind each ``(seat, adapter name or None)`` of a step; returns its count of distinct
         adapters (its ``num_active_loras``). At most ``max_loras`` of them."""
+        with self.lock:
+            return self._assign(pairs)
+
+    def _assign(self, pairs) -> int:
         names = {n for _, n in pairs if n is not None}
         if len(names) > self.slots.max_loras:
             raise LoraSlotError(

@@ -99,6 +99,9 @@ class ContinuousBatcher:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order
         self._known: set = set()
+        self.max_loras = 0
+        """With LoRA: the most distinct adapters (``request_id.lora``) running at once (the
+        model's slots); a request of another adapter waits. 0: no limit."""
         self.finished: dict[Hashable, list[int]] = {}
         """request id -> generated tokens of each finished request (a server pops what it sent)."""
 
@@ -130,6 +133,13 @@ class ContinuousBatcher:
                 stop=frozenset(stop_token_ids),
             )
         )
+
+    def _lora_fits(self, r: _Request) -> bool:
+        name = getattr(r.id, "lora", None)
+        if name is None:
+            return True
+        running = {getattr(x.id, "lora", None) for x in self._running} - {None}
+        return name in running or len(running) < self.max_loras
 
     def abort(self, request_id: Hashable) -> None:
         """Drop a waiting or running request (e.g. its client went away); frees its cache row."""
@@ -171,6 +181,8 @@ class ContinuousBatcher:
             budget and self._waiting and self._free_rows and len(self._running) < self.max_num_seqs
         ):
             r = self._waiting[0]
+            if self.max_loras and not self._lora_fits(r):
+                break  # its adapter waits for a slot, in arrival order
             n = self._fits(r, min(budget, r.pending), free, self._watermark)
             if not n:
                 break  # admission waits for blocks, in arrival order

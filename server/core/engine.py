@@ -17,6 +17,7 @@ from graphplan.runtime import GraphRunner
 
 from ..errors import RequestError, not_serving
 from ..requests import EventSink, Request, Sampled, greedy_requests
+from . import lora_serving
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics, render_metrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
@@ -122,6 +123,7 @@ class Engine:
         with self._cond:
             if self.state != "ready":
                 raise not_serving(self.state)
+            lora_serving.check_requests(getattr(self, "model", None), reqs)
             if len(self._waiting) + len(reqs) > self.max_waiting:
                 raise RequestError(
                     429,
@@ -188,6 +190,20 @@ class Engine:
         finally:
             self.reload_lock.release()
 
+    def load_lora(self, name: str, path: str) -> dict:
+        """/v1/load_lora_adapter (server/core/lora_serving.py)."""
+        if self.state != "ready":
+            raise not_serving(self.state)
+        return lora_serving.load(self.model, name, path)
+
+    def unload_lora(self, name: str) -> dict:
+        """/v1/unload_lora_adapter: 409 while a queued or running request uses the adapter."""
+        with self._cond:  # enqueue holds it too: no request of it joins meanwhile
+            if self.state != "ready":
+                raise not_serving(self.state)
+            users = sum(r.lora == name for r in (*self._waiting, *self._live) if not r.finished)
+            return lora_serving.unload(self.model, name, users)
+
     def stop(self, drain_timeout: float = 30.0) -> bool:
         """Stop accepting, let queued and running requests finish (up to drain_timeout), fail the
         rest with 503, and join the engine thread. True when none had to be failed."""
@@ -236,6 +252,7 @@ class Engine:
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
         )
+        self.batcher.max_loras = lora_serving.max_loras(self.model)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
         with self._cond:
