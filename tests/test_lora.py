@@ -231,3 +231,33 @@ def test_a_graph_of_lora_case_0_records_no_lora_kernels(model, references):
     torch.testing.assert_close(with_a, reference_logits(references[0], seq), atol=1e-4, rtol=1e-4)
     model.lora.bind(0, None)
     runner.release()
+
+
+# ---- plan import of the engines' LoRA flags -------------------------------------------------
+@pytest.mark.parametrize(
+    ("engine", "flags", "lora"),
+    [
+        (
+            "vllm",
+            "--enable-lora --max-loras 3 --max-lora-rank 64 --lora-modules a=/x b=/y",
+            {"enabled": True, "max_loras": 3, "specialize_count": False, "separate_base": True},
+        ),
+        (
+            "sglang",
+            "--enable-lora --max-loras-per-batch 2 --max-lora-rank 16 --lora-paths a=/x",
+            {"enabled": True, "max_loras": 2, "specialize_count": False, "separate_base": False},
+        ),
+    ],
+)
+def test_plan_import_of_served_lora_flags_fills_the_lora_block(engine, flags, lora):
+    from graphplan.compiler.engines import import_plan
+    from graphplan.server.core.lora_serving import LoraSettings, settings
+
+    out = import_plan(engine, args=flags)
+    assert out.plan["lora"] == lora
+    notes = " ".join(d.message for d in out.diagnostics)
+    assert "do not shape CUDA graphs, ignored" in notes and "--max-lora-rank" in notes
+    table = compile_plan(out.plan)
+    top = 1 + lora["max_loras"]  # no count specialisation: one LoRA case, max_loras + 1
+    assert list(table.settings.lora_cases) == ([0, top] if lora["separate_base"] else [top])
+    assert settings(table, (("a", "/x"),), None, 64) == LoraSettings(lora["max_loras"], 64)

@@ -185,3 +185,31 @@ def test_flags_are_checked_against_the_plans_lora_block():
     assert lora_serving.settings(on, (), None, None) == lora_serving.LoraSettings(3, 16)
     assert lora_serving.settings(on, (), 2, 64) == lora_serving.LoraSettings(2, 64)
     assert lora_serving.settings(off, (), None, None) is None
+
+
+def test_the_adapter_travels_to_the_engine_process(dirs, tmp_path_factory):
+    """With the engine in its own process: the request's adapter rides the wire (Add), and loads
+    and unloads are engine calls (Call) answered with their status."""
+    from graphplan.server import Server
+
+    model_dir, adapters, bad = dirs
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    path.write_text(PLAN)
+    spec = HFSpec(model=str(model_dir), max_model_len=32, lora_modules=(("a", str(adapters["a"])),))
+    s = Server(path, spec=spec, progress=False, admin_token=TOKEN, processes=True).start()
+    try:
+        assert s.wait_ready(120)
+        client = openai_client(s)
+        base = load_model(model_dir, attn_implementation="eager")
+        for model, ref in (("a", merged_model(base, adapters["a"])), (NAME, base)):
+            res = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=6, temperature=0)
+            assert res.choices[0].token_ids == generated(ref, PROMPTS[2], 6), model
+        status, body = post(s, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(bad)})
+        assert status == 400 and "rank r=32 is over the limit of 16" in body
+        assert post(s, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["c"])})[0] == 200
+        res = client.completions.create(model="c", prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        assert res.choices[0].token_ids == generated(merged_model(base, adapters["c"]), PROMPTS[1], 6)
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 404
+    finally:
+        s.stop()

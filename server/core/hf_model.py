@@ -128,6 +128,13 @@ class HFSpec:
         from .lora_serving import settings
 
         lora = settings(table, self.lora_modules, self.max_loras, self.max_lora_rank)
+        if lora and self.compile:
+            from graphplan.compiler.errors import GraphplanError
+
+            raise GraphplanError(
+                "--compile with LoRA: the compiled path runs transformers' forward, which has no "
+                "LoRA kernels; drop --compile (LoRA runs in the fused decoder)"
+            )
         dtype = self.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
         model = PagedCausalLM.load(
             self.model,
