@@ -37,6 +37,7 @@ from .core.hf_model import HFSpec
 from .core.model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .frontend.app import Server
 from .frontend.security import TOKEN_ENV, admin_token
+from .lora_flags import add_lora_flags, lora_flags
 
 log = logging.getLogger("graphplan.server")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without it a directory with no weights is refused",
     )
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
-    add_lora_flags(p)
+    add_lora_flags(p, POSITIVE_INT)
     p.add_argument(
         "--kv-cache-tokens",
         type=POSITIVE_INT,
@@ -380,42 +381,3 @@ def _exit_now(signum: int, when: str) -> None:
     logging.shutdown()
     os._exit(128 + signum)
 
-
-def add_lora_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags; the plan's ``lora`` block decides whether graphs carry LoRA kernels."""
-    from .core.lora_serving import parse_module
-
-    def module(text: str) -> tuple[str, str]:
-        try:
-            return parse_module(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        action="extend",
-        type=module,
-        metavar="NAME=DIR",
-        help="--model: LoRA adapters (PEFT directories) loaded at start; a request's model "
-        "field picks one by NAME. Needs a plan with lora.enabled",
-    )
-    p.add_argument(
-        "--max-loras",
-        type=POSITIVE_INT,
-        help="--model: adapter slots on the device (default and at most: the plan's "
-        "lora.max_loras)",
-    )
-    p.add_argument(
-        "--max-lora-rank",
-        type=POSITIVE_INT,
-        help="--model: the highest adapter rank served (default 16; at most 512)",
-    )
-
-
-def lora_flags(a: argparse.Namespace) -> list[tuple[str, object]]:
-    return [
-        ("--lora-modules", a.lora_modules),
-        ("--max-loras", a.max_loras),
-        ("--max-lora-rank", a.max_lora_rank),
-    ]

@@ -261,3 +261,9 @@ def test_plan_import_of_served_lora_flags_fills_the_lora_block(engine, flags, lo
     top = 1 + lora["max_loras"]  # no count specialisation: one LoRA case, max_loras + 1
     assert list(table.settings.lora_cases) == ([0, top] if lora["separate_base"] else [top])
     assert settings(table, (("a", "/x"),), None, 64) == LoraSettings(lora["max_loras"], 64)
+
+
+def test_the_triton_kernels_equal_the_torch_path_under_tritons_interpreter():
+    from interpreted import run_interpreted
+
+    run_interpreted("lora_interpreted.py")

@@ -213,3 +213,27 @@ def test_the_adapter_travels_to_the_engine_process(dirs, tmp_path_factory):
         assert post(s, "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 404
     finally:
         s.stop()
+
+
+def test_cli_refuses_lora_flags_the_plan_cannot_serve_and_hostile_adapters(dirs, tmp_path, capsys):
+    from graphplan.server.cli import main
+
+    model_dir, adapters, bad = dirs
+    off = tmp_path / "off.yaml"
+    off.write_text(PLAN.replace("lora: {enabled: true, max_loras: 2}\n", ""))
+    on = tmp_path / "on.yaml"
+    on.write_text(PLAN)
+    common = ["--model", str(model_dir), "--port", "0", "--device", "cpu", "--single-process"]
+    assert main([*common, "--plan", str(off), "--lora-modules", f"a={adapters['a']}"]) == 1
+    err = capsys.readouterr().err
+    assert "--lora-modules: the plan 'lora-serve' has lora.enabled false" in err
+    assert "Traceback" not in err
+    assert main([*common, "--plan", str(on), "--max-loras", "3"]) == 1
+    assert "--max-loras 3 is above the plan's lora.max_loras 2" in capsys.readouterr().err
+    assert main([*common, "--plan", str(on), "--lora-modules", f"x={bad}"]) == 1
+    err = capsys.readouterr().err
+    assert "rank r=32 is over the limit of 16; serve with --max-lora-rank 32" in err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["--plan", str(on), "--lora-modules", f"a={adapters['a']}"])
+    assert "--lora-modules applies to --model" in capsys.readouterr().err

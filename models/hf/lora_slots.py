@@ -33,6 +33,7 @@ from graphplan.runtime.buffers import StaticInput
 from graphplan.runtime.lora_case import current_lora_case
 
 from .errors import ModelLoadError
+from .fused_ops import use_triton
 from .lora import LoraAdapter, projection_shapes
 
 LORA_SLOTS_INPUT = StaticInput(name="lora_slots", per="token", dtype=torch.int64, pad=-1)
@@ -71,6 +72,16 @@ class LoraSlots:
                 per[g] = (a, b)
             self.weights.append(per)
         self.shapes = shapes
+        self.bounds = {  # the first output row of each sub-projection after the first
+            g: tuple(sum(shapes[m][0] for m in mods[:i]) for i in range(1, len(mods)))
+            for g, mods in GROUPS.items()
+        }
+        self.kernel = "auto"
+        """``torch`` (the masked GEMMs above), ``triton`` (``lora_kernels``: each token reads only
+        its slot, as punica's BGMV) or ``auto``: Triton for steps of at most
+        ``triton_max_tokens`` tokens where Triton runs (``fused_ops.use_triton``), else torch.
+        Decided when a forward runs: a captured graph keeps its choice."""
+        self.triton_max_tokens = 16
         self.scales = torch.zeros(s, dtype=dtype, device=device)
         self.slot_ids = torch.arange(s, device=device)
 
@@ -97,6 +108,19 @@ class LoraSlots:
         self.scales[slot] = adapter.scale
 
     @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile the Triton kernels for every projection's widths now (one token of no
+        adapter): a kernel must not first load while a CUDA graph is being captured."""
+        if not self.weights or not use_triton(self.scales):
+            return
+        from .lora_kernels import lora_add
+
+        slot = torch.full((1,), -1, dtype=torch.int64, device=self.scales.device)
+        for g, (a, b) in self.weights[0].items():
+            x, y = a.new_zeros(1, a.shape[1]), b.new_zeros(1, b.shape[0])
+            lora_add(y, x, a, b, slot, self.scales, self.bounds[g], self.max_rank)
+
+    @torch.no_grad()
     def clear(self, slot: int) -> None:
         self.scales[slot] = 0.0
 
@@ -111,11 +135,17 @@ class LoraSlots:
 class LoraStep:
     """One forward's masks (module docstring); ``add`` applies a layer's adapters."""
 
-    __slots__ = ("slots", "masks")
+    __slots__ = ("slots", "masks", "tokens", "triton")
 
     def __init__(self, slots: LoraSlots, lora_slots: torch.Tensor):
-        self.slots = slots
+        self.slots, self.tokens = slots, lora_slots
         t, s, r = lora_slots.shape[0], slots.max_loras, slots.max_rank
+        self.triton = slots.kernel == "triton" or (
+            slots.kernel == "auto" and t <= slots.triton_max_tokens and use_triton(lora_slots)
+        )
+        if self.triton:
+            self.masks = {}
+            return
         onehot = (lora_slots[:, None] == slots.slot_ids[None, :]).to(slots.scales.dtype)
         onehot = onehot * slots.scales[None, :]  # [T, S]: the token's slot's scale, else 0
         self.masks = {n: onehot[:, :, None].expand(t, s, n * r).reshape(t, s * n * r) for n in (1, 2, 3)}
@@ -124,6 +154,11 @@ class LoraStep:
         """``y`` (the projection ``group`` of layer ``layer`` of ``x``) plus its adapters'
         update, in place."""
         a, b = self.slots.weights[layer][group]
+        if self.triton:
+            from .lora_kernels import lora_add
+
+            s = self.slots
+            return lora_add(y, x.contiguous(), a, b, self.tokens, s.scales, s.bounds[group], s.max_rank)
         shrink = F.linear(x, a) * self.masks[len(GROUPS[group])]
         return y.addmm_(shrink, b.t())
 
@@ -240,5 +275,6 @@ def enable_lora(model, max_loras: int, max_rank: int, num_seats: int) -> LoraMan
         model.hf.config, max_loras=max_loras, max_rank=max_rank, dtype=weight.dtype,
         device=weight.device,
     )
+    slots.warm_up()
     model.fused.lora = slots
     return LoraManager(slots, num_seats)

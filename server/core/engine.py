@@ -29,7 +29,7 @@ from .step_sampler import StepSampler
 log = logging.getLogger("graphplan.server")
 
 
-class Engine:
+class Engine(lora_serving.LoraMethods):
     def __init__(
         self,
         table,
@@ -189,20 +189,6 @@ class Engine:
             return wait_for_swap(swap, self._thread, timeout, old, self.metrics)
         finally:
             self.reload_lock.release()
-
-    def load_lora(self, name: str, path: str) -> dict:
-        """/v1/load_lora_adapter (server/core/lora_serving.py)."""
-        if self.state != "ready":
-            raise not_serving(self.state)
-        return lora_serving.load(self.model, name, path)
-
-    def unload_lora(self, name: str) -> dict:
-        """/v1/unload_lora_adapter: 409 while a queued or running request uses the adapter."""
-        with self._cond:  # enqueue holds it too: no request of it joins meanwhile
-            if self.state != "ready":
-                raise not_serving(self.state)
-            users = sum(r.lora == name for r in (*self._waiting, *self._live) if not r.finished)
-            return lora_serving.unload(self.model, name, users)
 
     def stop(self, drain_timeout: float = 30.0) -> bool:
         """Stop accepting, let queued and running requests finish (up to drain_timeout), fail the

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from graphplan.compiler.errors import GraphplanError
 
-from ..errors import RequestError
+from ..errors import RequestError, not_serving
 
 DEFAULT_MAX_RANK = 16
 """vLLM's default --max-lora-rank."""
@@ -69,6 +69,25 @@ def parse_module(text: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise ValueError(f"{text!r}: expected name=path (a PEFT adapter directory)")
     return name, path
+
+
+class LoraMethods:
+    """The engine's adapter calls (``Engine`` inherits them; its thread and lock are its own)."""
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """/v1/load_lora_adapter."""
+        if self.state != "ready":  # type: ignore[attr-defined]
+            raise not_serving(self.state)  # type: ignore[attr-defined]
+        return load(self.model, name, path)  # type: ignore[attr-defined]
+
+    def unload_lora(self, name: str) -> dict:
+        """/v1/unload_lora_adapter: 409 while a queued or running request uses the adapter."""
+        with self._cond:  # type: ignore[attr-defined]  # enqueue holds it: none joins meanwhile
+            if self.state != "ready":  # type: ignore[attr-defined]
+                raise not_serving(self.state)  # type: ignore[attr-defined]
+            live = (*self._waiting, *self._live)  # type: ignore[attr-defined]
+            users = sum(r.lora == name for r in live if not r.finished)
+            return unload(self.model, name, users)  # type: ignore[attr-defined]
 
 
 def max_loras(model) -> int:
