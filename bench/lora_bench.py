@@ -80,9 +80,7 @@ def random_adapter(name: str, config, rank: int, seed: int, dtype) -> LoraAdapte
             a = torch.randn(rank, inp, generator=gen).to(dtype) * 0.01
             b = torch.randn(out, rank, generator=gen).to(dtype) * 0.01
             weights[(layer, m)] = (a, b)
-    return LoraAdapter(
-        name=name, path="", rank=rank, scale=2.0, modules=MODULES, weights=weights
-    )
+    return LoraAdapter(name=name, path="", rank=rank, scale=2.0, modules=MODULES, weights=weights)
 
 
 def plan(batches, max_loras: int, lora: bool) -> dict:
@@ -109,7 +107,10 @@ def main(argv=None) -> int:
     cfg = LlamaConfig(**SHAPES[a.shape])
     t0 = time.perf_counter()
     hf = load_model(
-        cfg, dtype=dtype, device=device, attn_implementation=ATTN_IMPLEMENTATION,
+        cfg,
+        dtype=dtype,
+        device=device,
+        attn_implementation=ATTN_IMPLEMENTATION,
         random_weights=True,
     )
     top = max(a.batches)
@@ -127,16 +128,26 @@ def main(argv=None) -> int:
         model.lora.add(random_adapter(f"a{i}", cfg, a.rank, i, dtype))
     load_s = time.perf_counter() - t0
     slots, model.fused.lora = model.fused.lora, None  # the base runner: no LoRA code at all
-    base = GraphRunner(model, compile_plan(plan(a.batches, a.max_loras, False)),
-                       model.static_inputs(), device=device, progress=False)
+    base = GraphRunner(
+        model,
+        compile_plan(plan(a.batches, a.max_loras, False)),
+        model.static_inputs(),
+        device=device,
+        progress=False,
+    )
     base.capture()
     model.fused.lora = slots
     runners, capture_s = {}, {}
     for kernel in a.kernels:
         slots.kernel = kernel  # read while the graphs are captured
         t0 = time.perf_counter()
-        runners[kernel] = GraphRunner(model, compile_plan(plan(a.batches, a.max_loras, True)),
-                                      model.static_inputs(), device=device, progress=False)
+        runners[kernel] = GraphRunner(
+            model,
+            compile_plan(plan(a.batches, a.max_loras, True)),
+            model.static_inputs(),
+            device=device,
+            progress=False,
+        )
         runners[kernel].capture()
         sync(device)
         capture_s[kernel] = time.perf_counter() - t0
@@ -150,7 +161,9 @@ def main(argv=None) -> int:
             batch = model.make_batch(reqs)
             n = max(model.num_active_loras(reqs), min(active, a.max_loras))
             with torch.no_grad():
-                return time_per_call(lambda: runner.step(batch, b, 1, n), device, a.iters, a.repeats)
+                return time_per_call(
+                    lambda: runner.step(batch, b, 1, n), device, a.iters, a.repeats
+                )
 
         t_base = timed(base, 0)
         for kernel, lora in runners.items():

@@ -380,4 +380,3 @@ def _exit_now(signum: int, when: str) -> None:
     print(f"graphplan-serve: {name} {when}: exiting now", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(128 + signum)
-

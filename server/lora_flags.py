@@ -10,6 +10,7 @@ from .core.lora_serving import parse_module
 
 def add_lora_flags(p: argparse.ArgumentParser, positive_int) -> None:
     """vLLM's LoRA flags; the plan's ``lora`` block decides whether graphs carry LoRA kernels."""
+
     def module(text: str) -> tuple[str, str]:
         try:
             return parse_module(text)

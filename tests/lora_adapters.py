@@ -79,7 +79,9 @@ def merged_model(ref, adapter_dir: Path | None):
             a = tensors[tensor_name(layer, m, "A")].double()
             b = tensors[tensor_name(layer, m, "B")].double()
             block = merged.model.layers[layer]
-            lin = getattr(block.self_attn if m in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, m)
+            lin = getattr(
+                block.self_attn if m in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, m
+            )
             lin.weight.copy_((lin.weight.double() + scale * b @ a).to(lin.weight.dtype))
     return merged
 

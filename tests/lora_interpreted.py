@@ -28,7 +28,9 @@ def test_triton_lora_equals_the_torch_path_and_the_per_token_reference(dtype):
     gen = torch.Generator().manual_seed(0)
     shapes = slots.shapes
     adapters = []
-    for i, (rank, mods) in enumerate([(8, MODULES), (4, ("q_proj", "v_proj", "up_proj")), (2, MODULES)]):
+    for i, (rank, mods) in enumerate(
+        [(8, MODULES), (4, ("q_proj", "v_proj", "up_proj")), (2, MODULES)]
+    ):
         w = {}
         for layer in range(cfg.num_hidden_layers):
             for m in mods:
@@ -37,7 +39,9 @@ def test_triton_lora_equals_the_torch_path_and_the_per_token_reference(dtype):
                     (torch.randn(rank, inp, generator=gen) * 0.3).to(dtype),
                     (torch.randn(out, rank, generator=gen) * 0.3).to(dtype),
                 )
-        adapters.append(LoraAdapter(name=f"a{i}", path="", rank=rank, scale=0.5 + i, modules=mods, weights=w))
+        adapters.append(
+            LoraAdapter(name=f"a{i}", path="", rank=rank, scale=0.5 + i, modules=mods, weights=w)
+        )
         slots.load(i, adapters[-1])
     token_slots = torch.tensor([0, -1, 2, 1, 1, 0, -1])
     t = token_slots.shape[0]
@@ -60,7 +64,9 @@ def test_triton_lora_equals_the_torch_path_and_the_per_token_reference(dtype):
                 ab = adapters[s].weights.get((1, m))
                 if ab is not None:
                     a, b = ab
-                    ref[i, row : row + o] += adapters[s].scale * (b.double() @ (a.double() @ x[i].double()))
+                    ref[i, row : row + o] += adapters[s].scale * (
+                        b.double() @ (a.double() @ x[i].double())
+                    )
                 row += o
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         scale = ref.abs().max().item()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from lora_adapters import LENS, STEPS, merged_model, plan, run_mixed, write_adapter
 from safetensors.torch import save_file
 
 from graphplan.compiler import compile_plan
@@ -17,7 +18,7 @@ from graphplan.models.hf.lora_slots import LoraSlotError
 from graphplan.runtime import GraphRunner
 
 from hf_models import reference_logits, reference_model, small_config, tokens
-from lora_adapters import LENS, STEPS, merged_model, plan, run_mixed, write_adapter
+
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
@@ -66,7 +67,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("mode", "lora"), CASES, ids=[f"{m}-{l}" for m, l in CASES])
+@pytest.mark.parametrize(("mode", "lora"), CASES, ids=[f"{m}-{o}" for m, o in CASES])
 def test_mixed_adapters_give_each_request_its_merged_models_logits(model, references, mode, lora):
     table = compile_plan(plan(mode, **lora))
     runner = GraphRunner(model, table, model.static_inputs(), progress=False)
@@ -150,7 +151,10 @@ def test_a_good_adapter_reads_with_its_rank_scale_and_modules(adapters):
 
 def test_rank_over_the_limit_is_refused_naming_the_flag(adapters):
     cfg, dirs = adapters
-    with pytest.raises(AdapterError, match=r"adapter_config.json: rank r=8 is over the limit of 4; serve with --max-lora-rank 8"):
+    with pytest.raises(
+        AdapterError,
+        match=r"adapter_config.json: rank r=8 is over the limit of 4; serve with --max-lora-rank 8",
+    ):
         _read(dirs[1], cfg, max_rank=4)
 
 
@@ -158,11 +162,16 @@ def test_wrong_shapes_and_missing_tensors_are_refused(tmp_path, adapters):
     cfg = adapters[0]
     a = tensor_name(1, "k_proj", "A")
     write_adapter(tmp_path / "shape", cfg, rank=4, shapes={a: (4, 32)})
-    with pytest.raises(AdapterError, match=r"1 tensors with the wrong shape: .*k_proj.lora_A.weight: \[4, 32\] in adapter_model.safetensors, the config needs \[4, 64\]"):
+    with pytest.raises(
+        AdapterError,
+        match=r"1 tensors with the wrong shape: .*k_proj.lora_A.weight: \[4, 32\] in adapter_model.safetensors, the config needs \[4, 64\]",
+    ):
         _read(tmp_path / "shape", cfg)
     b = tensor_name(0, "down_proj", "B")
     write_adapter(tmp_path / "missing", cfg, rank=4, drop=b)
-    with pytest.raises(AdapterError, match=r"do not match adapter_config.json: 1 tensors missing: " + b):
+    with pytest.raises(
+        AdapterError, match=r"do not match adapter_config.json: 1 tensors missing: " + b
+    ):
         _read(tmp_path / "missing", cfg)
     write_adapter(tmp_path / "rank", cfg, rank=4, extra={"r": 2})
     with pytest.raises(AdapterError, match="wrong shape"):
@@ -173,9 +182,14 @@ def test_a_pickle_adapter_is_refused_and_never_opened(tmp_path, adapters):
     cfg = adapters[0]
     d = tmp_path / "pickle"
     d.mkdir()
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    (d / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
     (d / "adapter_model.bin").write_bytes(b"\x80\x04cos\nsystem\n(S'touch /tmp/pwned'\ntR.")
-    with pytest.raises(AdapterError, match=r"no adapter_model.safetensors; found adapter_model.bin, a pickle that is never loaded"):
+    with pytest.raises(
+        AdapterError,
+        match=r"no adapter_model.safetensors; found adapter_model.bin, a pickle that is never loaded",
+    ):
         _read(d, cfg)
 
 
@@ -207,7 +221,13 @@ def test_missing_dir_and_bad_json_and_float_types(tmp_path, adapters):
     with pytest.raises(AdapterError, match="holds a JSON list, not an object"):
         _read(d, cfg)
     d = write_adapter(tmp_path / "ints", cfg, rank=4, modules=("q_proj",))
-    t = {tensor_name(i, "q_proj", ab): torch.zeros((4, 64) if ab == "A" else (64, 4), dtype=torch.int32) for i in range(2) for ab in "AB"}
+    t = {
+        tensor_name(i, "q_proj", ab): torch.zeros(
+            (4, 64) if ab == "A" else (64, 4), dtype=torch.int32
+        )
+        for i in range(2)
+        for ab in "AB"
+    }
     save_file(t, str(d / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="not float16/bfloat16/float32"):
         _read(d, cfg)

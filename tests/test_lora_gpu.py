@@ -9,6 +9,7 @@ every step replays the graph ``plan explain`` names.
 
 import pytest
 import torch
+from lora_adapters import LENS, merged_model, plan, run_mixed, write_adapter
 
 from graphplan.compiler import compile_plan
 from graphplan.models.hf import PagedCausalLM
@@ -16,7 +17,6 @@ from graphplan.models.hf.lora import read_adapter
 from graphplan.runtime import GraphRunner
 
 from hf_models import reference_logits, reference_model, small_config, tokens
-from lora_adapters import LENS, merged_model, plan, run_mixed, write_adapter
 
 pytestmark = pytest.mark.gpu
 VOCAB = 1024
@@ -59,7 +59,9 @@ def test_bf16_mixed_adapters_match_the_merged_models_within_their_own_bf16_error
         err_hf = (reference_logits(merged_model(base16, d), seq) - truth).abs().max().item()
         top = truth.abs().max().item()
         err = (got[i].float() - truth).abs().max().item()
-        print(f"{mode} request {i}: graphplan {err:.4f}, transformers bf16 {err_hf:.4f}, top {top:.2f}")
+        print(
+            f"{mode} request {i}: graphplan {err:.4f}, transformers bf16 {err_hf:.4f}, top {top:.2f}"
+        )
         assert err <= max(2 * err_hf, 0.02 * top), f"request {i}"
     if mode == "FULL":  # the adapters move the logits far beyond that bound
         plain = reference_logits(base32, seqs[0])

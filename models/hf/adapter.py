@@ -305,7 +305,9 @@ class PagedCausalLM(torch.nn.Module):
             )
         rows = self.logits_mode == "rows"
         if self._fused_on and self.fused is not None and not torch.compiler.is_compiling():
-            out = self.fused.forward(input_ids, positions, meta, head=not rows, lora_slots=lora_slots)
+            out = self.fused.forward(
+                input_ids, positions, meta, head=not rows, lora_slots=lora_slots
+            )
             return out if rows else out.float()
         if self.lora is not None:
             raise ValueError("LoRA adapters run in the fused forward only: keep fused_ops on")

@@ -248,7 +248,9 @@ class FusedDecoder:
             h, residual = add_rmsnorm_(h, residual, layer.input_norm, layer.eps)
         h = self._attention(layer, h, *step)
         h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
-        h = silu_mul(self._lora(F.linear(h, layer.gate_up, layer.gate_up_bias), h, layer, "gate_up"))
+        h = silu_mul(
+            self._lora(F.linear(h, layer.gate_up, layer.gate_up_bias), h, layer, "gate_up")
+        )
         return self._lora(F.linear(h, layer.down, layer.down_bias), h, layer, "down"), residual
 
     def _lora(self, y, x, layer: FusedLayer, group: str) -> torch.Tensor:

@@ -30,7 +30,12 @@ PICKLES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_CONFIG_BYTES = 1 << 20
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections of a Llama-family decoder layer an adapter may target."""
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+}
 PREFIX = "base_model.model.model.layers"
 NEUTRAL = {
     # adapter_config.json keys that change the math when set; the value that does not
@@ -224,4 +229,3 @@ def _byte_limit(config, modules: tuple[str, ...], rank: int) -> int:
     shapes = projection_shapes(config)
     elements = sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
     return elements * config.num_hidden_layers * 8 + (1 << 20)  # float64 at most, a header
-

@@ -148,7 +148,9 @@ class LoraStep:
             return
         onehot = (lora_slots[:, None] == slots.slot_ids[None, :]).to(slots.scales.dtype)
         onehot = onehot * slots.scales[None, :]  # [T, S]: the token's slot's scale, else 0
-        self.masks = {n: onehot[:, :, None].expand(t, s, n * r).reshape(t, s * n * r) for n in (1, 2, 3)}
+        self.masks = {
+            n: onehot[:, :, None].expand(t, s, n * r).reshape(t, s * n * r) for n in (1, 2, 3)
+        }
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> torch.Tensor:
         """``y`` (the projection ``group`` of layer ``layer`` of ``x``) plus its adapters'
@@ -158,7 +160,9 @@ class LoraStep:
             from .lora_kernels import lora_add
 
             s = self.slots
-            return lora_add(y, x.contiguous(), a, b, self.tokens, s.scales, s.bounds[group], s.max_rank)
+            return lora_add(
+                y, x.contiguous(), a, b, self.tokens, s.scales, s.bounds[group], s.max_rank
+            )
         shrink = F.linear(x, a) * self.masks[len(GROUPS[group])]
         return y.addmm_(shrink, b.t())
 
@@ -272,7 +276,10 @@ def enable_lora(model, max_loras: int, max_rank: int, num_seats: int) -> LoraMan
         )
     weight = model.fused.embed
     slots = LoraSlots(
-        model.hf.config, max_loras=max_loras, max_rank=max_rank, dtype=weight.dtype,
+        model.hf.config,
+        max_loras=max_loras,
+        max_rank=max_rank,
+        dtype=weight.dtype,
         device=weight.device,
     )
     slots.warm_up()

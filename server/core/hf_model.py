@@ -120,12 +120,10 @@ class HFSpec:
         import torch
 
         from graphplan.models.hf import PagedCausalLM
-
-        from .model import dtype_of
-
         from graphplan.models.hf.lora import read_adapter
 
         from .lora_serving import settings
+        from .model import dtype_of
 
         lora = settings(table, self.lora_modules, self.max_loras, self.max_lora_rank)
         if lora and self.compile:

@@ -125,7 +125,11 @@ def load(model, name: str, path: str) -> dict:
             )
         try:
             adapter = read_adapter(
-                name, path, model.hf.config, max_rank=lora.slots.max_rank, dtype=model.fused.embed.dtype
+                name,
+                path,
+                model.hf.config,
+                max_rank=lora.slots.max_rank,
+                dtype=model.fused.embed.dtype,
             )
         except GraphplanError as e:
             raise RequestError(400, str(e), "lora_path") from None
