@@ -287,3 +287,11 @@ def test_the_triton_kernels_equal_the_torch_path_under_tritons_interpreter():
     from interpreted import run_interpreted
 
     run_interpreted("lora_interpreted.py")
+
+
+def test_an_oversized_weights_file_is_refused_before_it_is_opened(tmp_path, adapters):
+    cfg = adapters[0]
+    d = write_adapter(tmp_path / "big", cfg, rank=4, modules=("q_proj",))
+    (d / "adapter_model.safetensors").write_bytes(b"\0" * (2 << 20))
+    with pytest.raises(AdapterError, match=r"adapter_model.safetensors: 2097152 bytes; at most"):
+        _read(d, cfg)

@@ -119,14 +119,14 @@ def read_adapter(name: str, path, config, *, max_rank: int, dtype=torch.float32)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     real = _weights_file(directory)
     limit = _byte_limit(config, modules, rank)
-    if checked_path(directory, WEIGHTS, limit=limit) is None:  # size-bounded before it opens
-        raise AdapterError(f"{directory / WEIGHTS}: disappeared while it was read")
     try:
+        if checked_path(directory, WEIGHTS, limit=limit) is None:  # bounded before it opens
+            raise AdapterError(f"{directory / WEIGHTS}: disappeared while it was read")
         reader = CheckpointReader(
             WeightFiles(format="safetensors", files=(real,), index=None, where=directory / WEIGHTS)
         )
         shapes = projection_shapes(config)
-        expected = {}
+        expected: dict[str, tuple[int, ...]] = {}
         for layer in range(config.num_hidden_layers):
             for m in modules:
                 out, inp = shapes[m]
