@@ -106,7 +106,8 @@ def test_the_base_model_alone_gives_the_models_own_logits_and_differs_with_an_ad
             reqs = [(0, 0, seq)]
             out = runner.step(model.make_batch(reqs), 1, 6, model.num_active_loras(reqs))
             torch.testing.assert_close(out, reference_logits(ref, seq), atol=1e-4, rtol=1e-4)
-        assert (reference_logits(references[0], seq) - out).abs().max() > 1e-2
+        for ref in references[:3]:  # every adapter moves the logits 100x past the tolerance
+            assert (reference_logits(ref, seq) - out).abs().max() > 1e-2
     model.lora.bind(0, None)
     runner.release()
 

@@ -26,9 +26,11 @@ VOCAB = 1024
 def test_bf16_mixed_adapters_match_the_merged_models_within_their_own_bf16_error(tmp_path, mode):
     cfg = small_config("llama", vocab=VOCAB, hidden=256, layers=4, heads=8, kv_heads=2)
     dirs = [
-        write_adapter(tmp_path / "a", cfg, rank=16, seed=1, std=0.03),
-        write_adapter(tmp_path / "b", cfg, rank=8, alpha=4.0, seed=2, rslora=True, std=0.03),
-        write_adapter(tmp_path / "c", cfg, rank=4, seed=3, modules=("q_proj", "down_proj")),
+        write_adapter(tmp_path / "a", cfg, rank=16, seed=1, std=0.1),
+        write_adapter(tmp_path / "b", cfg, rank=8, alpha=4.0, seed=2, rslora=True, std=0.1),
+        write_adapter(
+            tmp_path / "c", cfg, rank=4, seed=3, modules=("q_proj", "down_proj"), std=0.2
+        ),
     ]
     model = PagedCausalLM.load(
         cfg,
@@ -59,10 +61,11 @@ def test_bf16_mixed_adapters_match_the_merged_models_within_their_own_bf16_error
         err_hf = (reference_logits(merged_model(base16, d), seq) - truth).abs().max().item()
         top = truth.abs().max().item()
         err = (got[i].float() - truth).abs().max().item()
+        bound = max(2 * err_hf, 0.02 * top)
+        moved = (reference_logits(base32, seq) - truth).abs().max().item()
         print(
-            f"{mode} request {i}: graphplan {err:.4f}, transformers bf16 {err_hf:.4f}, top {top:.2f}"
+            f"{mode} request {i}: graphplan {err:.4f}, transformers bf16 {err_hf:.4f}, "
+            f"bound {bound:.4f}; the adapter moves the logits by {moved:.4f}"
         )
-        assert err <= max(2 * err_hf, 0.02 * top), f"request {i}"
-    if mode == "FULL":  # the adapters move the logits far beyond that bound
-        plain = reference_logits(base32, seqs[0])
-        assert (plain - reference_logits(merged_model(base32, dirs[0]), seqs[0])).abs().max() > 0.1
+        assert err <= bound, f"request {i}"
+        assert d is None or moved > 3 * bound, f"request {i}: the adapter is within the bound"

@@ -111,7 +111,7 @@ def test_model_picks_the_adapter_and_gives_the_merged_models_greedy_tokens(clien
         t.join()
     for model in ("a", "b", NAME):
         assert out[model] == (model, [reference(model, p, 6) for p in PROMPTS]), model
-    assert out["a"][1] != out[NAME][1]  # the adapter changes the greedy tokens
+    assert out["a"][1] != out[NAME][1] and out["b"][1] != out[NAME][1]  # adapters change tokens
 
 
 def test_an_unknown_model_is_a_404(client):
@@ -165,6 +165,7 @@ def test_loading_and_unloading_under_load_loses_no_request(server, client, refer
         assert status == 200 and "added successfully" in body
         res = client.completions.create(model="c", prompt=PROMPTS[1], max_tokens=6, temperature=0)
         assert res.choices[0].token_ids == reference("c", PROMPTS[1], 6)
+        assert res.choices[0].token_ids != reference(NAME, PROMPTS[1], 6)
         status, body = post(server, "/v1/unload_lora_adapter", {"lora_name": "c"})
         assert status == 200, body
     for t in threads:
