@@ -20,6 +20,7 @@ from graphplan.compiler.table import DispatchTable
 from .buffers import StaticBuffers, as_tuple
 from .compiled.model import CompiledModel
 from .graphs import GraphBackend
+from .lora_case import in_lora_case, lora_case
 
 if TYPE_CHECKING:  # imported where PIECEWISE graphs are captured (most runs have none)
     from .piecewise.graphs import BreakableGraphs
@@ -155,19 +156,27 @@ def _full_body(
     body to capture: the model into the static outputs, or the micro-batched body (warmed once,
     as its streams and events need)."""
     first = done.outputs is None
-    for _ in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
-        out = job.model(**views)
-        if done.outputs is None:
-            done.outputs = _static_outputs(out, job.buffers.max_tokens)
-            done.single_output = not isinstance(out, (tuple, list))
-        del out
-    assert done.outputs is not None  # the first warm-up above made them
-    if key.num_ubatches > 1:
-        assert job.ubatch_body is not None  # capture skips ubatched keys without a body
-        body = job.ubatch_body(key, views, tokens, done.outputs)
-        body()
-        return body
-    return _graph_fn(job.model, done.outputs, views, tokens)
+    case = lora_of(job.table, key)
+    with lora_case(case):
+        for _ in range(max(job.warmups, 1) if first else job.warmups * job.warmup_each):
+            out = job.model(**views)
+            if done.outputs is None:
+                done.outputs = _static_outputs(out, job.buffers.max_tokens)
+                done.single_output = not isinstance(out, (tuple, list))
+            del out
+        assert done.outputs is not None  # the first warm-up above made them
+        if key.num_ubatches > 1:
+            assert job.ubatch_body is not None  # capture skips ubatched keys without a body
+            body = job.ubatch_body(key, views, tokens, done.outputs)
+            body()
+            return in_lora_case(case, body)
+    return in_lora_case(case, _graph_fn(job.model, done.outputs, views, tokens))
+
+
+def lora_of(table, key: BatchDescriptor) -> int | None:
+    """The LoRA case a graph of ``key`` records (``runtime/lora_case.py``): its
+    ``num_active_loras`` when the table has LoRA on, else None."""
+    return key.num_active_loras if table.settings.lora_enabled else None
 
 
 def capture_graphs(
@@ -217,7 +226,9 @@ def capture_graphs(
                 took: int | None
                 if table.graphs[gid].mode is RuntimeMode.PIECEWISE:  # warms up piece by piece
                     assert done.piecewise is not None  # split above: ids hold a PIECEWISE graph
-                    done.graphs[gid], took = done.piecewise.capture(views, tokens)
+                    done.graphs[gid], took = done.piecewise.capture(
+                        views, tokens, lora_of(table, key)
+                    )
                 else:
                     body = _full_body(job, done, key, views, tokens)
                     measure = job.measure_each or n_done < 2
@@ -266,7 +277,7 @@ def capture_one(job: CaptureJob, done: Captured, gid: int) -> None:
     views, tokens = _graph_views(job, g.key)
     with torch.no_grad():
         if done.piecewise is not None and g.mode is RuntimeMode.PIECEWISE:
-            done.graphs[gid], _ = done.piecewise.capture(views, tokens)
+            done.graphs[gid], _ = done.piecewise.capture(views, tokens, lora_of(job.table, g.key))
         else:
             done.graphs[gid] = job.backend.capture(_full_body(job, done, g.key, views, tokens))
 

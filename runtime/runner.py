@@ -32,6 +32,7 @@ from .capture import (
 )
 from .compiled.model import CompiledModel, compiled_model
 from .graphs import graph_backend
+from .lora_case import lora_case
 from .metrics import RunnerStats
 from .on_demand import OnDemandQueue, start_graph_ids
 
@@ -242,7 +243,10 @@ class GraphRunner:
                 self._stats.eager(route, gid)
             else:
                 self._stats.eager_because(reason)
-            return self.run_eager(inputs)
+            if not self.table.settings.lora_enabled:
+                return self.run_eager(inputs)
+            with lora_case(route.context[4]):  # the step's own count of active adapters
+                return self.run_eager(inputs)
         reqs = num_reqs or 0
         if route.mode is RuntimeMode.PIECEWISE:  # piece graphs around eager split ops
             out = graph.run(inputs, n, reqs)

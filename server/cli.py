@@ -37,6 +37,7 @@ from .core.hf_model import HFSpec
 from .core.model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .frontend.app import Server
 from .frontend.security import TOKEN_ENV, admin_token
+from .lora_flags import add_lora_flags, lora_flags
 
 log = logging.getLogger("graphplan.server")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without it a directory with no weights is refused",
     )
     p.add_argument("--served-model-name", help="the name /v1 clients use (default: DIR's name)")
+    add_lora_flags(p, POSITIVE_INT)
     p.add_argument(
         "--kv-cache-tokens",
         type=POSITIVE_INT,
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    lora = next((f for f, v in lora_flags(a) if v), None)
+    if lora and not a.model:
+        parser.error(f"{lora} applies to --model (LoRA adapters of a Hugging Face checkpoint)")
     if a.random_weights and not a.model:
         parser.error("--random-weights applies to --model (the tiny Llama's come from --seed)")
     if a.single_process and a.api_server_count > 1:
@@ -286,6 +291,9 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             kv_memory_fraction=a.kv_memory_fraction,
             served_model_name=a.served_model_name,
             compile=a.compile,
+            lora_modules=tuple(a.lora_modules or ()),
+            max_loras=a.max_loras,
+            max_lora_rank=a.max_lora_rank,
         )
     else:
         spec = ModelSpec(

@@ -109,6 +109,8 @@ class Request:
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at its admission (the usage's cached_tokens)."""
     cached_sent: bool = False  # the engine process sent cached_tokens to its front end
+    lora: str | None = None
+    """The LoRA adapter it runs (the request's ``model`` names it); None: the base model."""
 
 
 def greedy_requests(

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import torch
 
-from graphplan.runtime.buffers import StaticInput
+from graphplan.runtime.buffers import StaticInput, to_device
 from graphplan.runtime.piecewise.breakable import current_step
 
 from ..logits import every_token_rows
@@ -40,6 +40,7 @@ from ..paged_kv import BlockTables, KVCacheShape, PagedKVCache, size_blocks
 from .attention import ATTN_IMPLEMENTATION, StepInputs, make_paged_batch, register
 from .fused_decoder import FusedDecoder, fuse, why_not_fused
 from .load import eos_token_ids, load_config, load_model, load_tokenizer
+from .lora_slots import LORA_SLOTS_INPUT, enable_lora
 from .step_memory import DEFAULT_STEP_TOKENS, step_reserve_bytes
 
 log = logging.getLogger("graphplan.models")
@@ -121,6 +122,8 @@ class PagedCausalLM(torch.nn.Module):
         fused_ops: bool | None = None,
         max_step_tokens: int | None = None,
         logits: str = "all",
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         super().__init__()
         if logits not in ("all", "rows"):
@@ -141,6 +144,9 @@ class PagedCausalLM(torch.nn.Module):
             self.fused = fuse(hf_model, positions)
         elif fused_ops:
             log.warning("fused_ops: %s; running transformers' forward", self.fused_reason)
+        self.lora = None  # LoRA adapters (lora_slots.LoraManager) with max_loras > 0
+        if max_loras:
+            self.lora = enable_lora(self, max_loras, max_lora_rank, max_num_seqs)
         self._fused_on = self.fused is not None
         self.logits_reason = why_not_rows(hf_model) if logits == "rows" else None
         if self.logits_reason is not None:
@@ -196,6 +202,8 @@ class PagedCausalLM(torch.nn.Module):
         fused_ops: bool | None = None,
         max_step_tokens: int | None = None,
         logits: str = "all",
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> "PagedCausalLM":
         """From a local model directory's checkpoint (``load.load_model``: checked before
         anything is allocated, the weights and this KV cache against the free memory); with
@@ -229,6 +237,8 @@ class PagedCausalLM(torch.nn.Module):
             fused_ops=fused_ops,
             max_step_tokens=max_step_tokens,
             logits=logits,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
 
     def _pool(self, shape, blocks: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -275,7 +285,16 @@ class PagedCausalLM(torch.nn.Module):
         """The checkpoint's end-of-sequence ids (``load.eos_token_ids``)."""
         return eos_token_ids(self.source if self.source is not None else self.hf.config)
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        lora_slots=None,
+    ):
         if current_step() is not None:  # a piecewise capture or replay: attention runs eagerly
             meta = StepInputs(
                 self.cache.kv, positions, slot_mapping, block_tables, seq_lens, query_start_loc
@@ -286,8 +305,12 @@ class PagedCausalLM(torch.nn.Module):
             )
         rows = self.logits_mode == "rows"
         if self._fused_on and self.fused is not None and not torch.compiler.is_compiling():
-            out = self.fused.forward(input_ids, positions, meta, head=not rows)
+            out = self.fused.forward(
+                input_ids, positions, meta, head=not rows, lora_slots=lora_slots
+            )
             return out if rows else out.float()
+        if self.lora is not None:
+            raise ValueError("LoRA adapters run in the fused forward only: keep fused_ops on")
         kwargs = dict(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, graphplan=meta
         )
@@ -309,7 +332,14 @@ class PagedCausalLM(torch.nn.Module):
         """reqs: ``(seat, start_pos, token_ids)`` per request -> forward's keyword arguments
         (``non_blocking``: ``graphplan.models.Model.make_batch``), built in staging buffers
         reused every step and moved in two copies (``paged_batch.PagedBatchBuilder``)."""
-        return self.batches.build(reqs, non_blocking=non_blocking)
+        batch = self.batches.build(reqs, non_blocking=non_blocking)
+        if self.lora is not None:  # each token's adapter slot (lora_slots.py)
+            batch["lora_slots"] = to_device(self.lora.token_slots(reqs), self.device)
+        return batch
+
+    def num_active_loras(self, reqs) -> int:
+        """Distinct LoRA adapters among ``reqs``' sequences (the step's ``num_active_loras``)."""
+        return 0 if self.lora is None else self.lora.num_active(r[0] for r in reqs)
 
     @property
     def kv_pool(self) -> BlockTables:
@@ -337,4 +367,4 @@ class PagedCausalLM(torch.nn.Module):
             ),
             StaticInput(name="seq_lens", per="req", dtype=torch.int32, pad=0),
             StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last"),
-        ]
+        ] + ([] if self.lora is None else [LORA_SLOTS_INPUT])

@@ -184,6 +184,8 @@ class FusedDecoder:
         self.cos, self.sin = rotary_tables(
             rope.inv_freq, float(rope.attention_scaling), max_positions, self.embed.dtype
         )
+        self.lora = None  # LoRA adapter slots (lora_slots.LoraSlots), once LoRA is enabled
+        self.lora_step = None  # the forward's lora_slots.LoraStep while it runs, or None
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -203,11 +205,18 @@ class FusedDecoder:
         rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, self.head_dim)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, graphplan, head: bool = True
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        graphplan,
+        head: bool = True,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions ``[T]``; ``graphplan``: the step's paged metadata, handed to every
         attention call as transformers' forward hands it. ``head=False``: the last hidden states
-        (after the final norm), without the LM head."""
+        (after the final norm), without the LM head. ``lora_slots`` ``[T]``: each token's LoRA
+        adapter slot (-1: none; ``lora_slots.py``)."""
+        self.lora_step = None if self.lora is None else self.lora.step(lora_slots)
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         step = self.step_inputs(positions, graphplan)
@@ -239,13 +248,21 @@ class FusedDecoder:
             h, residual = add_rmsnorm_(h, residual, layer.input_norm, layer.eps)
         h = self._attention(layer, h, *step)
         h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
-        h = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias))
-        return F.linear(h, layer.down, layer.down_bias), residual
+        h = silu_mul(
+            self._lora(F.linear(h, layer.gate_up, layer.gate_up_bias), h, layer, "gate_up")
+        )
+        return self._lora(F.linear(h, layer.down, layer.down_bias), h, layer, "down"), residual
+
+    def _lora(self, y, x, layer: FusedLayer, group: str) -> torch.Tensor:
+        """``y`` (projection ``group`` of ``x``) plus the step's LoRA update, if any."""
+        if self.lora_step is None:
+            return y
+        return self.lora_step.add(y, x, layer.attn.layer_idx, group)
 
     def _attention(self, layer, h, positions, position_ids, graphplan, attention):
         tokens, d = h.shape[0], self.head_dim
         q_width, kv_width = self.q_heads * d, self.kv_heads * d
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 KvH) D]
+        qkv = self._lora(F.linear(h, layer.qkv, layer.qkv_bias), h, layer, "qkv")
         rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, d)
         # [1, heads, T, D] views of the one projection, as transformers hands them over
         q = qkv[:, :q_width].view(tokens, self.q_heads, d).transpose(0, 1)[None]
@@ -264,4 +281,5 @@ class FusedDecoder:
             use_cache=False,
             graphplan=graphplan,
         )
-        return F.linear(out.reshape(tokens, -1), layer.o_proj, layer.o_bias)
+        out = out.reshape(tokens, -1)
+        return self._lora(F.linear(out, layer.o_proj, layer.o_bias), out, layer, "o")

@@ -187,10 +187,12 @@ def match(
     *,
     where: Path,
     ignored=lambda name: False,
+    against: str = "config.json",
 ) -> None:
     """CheckpointMismatchError unless the checkpoint holds exactly ``expected`` (name -> shape),
     each a float tensor of that shape. ``aliases`` (tied weights, alias -> source) may be absent
-    or present; ``ignored`` names are tolerated (buffers the model recomputes)."""
+    or present; ``ignored`` names are tolerated (buffers the model recomputes); ``against``: the
+    file the expectation comes from, for the message."""
     missing = [n for n in expected if n not in infos]
     unexpected = [n for n in infos if n not in expected and n not in aliases and not ignored(n)]
     shapes = [
@@ -219,5 +221,5 @@ def match(
             " (config.json's tie_word_embeddings is false)" if "lm_head.weight" in missing else ""
         )
         raise CheckpointMismatchError(
-            f"{where}: the weights do not match config.json{tied}: " + ". ".join(problems)
+            f"{where}: the weights do not match {against}{tied}: " + ". ".join(problems)
         )

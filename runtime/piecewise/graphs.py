@@ -43,6 +43,7 @@ from graphplan.compiler.records import padded_num_reqs
 
 from ..buffers import StaticBuffers, as_tuple, real_rows
 from ..graphs import Graph, GraphBackend, Segment
+from ..lora_case import lora_case
 from .breakable import SEGMENT_FIX, Intercept, SplitError, Step, segment_error, set_step
 
 
@@ -129,7 +130,7 @@ class BreakableGraphs:
         self.written: set[tuple[int, int]] = set()  # (call, leaf): arguments the op writes into
         self.checked: set[tuple[int, int]] = set()
         self.outputs: list[torch.Tensor] = []
-        self.sizes: dict[int, _Size] = {}
+        self.sizes: dict[tuple[int, int], _Size] = {}  # (tokens, LoRA case or -1) -> its graphs
         self.run: _Run | None = None
         self.what = (
             type(model).__name__
@@ -138,9 +139,16 @@ class BreakableGraphs:
         )
 
     # -- capture ----------------------------------------------------------------------------
-    def capture(self, views: dict[str, torch.Tensor], tokens: int) -> tuple["BreakableGraph", int]:
-        """Warm up and capture the segments at ``tokens``. Returns the size's handle and the device
-        bytes its graphs took."""
+    def capture(
+        self, views: dict[str, torch.Tensor], tokens: int, lora: int | None = None
+    ) -> tuple["BreakableGraph", int]:
+        """Warm up and capture the segments at ``tokens`` (under LoRA case ``lora``:
+        ``runtime/lora_case.py``; each case of a size gets its own segments). Returns the size's
+        handle and the device bytes its graphs took."""
+        with lora_case(lora):
+            return self._capture(views, tokens, lora)
+
+    def _capture(self, views: dict, tokens: int, lora: int | None) -> tuple["BreakableGraph", int]:
         for _ in range(self.warmups):
             warm = self._forward(views, tokens, capture=False)
         reached = {name for name, _ in warm.signature}
@@ -166,10 +174,9 @@ class BreakableGraphs:
                 f"{SEGMENT_FIX}"
             )
         took = self.backend.memory_used() - before
-        self.sizes[tokens] = _Size(
-            run.graphs, run.calls, run.result, any(c.inputs for c in run.calls)
-        )
-        return BreakableGraph(self, tokens), took
+        key = (tokens, -1 if lora is None else lora)
+        self.sizes[key] = _Size(run.graphs, run.calls, run.result, any(c.inputs for c in run.calls))
+        return BreakableGraph(self, key), took
 
     def _forward(self, views: dict, tokens: int, capture: bool) -> _Run:
         run = self.run = _Run(tokens=tokens, capture=capture, views=views)
@@ -308,10 +315,10 @@ class BreakableGraphs:
         return tuple(views) if isinstance(out, (tuple, list)) else views[0]
 
     # -- replay -----------------------------------------------------------------------------
-    def replay(self, tokens: int, inputs: dict[str, torch.Tensor], n: int, reqs: int):
-        b = self.buffers
+    def replay(self, key: tuple[int, int], inputs: dict[str, torch.Tensor], n: int, reqs: int):
+        b, tokens = self.buffers, key[0]
         b.load(inputs, n, reqs, tokens, padded_num_reqs(tokens, self.max_reqs))  # rows stay padded
-        size = self.sizes[tokens]
+        size = self.sizes[key]
         views = b.views(tokens, reqs) if size.needs_views else None
         set_step(Step(n, tokens, reqs))
         try:
@@ -345,11 +352,15 @@ class BreakableGraphs:
 class BreakableGraph:
     """The segments of one PIECEWISE key (what a runner holds per PIECEWISE graph id)."""
 
-    __slots__ = ("owner", "tokens")
+    __slots__ = ("owner", "key")
 
-    def __init__(self, owner: BreakableGraphs, tokens: int):
-        self.owner, self.tokens = owner, tokens
+    def __init__(self, owner: BreakableGraphs, key: tuple[int, int]):
+        self.owner, self.key = owner, key  # (tokens, LoRA case or -1)
+
+    @property
+    def tokens(self) -> int:
+        return self.key[0]
 
     def run(self, inputs: dict[str, torch.Tensor], n: int, reqs: int):
         """Copy in, replay the segments with the split ops between them, slice to the real rows."""
-        return self.owner.replay(self.tokens, inputs, n, reqs)
+        return self.owner.replay(self.key, inputs, n, reqs)

@@ -124,6 +124,9 @@ class ContinuousBatcher:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order
         self._known: set = set()
+        self.max_loras = 0
+        """With LoRA: the most distinct adapters (``request_id.lora``) running at once (the
+        model's slots); a request of another adapter waits. 0: no limit."""
         self.finished: dict[Hashable, list[int]] = {}
         """request id -> generated tokens of each finished request (a server pops what it sent)."""
 
@@ -162,6 +165,13 @@ class ContinuousBatcher:
                 lookup=cache_lookup,
             )
         )
+
+    def _lora_fits(self, r: _Request) -> bool:
+        name = getattr(r.id, "lora", None)
+        if name is None:
+            return True
+        running = {getattr(x.id, "lora", None) for x in self._running} - {None}
+        return name in running or len(running) < self.max_loras
 
     def abort(self, request_id: Hashable) -> None:
         """Drop a waiting or running request (e.g. its client went away); frees its cache row."""
@@ -204,6 +214,8 @@ class ContinuousBatcher:
             budget and self._waiting and self._free_rows and len(self._running) < self.max_num_seqs
         ):
             r = self._waiting[0]
+            if self.max_loras and not self._lora_fits(r):
+                break  # its adapter waits for a slot, in arrival order
             hit = prefix_blocks.lookup(r, self._prefix) if self._prefix and r.lookup else []
             taken = self._prefix.free_cost(hit) if self._prefix is not None else 0
             r.computed = len(hit) * self._blocks.block_size if hit else 0

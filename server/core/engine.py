@@ -17,6 +17,7 @@ from graphplan.runtime import GraphRunner
 
 from ..errors import RequestError, not_serving
 from ..requests import EventSink, Request, Sampled, greedy_requests
+from . import lora_serving
 from .batching import ContinuousBatcher, StepBatch
 from .metrics import ServerMetrics, render_metrics
 from .model import ModelSpec, ServingSpec, build_model, compiled_model
@@ -28,7 +29,7 @@ from .step_sampler import StepSampler
 log = logging.getLogger("graphplan.server")
 
 
-class Engine:
+class Engine(lora_serving.LoraMethods):
     def __init__(
         self,
         table,
@@ -125,6 +126,7 @@ class Engine:
         with self._cond:
             if self.state != "ready":
                 raise not_serving(self.state)
+            lora_serving.check_requests(getattr(self, "model", None), reqs)
             if len(self._waiting) + len(reqs) > self.max_waiting:
                 raise RequestError(
                     429,
@@ -240,6 +242,7 @@ class Engine:
             kv_pool=self.model.kv_pool,
             prefix_caching=self.enable_prefix_caching,
         )
+        self.batcher.max_loras = lora_serving.max_loras(self.model)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
         with self._cond:
@@ -276,8 +279,10 @@ class Engine:
                 self._waiting.clear()
             for r in new:  # joining the queue changes no running request: safe mid-pipeline
                 self.batcher.add(
-                    r, r.prompt, r.max_tokens, r.stop, cache_lookup=r.prompt_logprobs is None
-                )
+                    r, r.prompt, r.max_tokens, r.stop,
+                    extra_key=r.lora,  # an adapter's blocks are its own
+                    cache_lookup=r.prompt_logprobs is None,
+                )  # fmt: skip
                 self.metrics.prompt_tokens.inc(len(r.prompt))
             if self.pipeline.busy:  # async scheduling: a step is in flight
                 cancelled = any(r.cancelled for r in self._live)

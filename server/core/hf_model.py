@@ -37,6 +37,12 @@ class HFSpec:
     """torch.compile backend of the compiled path (``--compile``); "" runs the model as written."""
     fused_ops: bool | None = None
     """Llama-family models: the fused decoder (``PagedCausalLM``'s ``fused_ops``); None: on CUDA."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """(name, PEFT directory) of the LoRA adapters loaded at start (``--lora-modules``)."""
+    max_loras: int | None = None
+    """Adapter slots on the device (``--max-loras``); default the plan's ``lora.max_loras``."""
+    max_lora_rank: int | None = None
+    """The highest adapter rank served (``--max-lora-rank``; default 16)."""
 
     @property
     def name(self) -> str:
@@ -89,6 +95,13 @@ class HFSpec:
             random_weights=self.random_weights,
         )
         self.stop_token_ids()
+        if self.lora_modules:  # each adapter against the base model's config, before any load
+            from graphplan.models.hf.load import load_config
+            from graphplan.models.hf.lora import read_adapter
+
+            config = load_config(self.model)
+            for name, path in self.lora_modules:
+                read_adapter(name, path, config, max_rank=self.max_lora_rank or 16)
         if has_tokenizer(_directory(self.model)):
             check_tokenizer(_directory(self.model))
 
@@ -107,11 +120,21 @@ class HFSpec:
         import torch
 
         from graphplan.models.hf import PagedCausalLM
+        from graphplan.models.hf.lora import read_adapter
 
+        from .lora_serving import settings
         from .model import dtype_of
 
+        lora = settings(table, self.lora_modules, self.max_loras, self.max_lora_rank)
+        if lora and self.compile:
+            from graphplan.compiler.errors import GraphplanError
+
+            raise GraphplanError(
+                "--compile with LoRA: the compiled path runs transformers' forward, which has no "
+                "LoRA kernels; drop --compile (LoRA runs in the fused decoder)"
+            )
         dtype = self.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
-        return PagedCausalLM.load(
+        model = PagedCausalLM.load(
             self.model,
             max_num_seqs=table.max_num_seqs,
             max_model_len=self.resolved_max_model_len(),
@@ -122,10 +145,16 @@ class HFSpec:
             block_size=self.block_size,
             kv_cache_tokens=self.kv_cache_tokens,
             kv_memory_fraction=self.kv_memory_fraction,
-            fused_ops=self.fused_ops,
+            fused_ops=True if lora and self.fused_ops is None else self.fused_ops,  # LoRA's path
             max_step_tokens=table.max_tokens,
             logits="rows",  # the LM head on the rows a step reads, outside the graphs
+            max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_rank if lora else 16,
         )
+        for name, path in self.lora_modules if lora else ():
+            config, rank = model.hf.config, lora.max_rank
+            model.lora.add(read_adapter(name, path, config, max_rank=rank, dtype=dtype_of(dtype)))
+        return model
 
 
 def _directory(model: str) -> Path:

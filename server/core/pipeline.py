@@ -80,8 +80,9 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}
+            loras = lora_step(e.model, batch)  # before make_batch: it reads the seats' slots
             inputs = e.model.make_batch(batch.reqs, **nb)
-            out = e.runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
+            out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)
             logits = StepLogits.of(e.model, out)  # read at the rows a step samples (and prompts')
             prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks
             if self.async_scheduling and prompt_lps is None and self._eligible(batch):
@@ -145,12 +146,13 @@ class Pipeline:
         self._flight = None
         try:
             assert f.pending.tokens is not None
+            loras = lora_step(e.model, batch)
             inputs = e.model.make_batch(batch.reqs, non_blocking=True)
             tokens = f.pending.tokens  # f's sampling order is its batch order: all sample
             if idx != list(range(len(f.batch.request_ids))):
                 tokens = tokens.index_select(0, to_device(torch.tensor(idx), tokens.device))
             inputs["input_ids"] = tokens
-            out = e.runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
+            out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)
             assert e.sampler is not None
             pending = e.sampler.launch(batch, StepLogits.of(e.model, out), keep=True)
             self.speculated += 1
@@ -211,3 +213,14 @@ def _requests(batch: StepBatch) -> list[Request]:
         assert isinstance(rid, Request)
         out.append(rid)
     return out
+
+
+def lora_step(model, batch: StepBatch) -> int:
+    """Bind the step's sequence seats to their requests' LoRA adapters (``Request.lora``) on a
+    model that serves adapters; the step's ``num_active_loras`` (0 without LoRA)."""
+    lora = getattr(model, "lora", None)
+    if lora is None:
+        return 0
+    return lora.assign(
+        [(req[0], getattr(r, "lora", None)) for req, r in zip(batch.reqs, batch.request_ids)]
+    )

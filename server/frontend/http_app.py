@@ -37,7 +37,7 @@ from .bodies import parse_generate, parse_reload
 from .http_io import ClientGone, error_response, events, json_response, read_body
 from .http_protocol import over_bounds
 from .openai_api import OpenAIFrontEnd
-from .security import ADMIN_PREFIX
+from .security import ADMIN_PATHS, ADMIN_PREFIX
 
 log = logging.getLogger("graphplan.server")
 access = logging.getLogger("graphplan.server.access")
@@ -235,7 +235,7 @@ class Guard:
         refused = over_bounds(line, head)  # the bounds of a head h11 gave up on, for whole ones
         if refused is not None:
             return refused
-        if scope["path"].startswith(ADMIN_PREFIX):
+        if scope["path"].startswith(ADMIN_PREFIX) or scope["path"] in ADMIN_PATHS:
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             try:
                 self.server.admin.check(auth.decode("latin-1") if auth is not None else None)

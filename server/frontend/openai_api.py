@@ -31,6 +31,7 @@ from . import openai_answers as answers
 from .chat import ChatTemplate, TemplateError
 from .choices import Choice, Delta
 from .http_io import events, read_body
+from .lora_routes import LoraRoutes
 from .openai_answers import Job
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from .openai_responses import ModelCard, ModelList, Out
@@ -49,6 +50,7 @@ class OpenAIFrontEnd:
         self.created = int(time.time())
         self.tokenizer = spec.load_tokenizer()  # None: token-id prompts only
         self.eos = tuple(spec.stop_token_ids())
+        self.lora = LoraRoutes(self, getattr(spec, "lora_modules", ()))
         source = spec.chat_template()
         try:
             self.chat = ChatTemplate(source) if source is not None else None
@@ -61,19 +63,20 @@ class OpenAIFrontEnd:
         r.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        self.lora.add_routes(r)
         return r
 
     # -- routes -------------------------------------------------------------------------------
     async def models(self) -> Response:
-        return _json(ModelList(data=[self._card()]))
+        cards = [self._card(n) for n in (None, *self.lora.names)]
+        return _json(ModelList(data=cards))
 
     async def model(self, name: str) -> Response:
-        self._check_model(name)
-        return _json(self._card())
+        return _json(self._card(self._check_model(name)))
 
     async def completions(self, request: HTTPRequest) -> Response:
         req = parse(CompletionRequest, await self._body(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         params = req.checked()
         texts = req.prompts()
         prompts = [
@@ -81,14 +84,14 @@ class OpenAIFrontEnd:
             for i, p in enumerate(texts)
         ]
         echo = [self._decode(p) for p in prompts] if req.echo else None
-        job = self._job(False, params, prompts, req.include_usage, echo)
+        job = self._job(False, params, prompts, req.include_usage, echo, req.model)
         return await self._serve(
-            request, job, params, req.stream, req.prompt_logprobs, req.prompt_only
+            request, job, params, req.stream, req.prompt_logprobs, req.prompt_only, lora
         )
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         params = req.checked()
         if self.chat is None or self.tokenizer is None:
             raise APIError(
@@ -114,26 +117,31 @@ class OpenAIFrontEnd:
             ) from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = self._tokens(list(ids), "messages")
-        job = self._job(True, params, [prompt], req.include_usage, None)
-        return await self._serve(request, job, params, req.stream)
+        job = self._job(True, params, [prompt], req.include_usage, None, req.model)
+        return await self._serve(request, job, params, req.stream, lora=lora)
 
     # -- shared -------------------------------------------------------------------------------
     async def _body(self, request: HTTPRequest) -> bytes:
         return await read_body(request, self.server.max_body_bytes, self.server.idle_timeout)
 
-    def _card(self) -> ModelCard:
+    def _card(self, lora: str | None = None) -> ModelCard:
+        """The base model's card, or a LoRA adapter's (``parent``: the base model)."""
         return ModelCard(
-            id=self.model_name,
+            id=lora or self.model_name,
             created=self.created,
             owned_by="graphplan",
             max_model_len=self.engine.limits()["max_model_len"],
+            root=self.model_name,
+            parent=self.model_name if lora else None,
         )
 
-    def _job(self, chat: bool, params, prompts, include_usage: bool, echo) -> Job:
+    def _job(
+        self, chat: bool, params, prompts, include_usage: bool, echo, model: str | None = None
+    ) -> Job:
         return Job(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self.model_name,
+            model=model or self.model_name,
             chat=chat,
             n=params.n,
             prompts=prompts,
@@ -141,14 +149,9 @@ class OpenAIFrontEnd:
             echo=echo,
         )
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def _check_model(self, name: str) -> str | None:
+        """The LoRA adapter ``name`` picks (None: the base model); APIError 404 if unknown."""
+        return self.lora.lora_of(name)
 
     def _tokens(self, p: str | list[int], where: str) -> list[int]:
         if isinstance(p, str):
@@ -220,9 +223,12 @@ class OpenAIFrontEnd:
         stream: bool,
         prompt_logprobs: int | None = None,
         prompt_only: bool = False,
+        lora: str | None = None,
     ) -> Response:
         sink = AsyncSink(asyncio.get_running_loop())
         reqs = self._requests(params, job.prompts, sink, prompt_logprobs)
+        for r in reqs:
+            r.lora = lora
         self.engine.enqueue(reqs)
         choices = [Choice(r.tag, r, self.tokenizer, params.stop, prompt_only) for r in reqs]
         run = self._run(request, sink, choices)

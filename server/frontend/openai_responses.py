@@ -66,6 +66,9 @@ class ModelCard(Out):
     owned_by: str
     max_model_len: int
     """vLLM's extension: the context length served."""
+    root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's; None for the base model itself)."""
 
 
 class ModelList(Out):

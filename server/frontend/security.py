@@ -12,6 +12,8 @@ from ..errors import RequestError
 
 TOKEN_ENV = "GRAPHPLAN_ADMIN_TOKEN"
 ADMIN_PREFIX = "/admin/"
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Routes outside /admin/ behind the same token (vLLM's paths for LoRA adapters)."""
 
 
 class AdminGate:

@@ -67,7 +67,14 @@ class EngineClient:
             self.live[rid] = r
             wire.append(
                 m.WireRequest(
-                    rid, r.prompt, r.max_tokens, r.params, r.stop, r.logprobs, r.prompt_logprobs
+                    rid,
+                    r.prompt,
+                    r.max_tokens,
+                    r.params,
+                    r.stop,
+                    r.logprobs,
+                    r.prompt_logprobs,
+                    r.lora,
                 )
             )
             r.wire_id = rid
@@ -85,6 +92,18 @@ class EngineClient:
         self, source: str | None = None, overrides: dict | None = None, timeout: float = 600
     ) -> dict:
         reply = self.call("reload", [source, overrides]).result(timeout)
+        if reply.status != 200:
+            raise RequestError(reply.status, reply.body)
+        return reply.body
+
+    def load_lora(self, name: str, path: str, timeout: float = 120) -> dict:
+        return self._answer(self.call("load_lora", [name, path]).result(timeout))
+
+    def unload_lora(self, name: str, timeout: float = 120) -> dict:
+        return self._answer(self.call("unload_lora", [name]).result(timeout))
+
+    @staticmethod
+    def _answer(reply) -> dict:
         if reply.status != 200:
             raise RequestError(reply.status, reply.body)
         return reply.body

@@ -138,6 +138,7 @@ class EngineCore:
                     stop=w.stop,
                     logprobs=w.logprobs,
                     prompt_logprobs=w.prompt_logprobs,
+                    lora=w.lora,
                 )
                 for w in msg.reqs
             ]
@@ -172,6 +173,18 @@ class EngineCore:
             from ..core.metrics import render_metrics
 
             sink.send(m.Reply(msg.call, 200, render_metrics(self.engine)))
+            return
+
+        if msg.what in ("load_lora", "unload_lora"):
+            call = getattr(self.engine, msg.what)
+
+            def lora() -> None:
+                try:
+                    sink.send(m.Reply(msg.call, 200, call(*msg.args)))
+                except RequestError as err:
+                    sink.send(m.Reply(msg.call, err.status, err.message))
+
+            threading.Thread(target=lora, name="graphplan-lora", daemon=True).start()
             return
 
         def reload() -> None:

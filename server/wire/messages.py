@@ -40,6 +40,8 @@ class WireRequest(msgspec.Struct, array_like=True, frozen=True):
     stop: tuple[int, ...]
     logprobs: int | None
     prompt_logprobs: int | None
+    lora: str | None = None
+    """Its LoRA adapter's name (``Request.lora``); None: the base model."""
 
 
 class Add(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -58,7 +60,8 @@ class Call(msgspec.Struct, tag=True, array_like=True, frozen=True):
     frontend: int
     call: int
     what: str
-    """"reload" (args: source, overrides) or "metrics"."""
+    """"reload" (args: source, overrides), "metrics", "load_lora" (args: name, path) or
+    "unload_lora" (args: name)."""
     args: list[Any] = []
 
 
