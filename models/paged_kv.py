@@ -203,6 +203,18 @@ class BlockTables:
         row[:k] = self.pad_block
         self.held[seat] = 0
 
+    def truncate(self, seat: int, num_tokens: int) -> None:
+        """Keep the blocks of positions [0, num_tokens) of the seat's sequence; give back those
+        past them (speculative decoding's rejected tokens: server/core/spec/batcher.py)."""
+        keep = -(-num_tokens // self.block_size)
+        have = int(self.held[seat])
+        if keep >= have:
+            return
+        row = self.table[seat]
+        self._give(row[keep:have].copy())
+        row[keep:have] = self.pad_block
+        self.held[seat] = keep
+
     def reserve(self, seat: int, start: int, num_tokens: int) -> None:
         """Blocks for positions [0, start + num_tokens) of the seat's sequence."""
         if start == 0:

@@ -42,6 +42,7 @@ class Engine:
         on_demand: bool | None = None,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        speculative: Any = None,
     ):
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
@@ -51,6 +52,14 @@ class Engine:
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
+        # speculative decoding (a spec.config.SpeculativeConfig): synchronous steps
+        self.speculative = speculative
+        self.spec_step: Any = None  # its step (server/core/spec/step.py)
+        if speculative is not None:
+            from .spec.config import check_plan
+
+            check_plan(speculative, table.q, f"plan {table.settings.name!r}")
+            async_scheduling = False
         self.pipeline = Pipeline(self, async_scheduling)  # the step (server/core/pipeline.py)
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
@@ -174,6 +183,10 @@ class Engine:
             ov = overrides if overrides is not None or source else self.overrides
             old = self.table.fingerprint
             table = checked_table(src, ov, self.model, old, self.metrics)
+            if self.speculative is not None:
+                from .spec.engine import check_reload
+
+                check_reload(self.speculative, table, self.metrics)
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
                 self.metrics.reload("unchanged")
                 self.source, self.overrides = src, ov
@@ -229,13 +242,19 @@ class Engine:
             self.error, self.state = e, "failed"
             self._ready.set()
             return
-        self.batcher = ContinuousBatcher(
+        batcher_kw = dict(
             max_num_seqs=t.max_num_seqs,
             token_budget=t.max_tokens,
             max_model_len=cfg.max_model_len,
             num_cache_rows=cfg.num_cache_rows,
             kv_pool=self.model.kv_pool,
         )
+        if self.speculative is not None:
+            from .spec.engine import spec_batcher
+
+            self.batcher, self.spec_step = spec_batcher(self, batcher_kw)
+        else:
+            self.batcher = ContinuousBatcher(**batcher_kw)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
         with self._cond:
@@ -350,6 +369,9 @@ class Engine:
         return self.sampler.sample(batch, logits)
 
     def _step(self, batch: StepBatch) -> None:
+        if self.spec_step is not None:
+            self.spec_step.step(batch)
+            return
         self.pipeline.step(batch)
 
     def ended(self, r: Request, token: int, items: list) -> None:

@@ -68,6 +68,7 @@ class Server:
         max_waiting: int = 1024,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        speculative: Any = None,
         processes: bool = False,
         api_server_count: int = 1,
         log_level: int = logging.INFO,
@@ -100,6 +101,11 @@ class Server:
             async_scheduling=async_scheduling,
             fused_sampler=fused_sampler,
         )
+        if speculative is not None:  # a SpeculativeConfig (server/core/spec/config.py)
+            from ..core.spec.config import check_plan
+
+            check_plan(speculative, table.q, f"plan {table.settings.name!r}")
+            self.engine_kwargs["speculative"] = speculative
         if self.processes:
             from ..wire.client import EngineClient
             from ..wire.procs import Addresses

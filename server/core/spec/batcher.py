@@ -1,0 +1,91 @@
+"""The continuous batcher with speculative decoding: a decoding request that speculates puts its
+last token and k drafts in the step (q = 1 + k tokens: a step of only such rows is the plan's
+uniform decode, ``scheduler.decode_query_len``), and ``commit_spec`` takes 1..k+1 tokens per
+request (server/core/spec/verify.py), rolling back the KV slots of the rejected drafts: ``computed``
+drops to the last token plus the accepted drafts, and the blocks past it go back to the pool, so
+the block accounting is what it would be without the drafts.
+
+Drafts are cut to what the request may still generate (max_tokens: at most ``remaining - 1``
+drafts, so the step's tokens never pass it), to ``max_model_len`` and to the step's token budget.
+A proposer with fewer than k guesses is padded with the request's last token, so a steady step stays
+uniform (its FULL graph); a request that does not speculate (``speculates``: penalised requests)
+decodes one token as usual, and that step is a mixed one (piecewise or eager, as the table routes
+it). Async scheduling (``speculate``/``resolve``) is not used with speculation: the engine runs its
+steps synchronously."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence
+
+from ..batching import ContinuousBatcher, StepBatch, TokenEvent, _Request
+from .proposer import Proposer
+
+
+class SpecBatcher(ContinuousBatcher):
+    def __init__(
+        self,
+        *,
+        proposer: Proposer,
+        speculates: Callable[[Hashable], bool] = lambda rid: True,
+        **kw: Any,
+    ):
+        super().__init__(**kw)
+        self.proposer = proposer
+        self.speculates = speculates
+        self.drafts: dict[Hashable, tuple[int, ...]] = {}
+        """The drafts each request of the last scheduled step carries (its step's extra tokens)."""
+
+    def schedule(self) -> StepBatch | None:
+        self.drafts = {}
+        return super().schedule()
+
+    def _decode_tokens(self, r: _Request, budget: int) -> tuple[int, ...]:
+        last = r.chunk(1)
+        k = min(
+            self.proposer.k,
+            r.max_new_tokens - len(r.output) - 1,
+            self.max_model_len - r.computed - 1,
+            budget - 1,
+        )
+        if k <= 0 or not self.speculates(r.id):
+            return last
+        seq = r.prompt + tuple(r.output)
+        drafts = tuple(self.proposer.propose([seq], [k])[0][:k])
+        drafts += last * (k - len(drafts))  # no guess: the last token, the step stays uniform
+        self.drafts[r.id] = drafts
+        return last + drafts
+
+    def num_drafts(self, batch: StepBatch) -> list[int]:
+        """Drafts per request of ``batch`` (the step just scheduled), batch order."""
+        return [len(self.drafts.get(rid, ())) for rid in batch.request_ids]
+
+    def commit_spec(
+        self, batch: StepBatch, outputs: Sequence[Sequence[int] | None]
+    ) -> list[TokenEvent]:
+        """Record a speculative step: ``outputs[i]`` is request i's accepted tokens (the drafts
+        kept, then the target's token; None where it samples nothing: a prompt chunk). A request
+        that ends (a stop token, max_tokens) at one of them ends there; the rest are dropped."""
+        by_id = {r.id: r for r in self._running}
+        events = []
+        for rid, (row, start, toks), out in zip(batch.request_ids, batch.reqs, outputs):
+            r = by_id.get(rid)
+            if r is None:  # aborted while its step ran
+                continue
+            drafts = len(toks) - 1 if rid in self.drafts else 0
+            if out is None:
+                r.computed += len(toks)
+                continue
+            if not 1 <= len(out) <= drafts + 1:
+                raise ValueError(f"request {rid!r}: {len(out)} tokens for {drafts} drafts")
+            if drafts:
+                r.computed = start + len(out)  # the last token and the drafts kept
+                if self.kv_pool is not None:
+                    getattr(self.kv_pool, "truncate")(row, r.computed)
+            else:
+                r.computed += len(toks)
+            for tok in out:
+                r.output.append(int(tok))
+                events.append(self._ended_or_not(r))
+                if events[-1].finished:
+                    break
+        return events
