@@ -55,6 +55,10 @@ class SpecBatcher(ContinuousBatcher):
         self.drafts[r.id] = drafts
         return last + drafts
 
+    def _preempt(self, r: _Request) -> None:
+        self.drafts.pop(r.id, None)  # preempted in the step that drafted for it: a prompt again
+        super()._preempt(r)
+
     def num_drafts(self, batch: StepBatch) -> list[int]:
         """Drafts per request of ``batch`` (the step just scheduled), batch order."""
         return [len(self.drafts.get(rid, ())) for rid in batch.request_ids]
