@@ -304,6 +304,8 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             from .core.spec.config import parse_speculative_config
 
             speculative = parse_speculative_config(a.speculative_config)
+            if speculative.model is not None:  # the draft's checkpoint, checked like --model's
+                HFSpec(model=speculative.model, random_weights=a.random_weights).check()
         spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(
             a.plan,

@@ -174,3 +174,51 @@ def test_a_plan_without_q_equal_1_plus_k_is_refused(engines):
             e.reload(path)
     assert err.value.status == 422 and "decode_query_len 2" in err.value.message
     assert e.table.q == 1 + K
+
+
+def _draft(path, k: int = K):
+    import json
+
+    return parse_speculative_config(
+        json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+    )
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("hf") / "other", seed=5)
+
+
+def test_a_draft_model_equal_to_the_target_is_always_accepted(hf_dir, other_dir):
+    """Greedy output identical with a draft model: the target itself (acceptance 1: every draft
+    kept) and another model of the same vocabulary (some rejected), in a busy batch, and with
+    preemption in a small KV pool."""
+    spec = HFSpec(model=str(hf_dir), max_model_len=64, kv_cache_tokens=96, block_size=16)
+    waves = [
+        [(prompt(i, 5 + i), 30 - i, (), GREEDY) for i in range(4)],
+        [(repeating(9, 7), 12, (), GREEDY)],
+    ]
+    got = {}
+    for name, speculative in (("off", None), ("self", _draft(hf_dir)), ("other", _draft(other_dir))):
+        e = _engine(spec, plan(1 + K if speculative else 1, seqs=4, sizes=(1, 2, 4, 8, 16)), speculative)
+        try:
+            got[name] = run(e, waves)
+            assert e.metrics.value("graphplan_server_preemptions_total") > 0
+            assert e.kv_blocks_used() == 0
+            drafted = e.metrics.value("graphplan_spec_decode_num_draft_tokens_total")
+            if name == "self":
+                assert drafted > 30 and _accepted(e) == drafted
+            if name == "other":
+                assert drafted > 30 and _accepted(e) < drafted  # a random model: mostly rejected
+        finally:
+            e.stop(5)
+    assert got["self"] == got["off"] and got["other"] == got["off"]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(hf_dir, tmp_path):
+    other = write_model_dir(tmp_path / "v", vocab=200)
+    e = Engine(load_table_from_text(plan(1 + K)), "plan.yaml", progress=False, speculative=_draft(other),
+               spec=HFSpec(model=str(hf_dir), max_model_len=64))
+    e.start()
+    assert not e.wait_ready(60)
+    assert isinstance(e.error, SpeculativeConfigError) and "vocab_size 200" in str(e.error)

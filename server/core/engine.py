@@ -55,6 +55,7 @@ class Engine:
         # speculative decoding (a spec.config.SpeculativeConfig): synchronous steps
         self.speculative = speculative
         self.spec_step: Any = None  # its step (server/core/spec/step.py)
+        self.proposer: Any = None  # its drafts (server/core/spec/proposer.py)
         if speculative is not None:
             from .spec.config import check_plan
 
@@ -237,6 +238,10 @@ class Engine:
             self.sampler = StepSampler(
                 cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=fused
             )
+            if self.speculative is not None:  # its proposer (a draft model loads here)
+                from .spec.proposer import build_proposer
+
+                self.proposer = build_proposer(self.speculative, self)
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"

@@ -15,6 +15,7 @@ steps synchronously."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Hashable, Sequence
 
 from ..batching import ContinuousBatcher, StepBatch, TokenEvent, _Request
@@ -34,10 +35,28 @@ class SpecBatcher(ContinuousBatcher):
         self.speculates = speculates
         self.drafts: dict[Hashable, tuple[int, ...]] = {}
         """The drafts each request of the last scheduled step carries (its step's extra tokens)."""
+        self._asks: dict[Hashable, tuple[int, tuple[int, ...], int]] = {}
+        """The step's requests that speculate: (cache row, prompt + output, k)."""
 
     def schedule(self) -> StepBatch | None:
-        self.drafts = {}
-        return super().schedule()
+        """The next step: the decoding requests' drafts are proposed together, once the step's
+        requests and token counts are settled (a request speculating k_i reserves 1 + k_i
+        tokens; a proposer with fewer guesses is padded with the last token)."""
+        self.drafts, self._asks = {}, {}
+        batch = super().schedule()
+        if batch is None or not self._asks:
+            return batch
+        ids = list(self._asks)
+        rows, seqs, ks = zip(*(self._asks[i] for i in ids))
+        proposed = self.proposer.propose(list(seqs), list(ks), list(rows))
+        for rid, seq, k, got in zip(ids, seqs, ks, proposed):
+            drafts = tuple(int(t) for t in got[:k])
+            self.drafts[rid] = drafts + (seq[-1],) * (k - len(drafts))
+        reqs = tuple(
+            (row, start, toks[:1] + self.drafts[rid]) if rid in self.drafts else (row, start, toks)
+            for rid, (row, start, toks) in zip(batch.request_ids, batch.reqs)
+        )
+        return replace(batch, reqs=reqs)
 
     def _decode_tokens(self, r: _Request, budget: int) -> tuple[int, ...]:
         last = r.chunk(1)
@@ -49,14 +68,13 @@ class SpecBatcher(ContinuousBatcher):
         )
         if k <= 0 or not self.speculates(r.id):
             return last
-        seq = r.prompt + tuple(r.output)
-        drafts = tuple(self.proposer.propose([seq], [k])[0][:k])
-        drafts += last * (k - len(drafts))  # no guess: the last token, the step stays uniform
-        self.drafts[r.id] = drafts
-        return last + drafts
+        self._asks[r.id] = (r.row, r.prompt + tuple(r.output), k)
+        self.drafts[r.id] = last * k  # the count now; the tokens once the step is settled
+        return last * (1 + k)
 
     def _preempt(self, r: _Request) -> None:
         self.drafts.pop(r.id, None)  # preempted in the step that drafted for it: a prompt again
+        self._asks.pop(r.id, None)
         super()._preempt(r)
 
     def num_drafts(self, batch: StepBatch) -> list[int]:

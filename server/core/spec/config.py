@@ -1,6 +1,7 @@
 """``--speculative-config``: vLLM's JSON spelling, parsed as untrusted input.
 
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 3}
 
 Every error names the field and the fix (a ``SpeculativeConfigError``: the CLI prints it and exits
 2). ``check_plan`` ties the config to the plan: a speculative step scores 1 + k tokens a request, so
@@ -15,12 +16,12 @@ from typing import Any
 
 from graphplan.compiler.errors import GraphplanError
 
-METHODS = ("ngram",)
-"""Methods built; ``draft_model``, ``eagle``, ``eagle3``, ``mtp`` and ``medusa`` are named in the
-error as not built (docs/speculative.md)."""
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix")
+METHODS = ("ngram", "draft_model")
+"""Methods built; ``eagle``, ``eagle3``, ``mtp`` and ``medusa`` are named in the error as not built
+(docs/speculative.md)."""
+NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
 
 
 class SpeculativeConfigError(GraphplanError):
@@ -33,6 +34,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
+    """``draft_model``: the draft's checkpoint directory (checked like ``--model``)."""
 
     @property
     def k(self) -> int:
@@ -79,7 +82,15 @@ def parse_speculative_config(text: str, where: str = "--speculative-config") -> 
         raise SpeculativeConfigError(
             f"{where}: prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}; make min <= max"
         )
-    return SpeculativeConfig(method, k, hi, lo)
+    model = raw.get("model")
+    if method == "draft_model":
+        if not isinstance(model, str) or not 0 < len(model) <= 4096:
+            raise SpeculativeConfigError(
+                f"{where}.model: {method!r} needs the draft's checkpoint directory as a string"
+            )
+    elif model is not None:
+        raise SpeculativeConfigError(f"{where}.model applies to method 'draft_model' only")
+    return SpeculativeConfig(method, k, hi, lo, model)
 
 
 def _int(raw: dict[str, Any], key: str, where: str, default, lo: int, hi: int) -> int:

@@ -8,7 +8,6 @@ from typing import Any
 from ...errors import RequestError
 from .batcher import SpecBatcher
 from .config import SpeculativeConfig, SpeculativeConfigError, check_plan
-from .proposer import build_proposer
 from .step import SpecStep
 
 
@@ -21,7 +20,7 @@ def speculates(request: Any) -> bool:
 
 def spec_batcher(engine: Any, batcher_kw: dict) -> tuple[SpecBatcher, SpecStep]:
     config: SpeculativeConfig = engine.speculative
-    batcher = SpecBatcher(proposer=build_proposer(config), speculates=speculates, **batcher_kw)
+    batcher = SpecBatcher(proposer=engine.proposer, speculates=speculates, **batcher_kw)
     return batcher, SpecStep(engine, config.k)
 
 

@@ -38,5 +38,7 @@ class NgramProposer:
     def __init__(self, k: int, n_max: int, n_min: int):
         self.k, self.n_max, self.n_min = k, n_max, n_min
 
-    def propose(self, seqs: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
+    def propose(
+        self, seqs: Sequence[Sequence[int]], ks: Sequence[int], rows: Sequence[int] = ()
+    ) -> list[list[int]]:
         return [ngram_propose(s, k, self.n_max, self.n_min) if k else [] for s, k in zip(seqs, ks)]
