@@ -229,12 +229,29 @@ class BlockTables:
     def release(self, seat: int) -> None:
         k = int(self.held[seat])
         row = self.table[seat]
-        if self.cache is not None:
-            self._give(np.asarray(self.cache.release(row[:k].tolist()), dtype=np.int32))
-        else:
-            self._give(row[:k])
+        self._give_back(row[:k])
         row[:k] = self.pad_block
         self.held[seat] = 0
+
+    def _give_back(self, blocks: np.ndarray) -> None:
+        """A seat's ``blocks`` let go: to the free ring, or (prefix caching) to the cache, which
+        keeps those still shared or named and hands back the rest."""
+        if self.cache is not None:
+            self._give(np.asarray(self.cache.release(blocks.tolist()), dtype=np.int32))
+        else:
+            self._give(blocks)
+
+    def truncate(self, seat: int, num_tokens: int) -> None:
+        """Keep the blocks of positions [0, num_tokens) of the seat's sequence; give back those
+        past them (speculative decoding's rejected tokens: server/core/spec/batcher.py)."""
+        keep = -(-num_tokens // self.block_size)
+        have = int(self.held[seat])
+        if keep >= have:
+            return
+        row = self.table[seat]
+        self._give_back(row[keep:have].copy())
+        row[keep:have] = self.pad_block
+        self.held[seat] = keep
 
     def reserve(self, seat: int, start: int, num_tokens: int) -> None:
         """Blocks for positions [0, start + num_tokens) of the seat's sequence."""

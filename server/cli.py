@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(server/core/sampling_kernels.py; CUDA only) instead of the torch ops; default: on with "
         "--device cuda",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s spelling: \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(the plan's scheduler.decode_query_len must be 1 + num_speculative_tokens; steps run "
+        "synchronously: docs/speculative.md)",
+    )
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
     p.add_argument(
         "--max-waiting",
@@ -306,6 +315,13 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             compile=a.compile,
         )
     try:
+        speculative = None
+        if a.speculative_config is not None:
+            from .core.spec.config import parse_speculative_config
+
+            speculative = parse_speculative_config(a.speculative_config)
+            if speculative.model is not None:  # the draft's checkpoint, checked like --model's
+                HFSpec(model=speculative.model, random_weights=a.random_weights).check()
         spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(
             a.plan,
@@ -325,6 +341,7 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             async_scheduling=a.async_scheduling,
             fused_sampler=a.fused_sampler,
             enable_prefix_caching=a.enable_prefix_caching,
+            speculative=speculative,
             processes=not a.single_process,
             api_server_count=a.api_server_count,
             log_level=logging.getLevelName(a.log_level),

@@ -194,15 +194,16 @@ class ContinuousBatcher:
             # its whole sequence (pending = prompt + output >= 2)
             if r.pending != 1 or not budget or r.ending:
                 continue
+            toks = self._decode_tokens(r, budget)  # its last token (and drafts: spec/batcher.py)
             if free is not None:
-                grow = self._grow(r, 1)
+                grow = self._grow(r, len(toks))
                 free = self._make_room(r, grow, free, picked)
                 if free is None:  # r itself was preempted
                     free = self._free_after(picked)
                     break
                 free -= grow
-            picked.append((r, r.chunk(1)))
-            budget -= 1
+            picked.append((r, toks))
+            budget -= len(toks)
         for r in self._running:  # the next chunk of prompts already started
             if r.pending > 1 and budget and all(r is not p for p, _ in picked):
                 n = self._fits(r, min(budget, r.pending), free, 0)
@@ -238,7 +239,7 @@ class ContinuousBatcher:
         for r, toks in picked:
             reqs.append((r.row, r.computed, toks))
             first += len(toks)
-            done = len(toks) == r.pending
+            done = len(toks) >= r.pending  # more: a decode with drafts (spec/batcher.py)
             rows.append(first - 1 if done else -1)
         return StepBatch(
             reqs=tuple(reqs),
@@ -247,6 +248,11 @@ class ContinuousBatcher:
             num_tokens=first,
             max_query_len=max(len(t) for _, t in picked),
         )
+
+    def _decode_tokens(self, r: _Request, budget: int) -> tuple[int, ...]:
+        """What a decoding request puts in the step: its last token (speculative decoding adds
+        drafts: server/core/spec/batcher.py)."""
+        return r.chunk(1)
 
     # -- KV blocks ----------------------------------------------------------------------------
     @property

@@ -43,6 +43,7 @@ class Engine(lora_serving.LoraMethods):
         on_demand: bool | None = None,
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
+        speculative: Any = None,
         enable_prefix_caching: bool = True,
     ):
         # full KV blocks shared by content (models/prefix_cache.py), on a model with a block pool
@@ -55,6 +56,15 @@ class Engine(lora_serving.LoraMethods):
         self.on_demand = on_demand  # None: the table's cudagraph.on_demand setting
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self.metrics)  # a step's events, delivered once the next one runs
+        # speculative decoding (a spec.config.SpeculativeConfig): synchronous steps
+        self.speculative = speculative
+        self.spec_step: Any = None  # its step (server/core/spec/step.py)
+        self.proposer: Any = None  # its drafts (server/core/spec/proposer.py)
+        if speculative is not None:
+            from .spec.config import check_plan
+
+            check_plan(speculative, table.q, f"plan {table.settings.name!r}")
+            async_scheduling = False
         self.pipeline = Pipeline(self, async_scheduling)  # the step (server/core/pipeline.py)
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
@@ -179,6 +189,10 @@ class Engine(lora_serving.LoraMethods):
             ov = overrides if overrides is not None or source else self.overrides
             old = self.table.fingerprint
             table = checked_table(src, ov, self.model, old, self.metrics)
+            if self.speculative is not None:
+                from .spec.engine import check_reload
+
+                check_reload(self.speculative, table, self.metrics)
             if table.content_fingerprint == self.table.content_fingerprint:  # same graphs, routes
                 self.metrics.reload("unchanged")
                 self.source, self.overrides = src, ov
@@ -229,12 +243,16 @@ class Engine(lora_serving.LoraMethods):
             self.sampler = StepSampler(
                 cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=fused
             )
+            if self.speculative is not None:  # its proposer (a draft model loads here)
+                from .spec.proposer import build_proposer
+
+                self.proposer = build_proposer(self.speculative, self)
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"
             self._ready.set()
             return
-        self.batcher = ContinuousBatcher(
+        batcher_kw = dict(
             max_num_seqs=t.max_num_seqs,
             token_budget=t.max_tokens,
             max_model_len=cfg.max_model_len,
@@ -242,6 +260,12 @@ class Engine(lora_serving.LoraMethods):
             kv_pool=self.model.kv_pool,
             prefix_caching=self.enable_prefix_caching,
         )
+        if self.speculative is not None:
+            from .spec.engine import spec_batcher
+
+            self.batcher, self.spec_step = spec_batcher(self, batcher_kw)
+        else:
+            self.batcher = ContinuousBatcher(**batcher_kw)
         self.batcher.max_loras = lora_serving.max_loras(self.model)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
@@ -366,6 +390,9 @@ class Engine(lora_serving.LoraMethods):
         return self.sampler.sample(batch, logits)
 
     def _step(self, batch: StepBatch) -> None:
+        if self.spec_step is not None:
+            self.spec_step.step(batch)
+            return
         self.pipeline.step(batch)
 
     def ended(self, r: Request, token: int, items: list) -> None:

@@ -226,9 +226,13 @@ class Sampler:
         logprobs: bool = True,
         truncate: bool = True,
         penalise: bool = True,
+        offsets: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Sample one token per row of ``logits`` [R, vocab] for the slots ``slots`` [R] (int64, on
         the device). Reads nothing back to the host, so it can be captured in a CUDA graph.
+        ``offsets`` [R] (speculative decoding, server/core/spec/verify.py): each row samples as its
+        slot would ``offsets[i]`` steps later (a slot may then appear in several rows, one per
+        position it scores; its noise is that of its step + offset).
 
         Three switches leave out work that no row of the step needs (the caller knows its rows'
         parameters; a switch left on is always correct):
@@ -244,6 +248,7 @@ class Sampler:
             raise ValueError(f"logits must be [rows, {self.vocab_size}], not {list(logits.shape)}")
         raw = logits.float()
         p = self._floats[slots]  # [R, 7]
+        steps = self._steps[slots] if offsets is None else self._steps[slots] + offsets
         temp, top_p, top_k, min_p = (p[:, i : i + 1] for i in range(4))
         greedy = temp < 1e-5  # [R, 1]
         x = raw
@@ -257,10 +262,10 @@ class Sampler:
         if self._kernels is not None:
             if threshold is None:
                 threshold = scaled.new_full((scaled.shape[0], 1), float("-inf"))
-            row_keys = noise_row_keys(self._keys[slots], self._steps[slots])
+            row_keys = noise_row_keys(self._keys[slots], steps)
             tokens = self._kernels.gumbel_argmax(scaled, threshold[:, 0], row_keys, greedy[:, 0])
         else:
-            noise = gumbel_noise(self._keys[slots], self._steps[slots], self._vocab_keys)
+            noise = gumbel_noise(self._keys[slots], steps, self._vocab_keys)
             noisy = scaled + noise.masked_fill_(greedy, 0.0)
             if threshold is not None:
                 noisy.masked_fill_(scaled < threshold, float("-inf"))

@@ -213,6 +213,13 @@ class StepSampler:
             self.backend.release()
             self.backend = None
 
+    def bind(self, reqs: Sequence[Request], slots: Sequence[int]) -> None:
+        """Give each request its slot's sampler state, where it does not hold it yet (a step
+        that samples outside ``launch``: speculative decoding, server/core/spec/step.py)."""
+        for r, slot in zip(reqs, slots):
+            if self._owner[slot] is not r:
+                self._bind(r, slot)
+
     def _bind(self, r: Request, slot: int) -> None:
         self.sampler.set_row(slot, r.params, r.prompt)
         if r.out:  # moved here by a preemption: replay what it generated into the slot

@@ -69,6 +69,7 @@ class Server:
         async_scheduling: bool = True,
         fused_sampler: bool | None = None,
         enable_prefix_caching: bool = True,
+        speculative: Any = None,
         processes: bool = False,
         api_server_count: int = 1,
         log_level: int = logging.INFO,
@@ -102,6 +103,11 @@ class Server:
             fused_sampler=fused_sampler,
             enable_prefix_caching=enable_prefix_caching,
         )
+        if speculative is not None:  # a SpeculativeConfig (server/core/spec/config.py)
+            from ..core.spec.config import check_plan
+
+            check_plan(speculative, table.q, f"plan {table.settings.name!r}")
+            self.engine_kwargs["speculative"] = speculative
         if self.processes:
             from ..wire.client import EngineClient
             from ..wire.procs import Addresses
