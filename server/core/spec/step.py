@@ -19,6 +19,7 @@ import torch
 from ...requests import Request, Sampled
 from .. import prompt_logprobs
 from ..batching import StepBatch
+from ..pipeline import lora_step
 from ..step_logits import StepLogits
 from ..step_sampler import MAX_LOGPROBS
 from .metrics import SpecMetrics
@@ -34,8 +35,9 @@ class SpecStep:
         e = self.engine
         t0 = time.perf_counter()
         try:
+            loras = lora_step(e.model, batch)  # a request's adapter applies to its drafts' rows too
             inputs = e.model.make_batch(batch.reqs)
-            out = e.runner.step(inputs, num_reqs=batch.num_reqs, max_query_len=batch.max_query_len)
+            out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)
             logits = StepLogits.of(e.model, out)
             prompt_lps = prompt_logprobs.launch(batch, logits)
             e.outbox.flush()
