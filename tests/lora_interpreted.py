@@ -16,13 +16,16 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 
+@pytest.mark.parametrize("block_k", [256, 32])  # the input in one chunk, or split in 2 to 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_lora_equals_the_torch_path_and_the_per_token_reference(dtype):
+def test_triton_lora_equals_the_torch_path_and_the_per_token_reference(dtype, block_k, monkeypatch):
+    from graphplan.models.hf import lora_kernels
     from graphplan.models.hf.lora import MODULES, LoraAdapter
     from graphplan.models.hf.lora_slots import GROUPS, LoraSlots
 
     from hf_models import small_config
 
+    monkeypatch.setattr(lora_kernels, "BLOCK_K", block_k)
     cfg = small_config("llama", hidden=64, heads=4, kv_heads=2)
     slots = LoraSlots(cfg, max_loras=3, max_rank=8, dtype=dtype, device="cpu")
     gen = torch.Generator().manual_seed(0)
