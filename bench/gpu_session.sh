@@ -69,7 +69,7 @@ for step in "$@"; do
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     prefix)    timeout 330 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --workload chat --requests 1000 --system-len 2000 --turns 3 --max-len 256 --client-procs 8 --prefix-caching compare --out "$OUT/prefix_chat.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -6
-               timeout 240 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --workload loguniform --requests 500 --max-len 512 --client-procs 8 --prefix-caching compare --out "$OUT/prefix_random.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -6 ;;
+               timeout 260 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --workload loguniform --requests 1000 --client-procs 8 --prefix-caching compare --out "$OUT/prefix_random.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -6 ;;
     prefixtests) timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_serving_gpu.py 2>&1 | tee "$OUT/prefix_gpu_tests.log" | tail -8 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
     *)         echo "unknown step $step" ;;
