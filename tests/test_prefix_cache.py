@@ -231,9 +231,9 @@ def test_with_the_cache_every_request_gets_exactly_its_tokens_and_no_block_leaks
             assert out[i] == reference(p, max_new)
         if i not in kw["cancels"]:
             assert i in out and i in plain
-        assert b.cached_tokens.get(i, 0) % bs == 0
+        assert b.prefix.cached_tokens.get(i, 0) % bs == 0
     assert pool.num_free() == blocks and not pool.held.any()
-    assert b.prefix_hits <= b.prefix_queries
+    assert b.prefix.hits <= b.prefix.queries
 
 
 def test_a_second_request_sharing_a_system_prompt_computes_only_its_own_tokens():
@@ -254,8 +254,8 @@ def test_a_second_request_sharing_a_system_prompt_computes_only_its_own_tokens()
         cancels={},
     )
     assert out == {0: reference(prompts[0], 2), 1: reference(prompts[1], 2)}
-    assert b.prefix_queries == 43 + 42 and b.prefix_hits == 40
-    assert b.cached_tokens == {0: 0, 1: 40}
+    assert b.prefix.queries == 43 + 42 and b.prefix.hits == 40
+    assert b.prefix.cached_tokens == {0: 0, 1: 40}
 
 
 def test_admission_counts_only_the_blocks_still_needed():

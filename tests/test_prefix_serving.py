@@ -227,3 +227,23 @@ def test_plan_workload_and_optimize_read_a_cached_servers_shorter_prefill_steps(
     capsys.readouterr()
     assert main(["optimize", plan, "--trace", str(work), "--format", "json"]) == 0
     assert '"after"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, on",
+    [([], True), (["--no-enable-prefix-caching"], False), (["--enable-prefix-caching"], True)],
+)
+def test_serve_turns_prefix_caching_on_by_default_and_off_by_flag(flags, on, monkeypatch):
+    """What graphplan-serve hands the Server (and so the engine)."""
+    import graphplan.server.cli as cli
+
+    seen: dict = {}
+
+    def server(*a, **kw):  # records the arguments, starts nothing
+        seen.update(kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "Server", server)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--plan", "plans/tiny-llama.yaml", "--device", "cpu", *flags])
+    assert seen["enable_prefix_caching"] is on

@@ -126,9 +126,9 @@ def test_uniform_steps_replay_the_q_multiple_full_graphs_the_table_routes(engine
     steps: list[tuple[int, int, int]] = []
     runner_step = e.runner.step
 
-    def recording(inputs, num_reqs=None, max_query_len=None, **kw):
+    def recording(inputs, num_reqs=None, max_query_len=None, *args, **kw):
         steps.append((int(inputs["input_ids"].shape[0]), num_reqs, max_query_len))
-        return runner_step(inputs, num_reqs=num_reqs, max_query_len=max_query_len, **kw)
+        return runner_step(inputs, num_reqs, max_query_len, *args, **kw)
 
     before = {g["id"]: g["replays"] for g in e.runner.stats()["graphs"]}
     e.runner.step = recording

@@ -28,11 +28,8 @@ preempted (vLLM's recompute policy): their blocks and row go back, and they wait
 queue with the tokens they generated, which are prefilled again when they are readmitted. Nothing is
 lost, and a pool that holds one ``max_model_len`` sequence lets every request finish.
 
-Prefix caching (``prefix_caching=True`` over a pool that shares blocks by content,
-``server/core/prefix_blocks.py``): a request is admitted with the longest run of cached blocks
-matching its sequence, its ``computed`` starting past them, so admission counts only the blocks it
-still needs (and the cached ones it takes out of the free count) and the token budget only the
-tokens to compute; the blocks its steps fill are registered as they are committed.
+Prefix caching (``prefix_caching=True``, ``prefix_blocks.PrefixState``): a request is admitted
+past its cached blocks, so admission and the token budget count only what it still computes.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from graphplan.models.prefix_cache import root_key
 from graphplan.models.protocol import BlockPool
 
 from . import prefix_blocks
@@ -60,11 +56,11 @@ class _Request:
     row: int = -1
     computed: int = 0  # tokens whose K/V is in the cache
     output: list[int] = field(default_factory=list)
-    root: bytes = b""  # prefix caching: its chain's start (prefix_cache.root_key)
-    keys: list[bytes] = field(default_factory=list)  # of its full blocks, as they fill
-    registered: int = 0  # its blocks named in the pool
-    cached: int = -1  # tokens found cached at its first admission
-    lookup: bool = True  # it may start with cached blocks
+    root: bytes = b""  # prefix caching (prefix_blocks.py): its chain's start,
+    keys: list[bytes] = field(default_factory=list)  # the keys of its full blocks,
+    registered: int = 0  # how many of them the pool knows,
+    cached: int = -1  # its tokens found cached at its first admission,
+    lookup: bool = True  # whether it may start with cached blocks
 
     @property
     def ending(self) -> bool:
@@ -109,17 +105,8 @@ class ContinuousBatcher:
         self.kv_pool = kv_pool
         self._watermark = int(watermark * kv_pool.num_free()) if kv_pool is not None else 0
         self.num_preemptions = 0
-        self._prefix: prefix_blocks.PrefixPool | None = None
-        if prefix_caching and isinstance(kv_pool, prefix_blocks.PrefixPool):
-            kv_pool.enable_prefix_caching()
-            self._prefix = kv_pool
-        self.prefix_queries = self.prefix_hits = 0
-        """Tokens looked up at admission, and those found cached (vLLM's prefix cache stats)."""
-        self.preempted: list[Hashable] = []
-        """Ids of the requests preempted since a server last cleared it (its sampler forgets
-        their slots: one readmitted to a row it sampled on before must not find it stale)."""
-        self.cached_tokens: dict[Hashable, int] = {}
-        """request id -> prompt tokens found cached at its first admission (a server pops it)."""
+        self.prefix = prefix_blocks.PrefixState(kv_pool, prefix_caching)
+        self.preempted: list[Hashable] = []  # since a server last cleared it (its sampler slots)
         self._free_rows = deque(range(num_cache_rows))
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # admission order
@@ -161,7 +148,7 @@ class ContinuousBatcher:
                 prompt=tuple(prompt),
                 max_new_tokens=max_new_tokens,
                 stop=frozenset(stop_token_ids),
-                root=root_key(extra_key) if self._prefix is not None else b"",
+                root=self.prefix.root(extra_key),
                 lookup=cache_lookup,
             )
         )
@@ -179,7 +166,7 @@ class ContinuousBatcher:
         for r in [r for r in self._running if r.id == request_id]:
             self._retire(r)
         self._known.discard(request_id)  # a waiting one held no row
-        self.cached_tokens.pop(request_id, None)
+        self.prefix.cached_tokens.pop(request_id, None)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -217,8 +204,7 @@ class ContinuousBatcher:
             r = self._waiting[0]
             if self.max_loras and not self._lora_fits(r):
                 break  # its adapter waits for a slot, in arrival order
-            hit = prefix_blocks.lookup(r, self._prefix) if self._prefix and r.lookup else []
-            taken = self._prefix.free_cost(hit) if self._prefix is not None else 0
+            hit, taken = self.prefix.admit(r)  # cached blocks; the free ones of them it takes
             r.computed = len(hit) * self._blocks.block_size if hit else 0
             room = None if free is None else free - taken
             n = self._fits(r, min(budget, r.pending), room, self._watermark)
@@ -228,8 +214,7 @@ class ContinuousBatcher:
             self._waiting.popleft()
             r.row = self._free_rows.popleft()
             self._running.append(r)
-            if self._prefix is not None:
-                self._admitted_with(r, hit)
+            self.prefix.admitted(r, hit)
             picked.append((r, r.chunk(n)))
             budget -= n
             free = None if room is None else room - self._grow(r, n)
@@ -306,23 +291,6 @@ class ContinuousBatcher:
         self.preempted.append(r.id)
         self.num_preemptions += 1
 
-    def _admitted_with(self, r: _Request, hit: list[int]) -> None:
-        """``r`` takes its seat with the cached blocks ``hit`` (prefix caching)."""
-        assert self._prefix is not None
-        self._prefix.attach(r.row, hit)
-        r.registered = len(hit)
-        if r.lookup:
-            self.prefix_queries += prefix_blocks.real_tokens(r)
-            self.prefix_hits += r.computed
-        if r.cached < 0:
-            r.cached = self.cached_tokens[r.id] = r.computed
-
-    def _register(self, r: _Request) -> None:
-        """Name ``r``'s newly filled blocks (prefix caching; cheap when none filled)."""
-        p = self._prefix
-        if p is not None and r.computed >= (r.registered + 1) * p.block_size:
-            prefix_blocks.register(r, p)
-
     def commit(self, batch: StepBatch, logits=None, *, sampled=None) -> list[TokenEvent]:
         """Record a step from its ``logits`` [num_tokens, vocab] (a tensor; greedy: the argmax of
         each sampling row), or from ``sampled``: the token a sampler picked for each request in
@@ -350,7 +318,7 @@ class ContinuousBatcher:
             if r is None:  # aborted while its step ran
                 continue
             r.computed += len(toks)
-            self._register(r)
+            self.prefix.register(r)
             if row < 0 or tok is None:
                 continue
             if tok is None:
@@ -426,7 +394,7 @@ class ContinuousBatcher:
                 continue
             assert r.output and r.output[-1] == PLACEHOLDER, "resolve without speculate"
             r.output[-1] = int(tok)
-            self._register(r)
+            self.prefix.register(r)
             events.append(self._ended_or_not(r))
         return events
 

@@ -46,8 +46,7 @@ class Engine(lora_serving.LoraMethods):
         speculative: Any = None,
         enable_prefix_caching: bool = True,
     ):
-        # full KV blocks shared by content (models/prefix_cache.py), on a model with a block pool
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching  # models/prefix_cache.py
         self.table, self.source, self.overrides = table, str(source), overrides
         self.spec, self.device, self.progress = spec, device, progress
         self.max_waiting = max_waiting
@@ -331,9 +330,8 @@ class Engine(lora_serving.LoraMethods):
             if self.batcher.num_preemptions > preempted:
                 self.metrics.preemptions.inc(self.batcher.num_preemptions - preempted)
             self.metrics.prefix_cache(self.batcher)
-            if self.sampler is not None:  # rebound, replaying their tokens, where they resume
-                for r in self.batcher.preempted:
-                    self.sampler.release(r)
+            for r in self.batcher.preempted:  # rebound where they resume, replaying their tokens
+                self.sampler.release(r)  # type: ignore[union-attr]
             self.batcher.preempted.clear()
             if batch is not None:
                 self._step(batch)

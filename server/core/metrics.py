@@ -140,7 +140,7 @@ class ServerMetrics:
 
     def prefix_cache(self, batcher: Any) -> None:
         """Count the batcher's prefix-cache lookups since the last call (engine thread)."""
-        q, h = batcher.prefix_queries, batcher.prefix_hits
+        q, h = batcher.prefix.queries, batcher.prefix.hits
         q0, h0 = self._prefix_seen
         if q > q0:
             self.prefix_queries.inc(q - q0)

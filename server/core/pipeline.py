@@ -185,7 +185,7 @@ class Pipeline:
         for rid in _requests(batch):
             if not rid.admitted:  # its queue time ended when this step was scheduled
                 rid.admitted, rid.admitted_at = True, t0
-                rid.cached_tokens = e.batcher.cached_tokens.pop(rid, 0)
+                rid.cached_tokens = e.batcher.prefix.cached_tokens.pop(rid, 0)
                 e.metrics.queue_seconds.observe(t0 - rid.arrived)
         sampling = [r for r, i in zip(batch.request_ids, batch.sample_rows) if i >= 0]
         by_request = dict(zip(sampling, sampled))

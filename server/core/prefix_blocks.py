@@ -14,9 +14,9 @@ the device.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 
-from graphplan.models.prefix_cache import chain_keys
+from graphplan.models.prefix_cache import chain_keys, root_key
 
 
 @runtime_checkable
@@ -60,6 +60,48 @@ def lookup(r: Any, pool: PrefixPool) -> list[int]:
     """The cached blocks ``r`` (holding none) can start with."""
     cap = (real_tokens(r) - 1) // pool.block_size  # whole blocks before its last token
     return pool.lookup(keys_up_to(r, pool, cap)[:cap]) if cap > 0 else []
+
+
+class PrefixState:
+    """A batcher's prefix caching: its pool (None: off, or a pool that cannot share blocks), the
+    tokens looked up at admission and those found cached (vLLM's prefix cache queries and hits),
+    and each request's hit at its first admission."""
+
+    def __init__(self, pool: Any, on: bool):
+        self.pool: PrefixPool | None = pool if on and isinstance(pool, PrefixPool) else None
+        if self.pool is not None:
+            self.pool.enable_prefix_caching()
+        self.queries = self.hits = 0
+        self.cached_tokens: dict[Hashable, int] = {}
+        """request id -> prompt tokens found cached at its first admission (a server pops it)."""
+
+    def root(self, extra_key: str | bytes | None) -> bytes:
+        return root_key(extra_key) if self.pool is not None else b""
+
+    def admit(self, r: Any) -> tuple[list[int], int]:
+        """The cached blocks waiting ``r`` can start with, and how many free blocks they take."""
+        if self.pool is None or not r.lookup:
+            return [], 0
+        hit = lookup(r, self.pool)
+        return hit, self.pool.free_cost(hit)
+
+    def admitted(self, r: Any, hit: list[int]) -> None:
+        """``r`` took its seat (``r.row``) with ``hit``, its ``computed`` past them."""
+        if self.pool is None:
+            return
+        self.pool.attach(r.row, hit)
+        r.registered = len(hit)
+        if r.lookup:
+            self.queries += real_tokens(r)
+            self.hits += r.computed
+        if r.cached < 0:  # its first admission (not a readmission after a preemption)
+            r.cached = self.cached_tokens[r.id] = r.computed
+
+    def register(self, r: Any) -> None:
+        """Name ``r``'s newly filled blocks (cheap when none filled)."""
+        p = self.pool
+        if p is not None and r.computed >= (r.registered + 1) * p.block_size:
+            register(r, p)
 
 
 def register(r: Any, pool: PrefixPool) -> None:

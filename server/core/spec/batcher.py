@@ -96,7 +96,7 @@ class SpecBatcher(ContinuousBatcher):
             drafts = len(toks) - 1 if rid in self.drafts else 0
             if out is None:
                 r.computed += len(toks)
-                self._register(r)
+                self.prefix.register(r)
                 continue
             if not 1 <= len(out) <= drafts + 1:
                 raise ValueError(f"request {rid!r}: {len(out)} tokens for {drafts} drafts")
@@ -108,7 +108,7 @@ class SpecBatcher(ContinuousBatcher):
                 r.computed += len(toks)
             # prefix caching: name the blocks full of tokens already in output (drafts accepted
             # now are named by a later step, once they are output), before a finish retires r
-            self._register(r)
+            self.prefix.register(r)
             for tok in out:
                 r.output.append(int(tok))
                 events.append(self._ended_or_not(r))
