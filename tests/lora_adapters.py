@@ -82,7 +82,8 @@ def merged_model(ref, adapter_dir: Path | None):
             lin = getattr(
                 block.self_attn if m in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, m
             )
-            lin.weight.copy_((lin.weight.double() + scale * b @ a).to(lin.weight.dtype))
+            delta = (scale * b @ a).to(lin.weight.device)  # the adapter's tensors load on the CPU
+            lin.weight.copy_((lin.weight.double() + delta).to(lin.weight.dtype))
     return merged
 
 
