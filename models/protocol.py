@@ -58,13 +58,16 @@ class ModelLimits(Protocol):
 class BlockPool(Protocol):
     """A paged KV cache's blocks as a scheduler sees them (``paged_kv.BlockTables`` is one): a step
     that writes positions ``[start, start + n)`` of a seat's sequence holds
-    ``ceil((start + n) / block_size)`` blocks for it, and ``release(seat)`` gives them all back."""
+    ``ceil((start + n) / block_size)`` blocks for it, and ``release(seat)`` gives them all back;
+    ``truncate(seat, n)`` gives back those past its first ``n`` positions (rejected drafts)."""
 
     block_size: int
 
     def num_free(self) -> int: ...
 
     def release(self, seat: int) -> None: ...
+
+    def truncate(self, seat: int, num_tokens: int) -> None: ...
 
 
 @runtime_checkable

@@ -38,6 +38,7 @@ from .core.model import DTYPES, ModelSpec, ServingSpec, parse_sets
 from .frontend.app import Server
 from .frontend.security import TOKEN_ENV, admin_token
 from .lora_flags import add_lora_flags, lora_flags
+from .spec_flags import add_spec_flag, speculative_config
 
 log = logging.getLogger("graphplan.server")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -180,15 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(server/core/sampling_kernels.py; CUDA only) instead of the torch ops; default: on with "
         "--device cuda",
     )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s spelling: \'{"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-        "(the plan's scheduler.decode_query_len must be 1 + num_speculative_tokens; steps run "
-        "synchronously: docs/speculative.md)",
-    )
+    add_spec_flag(p)
     p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=1 << 20)
     p.add_argument(
         "--max-waiting",
@@ -315,13 +308,7 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             compile=a.compile,
         )
     try:
-        speculative = None
-        if a.speculative_config is not None:
-            from .core.spec.config import parse_speculative_config
-
-            speculative = parse_speculative_config(a.speculative_config)
-            if speculative.model is not None:  # the draft's checkpoint, checked like --model's
-                HFSpec(model=speculative.model, random_weights=a.random_weights).check()
+        speculative = speculative_config(a)
         spec.check()  # an unsupported or missing checkpoint fails here, before capture
         server = Server(
             a.plan,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from graphplan.models.tiny_llama import greedy, greedy_mismatch, reference_generate
+from graphplan.runtime import GraphRunner
 from graphplan.server import ModelSpec, Server, build_model, load_table
-from graphplan.server.core import engine as engine_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,13 +133,13 @@ def generate(server, prompt, max_tokens, stream=False):
 
 def test_healthz_is_503_until_the_graphs_are_captured_then_200(plan_file, monkeypatch):
     gate = threading.Event()
-    real_capture = engine_mod.GraphRunner.capture
+    real_capture = GraphRunner.capture
 
     def slow_capture(self, *a, **kw):
         assert gate.wait(30)
         return real_capture(self, *a, **kw)
 
-    monkeypatch.setattr(engine_mod.GraphRunner, "capture", slow_capture)
+    monkeypatch.setattr(GraphRunner, "capture", slow_capture)
     s = Server(plan_file, spec=SPEC, progress=False).start()
     try:
         status, body = request(s, "GET", "/healthz")

@@ -13,17 +13,16 @@ import time
 from collections import deque
 from typing import Any
 
-from graphplan.runtime import GraphRunner
-
 from ..errors import RequestError, not_serving
 from ..requests import EventSink, Request, Sampled, greedy_requests
 from . import lora_serving
-from .batching import ContinuousBatcher, StepBatch
+from .batching import StepBatch
 from .metrics import ServerMetrics, render_metrics
-from .model import ModelSpec, ServingSpec, build_model, compiled_model
+from .model import ModelSpec, ServingSpec
 from .outbox import Outbox
 from .pipeline import Pipeline
 from .plan_swap import Swap, capture_runner, checked_table, swap_result, wait_for_swap
+from .startup import build_parts, checked_speculation, make_batcher
 from .step_sampler import StepSampler
 
 log = logging.getLogger("graphplan.server")
@@ -59,12 +58,11 @@ class Engine(lora_serving.LoraMethods):
         self.speculative = speculative
         self.spec_step: Any = None  # its step (server/core/spec/step.py)
         self.proposer: Any = None  # its drafts (server/core/spec/proposer.py)
-        if speculative is not None:
-            from .spec.config import check_plan
-
-            check_plan(speculative, table.q, f"plan {table.settings.name!r}")
-            async_scheduling = False
+        async_scheduling &= speculative is None or checked_speculation(speculative, table)
         self.pipeline = Pipeline(self, async_scheduling)  # the step (server/core/pipeline.py)
+        self.capture = lambda table: capture_runner(
+            self.model, table, device, progress, self.compiled, on_demand
+        )  # a runner of this engine's model for ``table``
         self.state = "starting"  # -> ready -> draining -> stopped, or failed
         self.error: BaseException | None = None
         self.model: Any = None
@@ -232,40 +230,13 @@ class Engine(lora_serving.LoraMethods):
     # -- the engine thread ------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.model = build_model(self.spec, self.table, self.device)
-            self.compiled = compiled_model(self.spec, self.model)  # None unless --compile
-            self.runner = self._capture(self.table)
-            cfg, t = self.model.cfg, self.table  # the sampler's graphs, in their own pool
-            fused = self.fused_sampler
-            if fused is None:
-                fused = self.model.device.type == "cuda"
-            self.sampler = StepSampler(
-                cfg.num_cache_rows, cfg.vocab_size, self.model.device, fused=fused
-            )
-            if self.speculative is not None:  # its proposer (a draft model loads here)
-                from .spec.proposer import build_proposer
-
-                self.proposer = build_proposer(self.speculative, self)
+            build_parts(self)
         except BaseException as e:
             log.error("start-up failed: %s: %s", type(e).__name__, e)
             self.error, self.state = e, "failed"
             self._ready.set()
             return
-        batcher_kw = dict(
-            max_num_seqs=t.max_num_seqs,
-            token_budget=t.max_tokens,
-            max_model_len=cfg.max_model_len,
-            num_cache_rows=cfg.num_cache_rows,
-            kv_pool=self.model.kv_pool,
-            prefix_caching=self.enable_prefix_caching,
-        )
-        if self.speculative is not None:
-            from .spec.engine import spec_batcher
-
-            self.batcher, self.spec_step = spec_batcher(self, batcher_kw)
-        else:
-            self.batcher = ContinuousBatcher(**batcher_kw)
-        self.batcher.max_loras = lora_serving.max_loras(self.model)
+        self.batcher = make_batcher(self)
         self._kv_total = self.kv_blocks_free()
         self.metrics.attach(self)
         with self._cond:
@@ -276,17 +247,14 @@ class Engine(lora_serving.LoraMethods):
             "ready: plan %r (fingerprint %s), %d KV-cache rows",
             self.table.settings.name,
             self.table.fingerprint[:19],
-            cfg.num_cache_rows,
+            self.model.cfg.num_cache_rows,
         )
         try:
             self._loop()
         finally:
             self._fail_all(RequestError(503, "server is shutting down"))
-            self.sampler.release_graphs()
-
-    def _capture(self, table) -> GraphRunner:
-        e = self
-        return capture_runner(e.model, table, e.device, e.progress, e.compiled, e.on_demand)
+            if self.sampler is not None:
+                self.sampler.release_graphs()
 
     def _loop(self) -> None:
         while True:
@@ -343,7 +311,7 @@ class Engine(lora_serving.LoraMethods):
 
     def _capture_swap(self, swap: Swap) -> None:
         try:
-            swap.runner = self._capture(swap.table)
+            swap.runner = self.capture(swap.table)
         except Exception as e:
             log.error(
                 "reload failed, keeping plan %r: %s: %s",

@@ -99,7 +99,7 @@ class Pipeline:
             prompt_found = prompt_lps.read() if prompt_lps is not None else {}
             events = e.batcher.commit(batch, sampled=[s.token for s in sampled])
         except Exception as exc:
-            self._fail([batch], exc)
+            self.fail([batch], exc)
             return
         prompt_logprobs.merge_into(e.outbox, prompt_found)
         self._deliver(batch, sampled, events, t0)
@@ -114,7 +114,7 @@ class Pipeline:
         try:
             return self._launch_next(f)
         except Exception as exc:
-            self._fail([f.batch], exc)
+            self.fail([f.batch], exc)
             return True
 
     def drain(self) -> None:
@@ -126,7 +126,7 @@ class Pipeline:
             sampled = f.pending.read()
             events = self.engine.batcher.commit(f.batch, sampled=[s.token for s in sampled])
         except Exception as exc:
-            self._fail([f.batch], exc)
+            self.fail([f.batch], exc)
             return
         self._deliver(f.batch, sampled, events, f.t0)
 
@@ -160,7 +160,7 @@ class Pipeline:
             sampled = f.pending.read()
             events = e.batcher.resolve(f.batch, [s.token for s in sampled])
         except Exception as exc:
-            self._fail([f.batch, batch], exc)
+            self.fail([f.batch, batch], exc)
             return True
         self._deliver(f.batch, sampled, events, f.t0)
         self._flight = _Flight(batch, pending, t0)
@@ -191,7 +191,7 @@ class Pipeline:
         by_request = dict(zip(sampling, sampled))
         e.outbox.tokens(events, by_request, now, e.ended)
 
-    def _fail(self, batches: list[StepBatch], exc: Exception) -> None:
+    def fail(self, batches: list[StepBatch], exc: Exception) -> None:
         e = self.engine
         reqs = {id(r): r for b in batches for r in _requests(b)}
         log.error(

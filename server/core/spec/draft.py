@@ -76,7 +76,8 @@ class DraftModelProposer:
         chunks of at most the plan's token budget and seat count."""
         pos = list(valid)
         while True:
-            budget, reqs = self.max_tokens, []
+            budget = self.max_tokens
+            reqs: list[tuple[int, int, Any]] = []
             for i, seq in enumerate(seqs):
                 n = min(budget, len(seq) - 1 - pos[i])
                 if n > 0 and len(reqs) < self.max_reqs:

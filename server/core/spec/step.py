@@ -45,7 +45,7 @@ class SpecStep:
             prompt_found = prompt_lps.read() if prompt_lps is not None else {}
             events = e.batcher.commit_spec(batch, outputs)
         except Exception as exc:
-            e.pipeline._fail([batch], exc)
+            e.pipeline.fail([batch], exc)
             return
         prompt_logprobs.merge_into(e.outbox, prompt_found)
         self._deliver(batch, sampled, events, t0)
