@@ -133,9 +133,10 @@ def _relay_biases(linears) -> torch.Tensor | None:
     return None if linears[0].bias is None else relay([m.bias for m in linears])
 
 
-def fuse(hf, max_positions: int) -> "FusedDecoder":
+def fuse(hf, max_positions: int, decoder=None) -> "FusedDecoder":
     """Lay ``hf``'s weights out for the fused forward (module docstring); ``hf`` must pass
-    ``why_not_fused``. ``max_positions``: rows of the rotary tables (positions 0..n-1)."""
+    ``why_not_fused``. ``max_positions``: rows of the rotary tables (positions 0..n-1).
+    ``decoder``: the class to build (``FusedDecoder``'s signature; tp.py's for a TP rank)."""
     layers = []
     for layer in hf.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -160,7 +161,7 @@ def fuse(hf, max_positions: int) -> "FusedDecoder":
         )
         if layers[-1].qkv.is_cuda:  # the originals' blocks back to the device, for the next cat
             torch.cuda.empty_cache()
-    fused = FusedDecoder(hf, layers, max_positions)
+    fused = (decoder or FusedDecoder)(hf, layers, max_positions)
     fused.warm_up()
     return fused
 
@@ -208,7 +209,7 @@ class FusedDecoder:
         """input_ids, positions ``[T]``; ``graphplan``: the step's paged metadata, handed to every
         attention call as transformers' forward hands it. ``head=False``: the last hidden states
         (after the final norm), without the LM head."""
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = self.embedding(input_ids)  # [T, hidden]
         residual = None
         step = self.step_inputs(positions, graphplan)
         for layer in self.layers:
@@ -217,7 +218,18 @@ class FusedDecoder:
             h = rmsnorm(h, self.norm, self.eps)
         else:
             h, _ = add_rmsnorm_(h, residual, self.norm, self.eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias) if head else h
+        return self.head(h) if head else h
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head, self.lm_head_bias)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of o_proj's / down_proj's output (tp.py); one
+        rank: ``x``."""
+        return x
 
     def step_inputs(self, positions: torch.Tensor, graphplan) -> tuple:
         """What every layer of one step reads: (positions, position_ids, graphplan, the attention
@@ -240,7 +252,7 @@ class FusedDecoder:
         h = self._attention(layer, h, *step)
         h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
         h = silu_mul(F.linear(h, layer.gate_up, layer.gate_up_bias))
-        return F.linear(h, layer.down, layer.down_bias), residual
+        return self.reduce(F.linear(h, layer.down, layer.down_bias)), residual
 
     def _attention(self, layer, h, positions, position_ids, graphplan, attention):
         tokens, d = h.shape[0], self.head_dim
@@ -264,4 +276,4 @@ class FusedDecoder:
             use_cache=False,
             graphplan=graphplan,
         )
-        return F.linear(out.reshape(tokens, -1), layer.o_proj, layer.o_bias)
+        return self.reduce(F.linear(out.reshape(tokens, -1), layer.o_proj, layer.o_bias))
