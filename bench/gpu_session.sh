@@ -69,6 +69,8 @@ for step in "$@"; do
     sampling)  timeout 300 python bench/sampling_bench.py --rows 1,8,64,256 --out "$OUT/sampling_bench.md" 2>&1 | tail -20 ;;
     compiled8b) timeout 560 python bench/real_scale.py --compile --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_compiled.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
+    tptests)   timeout 360 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 | tee "$OUT/tp_gpu_tests.log" | tail -15 ;;
+    allreduce) for n in 2 4; do [ "$(nvidia-smi -L | wc -l)" -ge $n ] && timeout 170 python bench/allreduce_bench.py --ranks $n --out "$OUT/allreduce_bench_tp$n.md" 2>&1 | tail -16; done ;;
     *)         echo "unknown step $step" ;;
   esac
 done
