@@ -79,6 +79,8 @@ for step in "$@"; do
     prefixtests) timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_prefix_serving_gpu.py 2>&1 | tee "$OUT/prefix_gpu_tests.log" | tail -8 ;;
     lora)      timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_lora_gpu.py 2>&1 | tee "$OUT/lora_gpu_tests.log" | tail -12; timeout 240 python bench/lora_bench.py --out "$OUT/lora_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
+    tptests)   timeout 360 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 | tee "$OUT/tp_gpu_tests.log" | tail -15 ;;
+    allreduce) for n in 2 4; do [ "$(nvidia-smi -L | wc -l)" -ge $n ] && timeout 170 python bench/allreduce_bench.py --ranks $n --out "$OUT/allreduce_bench_tp$n.md" 2>&1 | tail -16; done ;;
     *)         echo "unknown step $step" ;;
   esac
 done

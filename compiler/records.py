@@ -191,6 +191,9 @@ class TableSettings:
     """Micro-batching settings."""
     data_parallel_size: int
     """DP ranks that step together."""
+    tensor_parallel_size: int = 1
+    """TP ranks that hold one model between them and replay the same graph each step; world =
+    data_parallel_size x tensor_parallel_size."""
     dp_backend: str
     """torch.distributed backend of the per-step exchange: gloo | nccl | auto."""
     sync_timeout_s: float

@@ -22,6 +22,8 @@ from .records import (
 from .sizes import resolve_sizes
 from .spec import LoraSpec, PlanSpec, plan_from_dict
 
+MAX_WORLD = 1024
+"""Most ranks (data_parallel_size x tensor_parallel_size) a plan may ask for."""
 STRICT_CODES = frozenset({"mode-downgrade", "size-dropped", "size-rounded"})
 """Diagnostics that ``strict: true`` turns into errors: each loses throughput silently."""
 
@@ -84,6 +86,15 @@ def check_rules(spec: PlanSpec) -> list[Diagnostic]:
                     "empty",
                     f"set it to at least {ub.num_ubatches}",
                 )
+    dp, tp = spec.parallel.data_parallel_size, spec.parallel.tensor_parallel_size
+    if dp * tp > MAX_WORLD:
+        error(
+            "world-too-large",
+            "parallel.tensor_parallel_size",
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} ranks, above "
+            f"{MAX_WORLD}",
+            f"lower one of them so that their product is at most {MAX_WORLD}",
+        )
     if errors:
         raise PlanError(errors)
     return warnings
@@ -310,6 +321,7 @@ def resolve(spec: PlanSpec, plan: dict) -> tuple[dict, list[Diagnostic]]:
             plain_twins=ub.plain_twins,
         ),
         data_parallel_size=spec.parallel.data_parallel_size,
+        tensor_parallel_size=spec.parallel.tensor_parallel_size,
         dp_backend=spec.parallel.backend,
         sync_timeout_s=float(spec.parallel.sync_timeout_s),
         on_demand=spec.cudagraph.on_demand.enabled,

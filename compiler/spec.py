@@ -85,6 +85,8 @@ class UbatchSpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelSpec:
     data_parallel_size: int
+    tensor_parallel_size: int
+    """Ranks that split one model (Megatron-style); world = DP x TP."""
     backend: str
     """torch.distributed backend for the per-step DP all-reduce: ``gloo`` | ``nccl`` | ``auto``."""
     sync_timeout_s: float
@@ -146,6 +148,7 @@ def plan_from_dict(d: dict) -> PlanSpec:
         lora=LoraSpec(**d["lora"]),
         parallel=ParallelSpec(
             data_parallel_size=par["data_parallel_size"],
+            tensor_parallel_size=par.get("tensor_parallel_size", 1),  # tables compiled before it
             backend=par["backend"],
             sync_timeout_s=par["sync_timeout_s"],
             ubatch=UbatchSpec(**par["ubatch"]),

@@ -57,12 +57,15 @@ SETTINGS_FIELDS = {
     "lora_case_of_count": list,
     "ubatch": dict,
     "data_parallel_size": int,
+    "tensor_parallel_size": int,
     "dp_backend": str,
     "sync_timeout_s": (int, float),
     "on_demand": bool,
     "start_sizes": list,
 }
 """``settings``' keys and types (TableSettings' fields)."""
+OPTIONAL_SETTINGS = {"tensor_parallel_size": 1}
+"""``settings``' keys that tables compiled before them lack, and the value they mean then."""
 UBATCH_FIELDS = {
     "enabled": bool,
     "num_ubatches": int,
@@ -89,6 +92,7 @@ _BOUNDS = {
     "max_num_seqs": 65536,
     "max_num_batched_tokens": MAX_TOKENS,
     "data_parallel_size": 1024,
+    "tensor_parallel_size": 64,
 }
 
 
@@ -130,6 +134,7 @@ def _enum(enum_cls, name: str, where: str, source: str):
 
 
 def settings_from_json(d: dict, source: str, where: str = "settings") -> TableSettings:
+    d = {**OPTIONAL_SETTINGS, **d}
     check_fields(d, SETTINGS_FIELDS, where, source)
     check_fields(d["ubatch"], UBATCH_FIELDS, f"{where}.ubatch", source)
     for key, hi in _BOUNDS.items():
@@ -192,6 +197,7 @@ def settings_from_json(d: dict, source: str, where: str = "settings") -> TableSe
         lora_case_of_count=of_count,
         ubatch=UbatchSettings(**ub),
         data_parallel_size=d["data_parallel_size"],
+        tensor_parallel_size=d["tensor_parallel_size"],
         dp_backend=d["dp_backend"],
         sync_timeout_s=float(t),
         on_demand=d["on_demand"],

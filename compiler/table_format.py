@@ -87,6 +87,7 @@ def settings_json(s: TableSettings) -> dict:
             "plain_twins": s.ubatch.plain_twins,
         },
         "data_parallel_size": s.data_parallel_size,
+        "tensor_parallel_size": s.tensor_parallel_size,
         "dp_backend": s.dp_backend,
         "sync_timeout_s": s.sync_timeout_s,
         "on_demand": s.on_demand,

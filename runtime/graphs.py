@@ -171,11 +171,20 @@ class TapeGraph:
     def replay(self) -> None:
         for func, args, kwargs, out in self.calls:
             res = func(*args, **kwargs)
+            if func.namespace == "c10d":  # a collective (tensor parallelism): done before the
+                _wait(res)  # next op reads it, as the stream orders it on a GPU
             if res is out or not isinstance(out, (torch.Tensor, tuple, list)):
                 continue  # in place (the op wrote into its argument), or no tensor result
             for dst, src in zip(out, res) if isinstance(out, (tuple, list)) else ((out, res),):
                 if isinstance(dst, torch.Tensor) and dst is not src:
                     dst.copy_(src)
+
+
+def _wait(res) -> None:
+    """Wait on the c10d Work objects a collective op returned (Gloo runs them asynchronously)."""
+    for r in res if isinstance(res, (tuple, list)) else (res,):
+        if isinstance(r, torch.ScriptObject) and hasattr(r, "wait"):
+            r.wait()
 
 
 class TapeSegment:

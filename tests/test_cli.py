@@ -275,6 +275,21 @@ def test_explain_json_is_the_route(capsys):
     assert "exceed the largest capture size 256" in data["reasons"][-1]
 
 
+def test_explain_of_a_tp_plan_says_every_tp_rank_replays_the_route(capsys):
+    sets = ["--set", "parallel.tensor_parallel_size=4", "--set", "parallel.data_parallel_size=2"]
+    code, out, _ = run(
+        capsys, "explain", H100, "--tokens", "9", "--reqs", "9", "--query-len", "1", *sets
+    )
+    assert code == 0 and out.splitlines()[-1] == (
+        "  every one of the 4 TP ranks (of DP 2 x TP 4) replays this same route on its shard of "
+        "the model, the all-reduces inside the graph"
+    )
+    code, out, _ = run(capsys, "explain", H100, "--tokens", "9", "--format", "json", *sets)
+    assert json.loads(out)["parallel"] == {"data_parallel_size": 2, "tensor_parallel_size": 4}
+    code, out, _ = run(capsys, "explain", H100, "--tokens", "9", "--reqs", "9", "--query-len", "1")
+    assert "TP ranks" not in out
+
+
 def test_explain_a_table_matches_explain_its_plan(capsys, h100_table):
     args = ["--tokens", "300", "--reqs", "4", "--query-len", "150"]
     from_plan = run(capsys, "explain", H100, *args)

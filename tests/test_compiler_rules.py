@@ -6,6 +6,8 @@ import copy
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphplan.compiler import BatchError, PlanError, RuntimeMode, compile_plan
 from graphplan.compiler.records import Why
@@ -1043,3 +1045,36 @@ def test_explain_hints_name_a_change_that_would_give_the_batch_a_graph():
         }
     )
     assert "add sizes up to 8" in small.route(8, 8, 1).reasons[-1]
+
+
+# -- tensor parallelism: world = DP x TP --------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(1, 1024), tp=st.integers(1, 64))
+def test_a_plan_compiles_exactly_when_dp_times_tp_is_at_most_1024_ranks(dp, tp):
+    p = plan(
+        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 16},
+        cudagraph={"capture_sizes": [1, 2, 4]},
+        parallel={"data_parallel_size": dp, "tensor_parallel_size": tp},
+    )
+    if dp * tp <= 1024:
+        s = compile_plan(p).settings
+        assert (s.data_parallel_size, s.tensor_parallel_size) == (dp, tp)
+    else:
+        with pytest.raises(PlanError, match=rf"world-too-large.*{dp} x .*{tp} = {dp * tp} ranks"):
+            compile_plan(p)
+
+
+def test_tensor_parallelism_changes_no_graph_and_no_route():
+    one = compile_(parallel={"tensor_parallel_size": 1})
+    four = compile_(parallel={"tensor_parallel_size": 4})
+    assert one.graphs == four.graphs and one.fingerprint != four.fingerprint
+
+    def routes(t):
+        return [
+            (r.mode, r.graph_id, r.padded_tokens, r.padded_reqs)
+            for r in map(t.route, range(1, 600, 7))
+        ]
+
+    assert routes(one) == routes(four)

@@ -509,3 +509,82 @@ def test_cli_engines_with_a_trace_prices_each_list(capsys):
     )
     text = capsys.readouterr().out
     assert "trace padded" in text and "trtllm preset, padded" in text
+
+
+# -- tensor parallelism: each engine's spelling, both ways, with DP x TP -------------------------
+
+
+def _tp_plan(dp: int, tp: int) -> dict:
+    plan = load_plan(ROOT / "plans" / "tiny-llama.yaml").plan
+    plan["parallel"] = {"data_parallel_size": dp, "tensor_parallel_size": tp}
+    return plan
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp", "--tensor_parallel_size"])
+def test_vllm_tensor_parallel_flag_spellings_import_as_the_tp_size(flag):
+    out, t = imported("vllm", args=f"vllm serve m {flag} 4 -dp 2")
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (2, 4)
+    line = next(x for x in out.text.splitlines() if "tensor_parallel_size" in x)
+    assert line.split() == ["tensor_parallel_size:", "4", "#", flag, "4"]
+
+
+def test_vllm_non_default_args_line_of_issue_41622_carries_tp_8():
+    out, t = imported("vllm", log=str(DATA / "vllm-41622-non-default-args.log"))
+    assert t.settings.tensor_parallel_size == 8 and t.settings.data_parallel_size == 1
+    assert "tensor_parallel_size" not in " ".join(d.message for d in out.diagnostics)
+
+
+def test_vllm_engine_config_line_tp_1_imports_as_1():
+    _, t = imported("vllm", log=str(DATA / "vllm-rank-llm-426-engine-config.log"))
+    assert t.settings.tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 4), (2, 2), (2, 1)])
+def test_vllm_and_sglang_export_dp_and_tp_as_their_own_keys(dp, tp):
+    vllm = exported(_tp_plan(dp, tp), "vllm", "json")
+    sglang = exported(_tp_plan(dp, tp), "sglang", "json")
+    assert vllm.config.get("tensor_parallel_size", 1) == tp
+    assert vllm.config.get("data_parallel_size", 1) == dp
+    assert sglang.config.get("tp_size", 1) == tp and sglang.config.get("dp_size", 1) == dp
+    assert vllm.lost == () and sglang.lost == ()
+
+
+@pytest.mark.parametrize("flag", ["--tp-size", "--tp", "--tensor-parallel-size"])
+def test_sglang_tp_flags_without_dp_attention_are_the_tp_size(flag):
+    _, t = imported("sglang", args=f"python -m sglang.launch_server {flag} 4 --dp-size 2")
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (2, 4)
+
+
+def test_sglang_dp_attention_splits_tp_size_into_dp_ranks_of_tp_over_dp_gpus():
+    out, t = imported(
+        "sglang",
+        args="python -m sglang.launch_server --tp 8 --dp-size 2 --enable-dp-attention",
+    )
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (2, 4)
+    assert any("MLP runs over all 8 GPUs" in d.message for d in out.diagnostics)
+    _, t = imported("sglang", args=(DATA / "sglang-19216.sh").read_text())  # tp 8 = dp 8
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (8, 1)
+    with pytest.raises(PlanError, match=r"tp_size=6 is not a multiple of dp_size=4"):
+        import_plan("sglang", args="x --tp 6 --dp-size 4 --enable-dp-attention")
+
+
+def test_trtllm_tp_size_flag_and_tensor_parallel_size_key_are_the_tp_size(tmp_path):
+    _, t = imported("trtllm", args="trtllm-serve m --tp_size 4 --max_batch_size 8")
+    assert t.settings.tensor_parallel_size == 4
+    cfg = tmp_path / "tp.yaml"
+    cfg.write_text("tensor_parallel_size: 2\nmax_batch_size: 8\n")
+    _, t = imported("trtllm", config=str(cfg))
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (1, 2)
+    cfg.write_text("tensor_parallel_size: 4\nenable_attention_dp: true\nmax_batch_size: 8\n")
+    _, t = imported("trtllm", config=str(cfg))
+    assert (t.settings.data_parallel_size, t.settings.tensor_parallel_size) == (4, 1)
+
+
+def test_trtllm_export_of_tp_is_tensor_parallel_size_and_dp_x_tp_is_lost():
+    tp = exported(_tp_plan(1, 4), "trtllm", "json")
+    assert tp.config["tensor_parallel_size"] == 4 and "enable_attention_dp" not in tp.config
+    assert tp.lost == ()
+    assert "--tp_size 4" in exported(_tp_plan(1, 4), "trtllm", "args").text
+    both = exported(_tp_plan(2, 2), "trtllm", "json")
+    assert [d.path for d in both.lost] == ["parallel.tensor_parallel_size"]
+    assert both.config["tensor_parallel_size"] == 4 and both.config["enable_attention_dp"]

@@ -64,10 +64,11 @@ def test_vllm_real_flags_that_do_not_shape_graphs_are_read_and_listed_as_ignored
         version="0.15",
     )
     assert notes_of(out) == [
-        "6 vLLM 0.16.0 flag(s) that do not shape CUDA graphs, ignored: --enable-log-requests, "
-        "--async-scheduling, --no-enable-prefix-caching, -tp, --kv-cache-metrics, "
+        "5 vLLM 0.16.0 flag(s) that do not shape CUDA graphs, ignored: --enable-log-requests, "
+        "--async-scheduling, --no-enable-prefix-caching, --kv-cache-metrics, "
         "--enable-flashinfer-autotune"
     ]
+    assert out.plan["parallel"]["tensor_parallel_size"] == 2  # -tp shapes the ranks
     assert table_of(out).max_num_seqs == 8
 
 
@@ -235,7 +236,7 @@ def test_engine_config_line_with_unquoted_values_from_issue_22265():
         GRID_TO_512,
     )
     assert (
-        "28 field(s) that do not shape CUDA graphs, ignored: model, tokenizer," in notes_of(out)[0]
+        "27 field(s) that do not shape CUDA graphs, ignored: model, tokenizer," in notes_of(out)[0]
     )
     assert out.plan["cudagraph"]["splitting_ops"] == ["attention"]  # vllm.mamba_mixer2 is one
 
@@ -252,7 +253,7 @@ def test_engine_config_line_with_enforce_eager_from_trl_3310():
 def test_engine_config_line_of_vllm_0_19_without_a_compilation_config_from_rank_llm_426():
     out = import_plan("vllm", log=str(DATA / "vllm-rank-llm-426-engine-config.log"))
     assert table_of(out).mode.name == "FULL_AND_PIECEWISE" and table_of(out).data_parallel_size == 1
-    assert "engine config: 25 field(s) that do not shape CUDA graphs" in notes_of(out)[0]
+    assert "engine config: 24 field(s) that do not shape CUDA graphs" in notes_of(out)[0]
     assert version_note(out).startswith(
         "no --engine-version: the log is from vLLM 0.19, read as vLLM 0.15;"
     )

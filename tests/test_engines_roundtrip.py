@@ -64,8 +64,12 @@ def plans(draw, engine: str) -> dict:
             "specialize_count": engine == "vllm" and draw(st.booleans()),
             "separate_base": engine == "vllm" and draw(st.booleans()),
         }
+    plan["parallel"] = {}
     if draw(st.integers(0, 2)) == 0:
-        plan["parallel"] = {"data_parallel_size": draw(st.integers(2, 8))}
+        plan["parallel"]["data_parallel_size"] = draw(st.integers(2, 8))
+    if draw(st.integers(0, 2)) == 0:
+        plan["parallel"]["tensor_parallel_size"] = draw(st.sampled_from([2, 4, 8]))
+    if plan["parallel"].get("data_parallel_size", 1) > 1:
         if engine == "vllm" and draw(st.booleans()):
             plan["parallel"]["ubatch"] = {
                 "enabled": True,
@@ -77,8 +81,11 @@ def plans(draw, engine: str) -> dict:
 
 
 def signature(table, plan: dict) -> list:
-    """Every graph, and the route of every mixed and uniform-decode batch for every LoRA count."""
-    out = [tuple((g.mode, g.key) for g in table.graphs)]
+    """The ranks (DP, TP), every graph, and the route of every mixed and uniform-decode batch for
+    every LoRA count."""
+    r = table.settings
+    out: list = [(r.data_parallel_size, r.tensor_parallel_size)]
+    out.append(tuple((g.mode, g.key) for g in table.graphs))
     lora = plan.get("lora", {})
     for n_lora in range(lora.get("max_loras", 4) + 2 if lora.get("enabled") else 1):
         for n in range(1, table.max_tokens + 1):

@@ -268,3 +268,26 @@ def test_piecewise_graphs_use_their_own_per_token_cost_and_the_largest_need_wins
     assert est["total_bytes"] == 5000 + 64 * 1000
     del prof["piecewise_per_token_bytes"]  # an older profile: the FULL rate for every graph
     assert estimate(t, prof)["activation_bytes"] == 128 * 1000
+
+
+def test_the_default_estimate_of_a_tp_plan_is_per_rank_with_the_mlp_split():
+    """Each rank captures its own pool: the built-in profile's MLP intermediates (84 of its 112
+    KiB per token) are split TP ways, the hidden-size tensors are not; the per-graph cost and
+    the capture time per rank are those of TP=1."""
+    p = {
+        "version": 1,
+        "name": "tp",
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "cudagraph": {"mode": "FULL", "capture_sizes": [64]},
+    }
+    one = estimate(compile_plan(p))
+    p["parallel"] = {"tensor_parallel_size": 4, "data_parallel_size": 2}
+    four = estimate(compile_plan(p))
+    assert one["activation_bytes"] == 64 * 112 * 1024
+    assert four["activation_bytes"] == 64 * (28 + 84 // 4) * 1024
+    assert four["overhead_bytes"] == one["overhead_bytes"]
+    assert four["capture_seconds"] == one["capture_seconds"]
+    assert (four["world_size"], four["tensor_parallel_size"], one["per_rank"]) == (8, 4, "")
+    assert "split 4 ways on each rank" in four["per_rank"]
+    calibrated = profile()
+    assert estimate(compile_plan(p), calibrated)["activation_bytes"] == 64 * 10 * 1024

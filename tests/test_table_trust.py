@@ -81,6 +81,18 @@ def test_routes_that_differ_change_the_content_fingerprint_that_dp_ranks_compare
             r"data_parallel_size: expected int, "
             r"got float",
         ),
+        (
+            lambda d: d["settings"].update(tensor_parallel_size=0),
+            r"settings.tensor_parallel_size: 0 is outside 1\.\.64",
+        ),
+        (
+            lambda d: d["settings"].update(tensor_parallel_size=True),
+            r"settings.tensor_parallel_size: expected int, got bool",
+        ),
+        (
+            lambda d: d["settings"].update(tensor_parallel_size=4),
+            r"settings.tensor_parallel_size differs",
+        ),
         (lambda d: d["plan"]["scheduler"].update(max_num_seqs="many"), r"embedded plan"),
         (lambda d: d["plan"].pop("cudagraph"), r"embedded plan is malformed"),
         (lambda d: d["routes"]["piecewise"][0].__setitem__(0, 0), r"routes.piecewise.*differs"),
@@ -269,3 +281,18 @@ def test_the_runtime_plan_check_refuses_integral_floats():
         "scheduler.max_num_seqs",
         "expected integer, got float",
     )
+
+
+def test_a_table_compiled_before_tensor_parallelism_loads_as_tp_1(tiny, tmp_path):
+    """Tables of the same format version written before ``tensor_parallel_size`` existed (no key
+    in the settings nor in the embedded plan) load, with one rank per model; the recorded
+    bench tables are such tables."""
+    data = copy.deepcopy(tiny)
+    del data["settings"]["tensor_parallel_size"]
+    del data["plan"]["parallel"]["tensor_parallel_size"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(resealed(data)))
+    assert DispatchTable.load(path).settings.tensor_parallel_size == 1
+    recorded = ROOT / "bench" / "tables" / "decode-51.json"
+    assert "tensor_parallel_size" not in recorded.read_text()
+    assert DispatchTable.load(recorded).settings.tensor_parallel_size == 1

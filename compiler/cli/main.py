@@ -84,8 +84,21 @@ def cmd_compile(a) -> int:
 def cmd_explain(a) -> int:
     table, _ = load_any(a.plan, a.set)
     route = table.route(a.tokens, a.reqs, a.query_len, a.loras)
+    s = table.settings
+    ranks = (
+        f"every one of the {s.tensor_parallel_size} TP ranks (of DP {s.data_parallel_size} x TP "
+        f"{s.tensor_parallel_size}) replays this same route on its shard of the model, the "
+        "all-reduces inside the graph"
+        if s.tensor_parallel_size > 1
+        else ""
+    )
     if a.format == "json":
-        print(json.dumps(route.to_json(), sort_keys=True))
+        out = route.to_json()
+        out["parallel"] = {
+            "data_parallel_size": s.data_parallel_size,
+            "tensor_parallel_size": s.tensor_parallel_size,
+        }
+        print(json.dumps(out, sort_keys=True))
         return 0
     from ..tools.summary import count
 
@@ -99,6 +112,8 @@ def cmd_explain(a) -> int:
     )
     for i, why in enumerate(route.reasons, 1):
         print(f"  {i}. {why}")
+    if ranks:
+        print(f"  {ranks}")
     return 0
 
 

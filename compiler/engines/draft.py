@@ -26,6 +26,7 @@ ORDER = (
     "lora.specialize_count",
     "lora.separate_base",
     "parallel.data_parallel_size",
+    "parallel.tensor_parallel_size",
     "parallel.ubatch.enabled",
     "parallel.ubatch.num_ubatches",
     "parallel.ubatch.decode_token_threshold",

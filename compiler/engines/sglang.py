@@ -34,6 +34,9 @@ FLAGS = {
     "--piecewise-cuda-graph-tokens": Flag("piecewise_cuda_graph_tokens", "ints", 1, BIG),
     "--dp-size": Flag("dp_size", "int", 1, 1024),
     "--data-parallel-size": Flag("dp_size", "int", 1, 1024),
+    "--tp-size": Flag("tp_size", "int", 1, 1024),
+    "--tensor-parallel-size": Flag("tp_size", "int", 1, 1024),
+    "--enable-dp-attention": Flag("enable_dp_attention", "bool"),
     "--enable-two-batch-overlap": Flag("enable_two_batch_overlap", "bool"),
     "--max-running-requests": Flag("max_running_requests", "int", 1, 65536),
     "--chunked-prefill-size": Flag("chunked_prefill_size", "int", -1, BIG),
@@ -123,6 +126,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
                 "SGLang DP attention also needs --enable-dp-attention and a tp size",
             )
         )
+    if par.tensor_parallel_size > 1:
+        out["tp_size"] = par.tensor_parallel_size
     if par.ubatch.enabled:
         out["enable_two_batch_overlap"] = True
         diags.append(
@@ -273,6 +278,7 @@ def to_draft(settings: dict, version: str) -> Draft:
         dp.value if dp else 1,
         dp.source if dp else "assumed: SGLang's default dp_size",
     )
+    _tensor_parallel(d, get, dp)
     tbo = get("enable_two_batch_overlap")
     if tbo and tbo.value and dp and dp.value > 1:
         d.put("parallel.ubatch.enabled", True, tbo.source)
@@ -283,6 +289,37 @@ def to_draft(settings: dict, version: str) -> Draft:
     d.assume("parallel.ubatch.enabled", False, "no --enable-two-batch-overlap")
     d.pending = settings
     return d
+
+
+def _tensor_parallel(d: Draft, get, dp) -> None:
+    """Without DP attention SGLang runs dp_size replicas of tp_size GPUs each (world dp x tp);
+    with it, tp_size is the world and attention is split dp_size ways, each over tp/dp GPUs."""
+    tp = get("tp_size")
+    if not tp:
+        d.put("parallel.tensor_parallel_size", 1, "assumed: SGLang's default tp_size")
+        return
+    dpa = get("enable_dp_attention")
+    if not (dpa and dpa.value and dp and dp.value > 1):
+        d.put("parallel.tensor_parallel_size", tp.value, tp.source)
+        return
+    if tp.value % dp.value:
+        raise F.input_error(
+            tp.source,
+            "bad-value",
+            f"tp_size={tp.value} is not a multiple of dp_size={dp.value} (SGLang's DP attention "
+            "splits the tp_size GPUs dp_size ways)",
+            "make tp_size a multiple of dp_size",
+        )
+    d.put(
+        "parallel.tensor_parallel_size",
+        tp.value // dp.value,
+        f"{tp.source} / {dp.source} (DP attention: each DP rank's attention over tp/dp GPUs)",
+    )
+    if tp.value > dp.value:
+        d.note(
+            f"{dpa.source}: the MLP runs over all {tp.value} GPUs in SGLang; graphplan's TP "
+            f"groups are {tp.value // dp.value} GPUs for the whole layer"
+        )
 
 
 def finish_sizes(d: Draft, version: str) -> None:

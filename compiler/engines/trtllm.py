@@ -23,9 +23,10 @@ BIG = 1 << 20
 FLAGS = {
     "--max_batch_size": Flag("max_batch_size", "int", 1, 65536),
     "--max_num_tokens": Flag("max_num_tokens", "int", 1, BIG),
+    "--tp_size": Flag("tensor_parallel_size", "int", 1, 64),
 }
 IGNORED = set(
-    """--host --port --backend --tp_size --pp_size --ep_size --cluster_size
+    """--host --port --backend --pp_size --ep_size --cluster_size
 --gpus_per_node --kv_cache_free_gpu_memory_fraction --max_seq_len --trust_remote_code
 --log_level --tokenizer --num_postprocess_workers --reasoning_parser --extra_llm_api_options
 --config""".split()
@@ -119,14 +120,29 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
                     "set specialize_count: false and separate_base: false",
                 )
             )
-    if par.data_parallel_size > 1:
-        out.update(enable_attention_dp=True, tensor_parallel_size=par.data_parallel_size)
+    dp, tp = par.data_parallel_size, par.tensor_parallel_size
+    if dp > 1:
+        out.update(enable_attention_dp=True, tensor_parallel_size=dp * tp)
         diags.append(
             F.note(
                 "parallel.data_parallel_size",
                 "exported as attention DP over tensor_parallel_size ranks",
             )
         )
+        if tp > 1:
+            diags.append(
+                F.lost(
+                    ENGINE,
+                    version,
+                    "parallel.tensor_parallel_size",
+                    f"DP {dp} x TP {tp} (with enable_attention_dp every one of the "
+                    f"{dp * tp} ranks runs attention on its own requests; there is no TP group "
+                    "inside a DP rank)",
+                    "use data_parallel_size: 1 for a TP plan, or tensor_parallel_size: 1",
+                )
+            )
+    elif tp > 1:
+        out["tensor_parallel_size"] = tp
     if par.ubatch.enabled:
         diags.append(F.lost(ENGINE, version, "parallel.ubatch", "micro-batching (DBO)"))
     if spec.cudagraph.strict:
@@ -148,6 +164,11 @@ def render(cfg: dict, fmt: str, version: str, name: str) -> str:
                         ("--max_batch_size", cfg["max_batch_size"]),
                         ("--max_num_tokens", cfg["max_num_tokens"]),
                     ]
+                    + (
+                        [("--tp_size", cfg["tensor_parallel_size"])]
+                        if "tensor_parallel_size" in cfg and "enable_attention_dp" not in cfg
+                        else []
+                    )
                 )
             )
             + "\n"
@@ -308,7 +329,12 @@ def to_draft(settings: dict, version: str) -> Draft:
             tp.value if tp else 1,
             "attention DP over " + (tp.source if tp else "tensor_parallel_size (default 1)"),
         )
+    else:
+        tp = get("tensor_parallel_size")
+        if tp:
+            d.put("parallel.tensor_parallel_size", tp.value, tp.source)
     d.assume("parallel.data_parallel_size", 1, "no enable_attention_dp")
+    d.assume("parallel.tensor_parallel_size", 1, "TensorRT-LLM's default tensor_parallel_size")
     d.pending = (graph.value if graph else {}, graph.source if graph else "", tc)
     return d
 

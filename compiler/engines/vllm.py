@@ -28,6 +28,8 @@ FLAGS = {
     "--no-specialize-active-lora": Flag("specialize_active_lora", "negbool"),
     "--data-parallel-size": Flag("data_parallel_size", "int", 1, 1024),
     "-dp": Flag("data_parallel_size", "int", 1, 1024),
+    "--tensor-parallel-size": Flag("tensor_parallel_size", "int", 1, 64),
+    "-tp": Flag("tensor_parallel_size", "int", 1, 64),
     "--enable-dbo": Flag("enable_dbo", "bool"),
     "--no-enable-dbo": Flag("enable_dbo", "negbool"),
     "--dbo-decode-token-threshold": Flag("dbo_decode_token_threshold", "int", 1, 1 << 20),
@@ -151,6 +153,8 @@ def export_config(spec, mode: str, sizes: tuple, version: str) -> tuple[dict, li
                 out["specialize_active_lora"] = True
     if par.data_parallel_size > 1:
         out["data_parallel_size"] = par.data_parallel_size
+    if par.tensor_parallel_size > 1:
+        out["tensor_parallel_size"] = par.tensor_parallel_size
     if ub.enabled:
         out.update(
             enable_dbo=True,

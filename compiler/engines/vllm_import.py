@@ -154,6 +154,10 @@ def _parallel(d: Draft, settings: dict) -> None:
     if dp:
         d.put("parallel.data_parallel_size", dp.value, dp.source)
     d.assume("parallel.data_parallel_size", 1, "vLLM's default data_parallel_size")
+    tp = settings.get("tensor_parallel_size")
+    if tp:
+        d.put("parallel.tensor_parallel_size", tp.value, tp.source)
+    d.assume("parallel.tensor_parallel_size", 1, "vLLM's default tensor_parallel_size")
     dbo = settings.get("enable_dbo")
     if dbo and dbo.value:
         d.put("parallel.ubatch.enabled", True, dbo.source)

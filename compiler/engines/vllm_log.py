@@ -35,6 +35,7 @@ FIELDS = (
     "max_loras",
     "specialize_active_lora",
     "data_parallel_size",
+    "tensor_parallel_size",
     "enable_dbo",
     "dbo_decode_token_threshold",
     "dbo_prefill_token_threshold",
@@ -47,7 +48,13 @@ FIELDS = (
     "performance_mode",
 )
 # the engine-config line's fields that shape graphs
-ENGINE_FIELDS = ("data_parallel_size", "enforce_eager", "speculative_config", "compilation_config")
+ENGINE_FIELDS = (
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "enforce_eager",
+    "speculative_config",
+    "compilation_config",
+)
 SHOWN = 12  # ignored names listed in a note before "and N more"
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "estimate",
     "estimate_lines",
     "DEFAULT_PROFILE",
+    "default_profile",
 ]
 
 MIB = 1024 * 1024
@@ -83,6 +84,24 @@ DEFAULT_PROFILE: dict[str, Any] = {  # a profile as check_profile returns it (JS
     "samples": [],
 }
 """Used when no calibrated profile is given; calibrate with the runtime for real numbers."""
+
+DEFAULT_SHARDED_PER_TOKEN_BYTES = 84.0 * 1024
+"""The part of the default ``per_token_bytes`` that tensor parallelism splits (the gate/up
+projection and the activation: columns of the MLP); the hidden-size tensors are whole on every
+rank."""
+
+
+def default_profile(tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """DEFAULT_PROFILE for one rank of a TP group: the MLP's intermediates are split ``tp`` ways.
+    (A calibrated profile is measured on one rank of its TP size already.)"""
+    if tensor_parallel_size == 1:
+        return DEFAULT_PROFILE
+    whole = DEFAULT_PROFILE["per_token_bytes"] - DEFAULT_SHARDED_PER_TOKEN_BYTES
+    return {
+        **DEFAULT_PROFILE,
+        "model_fingerprint": f"default:8b-class-bf16-tp{tensor_parallel_size}",
+        "per_token_bytes": whole + DEFAULT_SHARDED_PER_TOKEN_BYTES / tensor_parallel_size,
+    }
 
 
 DEFAULT_CAPTURE_SECONDS = 0.1
@@ -169,8 +188,10 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
     modes share one pool, so ``total_bytes`` is not their sum.
     """
     default = profile is None
+    tp = table.settings.tensor_parallel_size
+    world = tp * table.settings.data_parallel_size
     if profile is None:
-        prof = DEFAULT_PROFILE
+        prof = default_profile(tp)
     else:
         prof = check_profile(profile, profile.get("source", "<profile>"))
     per_mode: dict[str, dict] = {}
@@ -224,6 +245,15 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
         "overhead_bytes": int(round(overhead)),
         "activation_bytes": int(round(activations)),
         "per_mode": per_mode,
+        "tensor_parallel_size": tp,
+        "world_size": world,
+        "per_rank": (
+            f"Each of the {world} ranks (DP {world // tp} x TP {tp}) captures these graphs into "
+            f"its own pool, in parallel: the figures above are per rank; the model's weights "
+            f"and KV cache (not in this estimate) are split {tp} ways on each rank."
+            if world > 1
+            else ""
+        ),
         "profile": {
             "default": default,
             "source": "built-in default" if default else source,
@@ -238,7 +268,10 @@ def estimate(table: DispatchTable, profile: dict | None = None) -> dict:
 
 
 def estimate_lines(est: dict) -> list[str]:
-    out = [f"graph memory (estimate): {est['total_mib']:.1f} MiB for {est['num_graphs']} graphs"]
+    per = " per rank" if est.get("world_size", 1) > 1 else ""
+    out = [
+        f"graph memory (estimate): {est['total_mib']:.1f} MiB{per} for {est['num_graphs']} graphs"
+    ]
     for mode, m in sorted(est["per_mode"].items()):
         out.append(
             f"  {mode:<10} {m['graphs']:>5} graphs, largest {m['largest_tokens']} tokens, "
@@ -246,6 +279,9 @@ def estimate_lines(est: dict) -> list[str]:
         )
     out.append(f"  {est['explanation']}")
     out.append(
-        f"capture time (estimate): {est['capture_seconds']:.2f} s ({est['capture_explanation']})"
+        f"capture time (estimate): {est['capture_seconds']:.2f} s{per} "
+        f"({est['capture_explanation']})"
     )
+    if est.get("per_rank"):
+        out.append(f"  {est['per_rank']}")
     return out

@@ -81,6 +81,11 @@ def _resolved_rows(table: DispatchTable) -> list[tuple[str, str]]:
         ("capture sizes", f"{len(r.capture_sizes)}: {compact_sizes(r.capture_sizes)}"),
         ("LoRA cases", ", ".join(map(str, r.lora_cases)) if r.lora_enabled else "off"),
         ("data parallel size", str(r.data_parallel_size)),
+        (
+            "tensor parallel size",
+            f"{r.tensor_parallel_size} (world {r.data_parallel_size * r.tensor_parallel_size} "
+            "ranks; graph memory and capture time are per rank)",
+        ),
     ]
     ub = r.ubatch
     rows.append(

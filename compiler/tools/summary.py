@@ -115,6 +115,12 @@ def summary_lines(table: DispatchTable) -> list[str]:
             else ""
         ),
     ]
+    if r.tensor_parallel_size > 1 or r.data_parallel_size > 1:
+        lines.append(
+            f"parallel: DP {r.data_parallel_size} x TP {r.tensor_parallel_size} = "
+            f"{r.data_parallel_size * r.tensor_parallel_size} ranks; every rank of a TP group "
+            "replays the same graph each step"
+        )
     if r.lora_enabled:
         lines.append(f"lora cases (active adapters captured): {r.lora_cases}")
     if r.ubatch.enabled:
@@ -156,6 +162,8 @@ def summary_json(table: DispatchTable) -> dict:
         "requested_mode": r.requested_mode.name,
         "capture_sizes": list(r.capture_sizes),
         "num_graphs": len(table.graphs),
+        "data_parallel_size": r.data_parallel_size,
+        "tensor_parallel_size": r.tensor_parallel_size,
         "graphs": [graph_json(g) for g in table.graphs],
         "coverage": [
             {

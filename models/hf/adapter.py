@@ -124,8 +124,16 @@ class PagedCausalLM(torch.nn.Module):
         logits: str = "all",
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        tp=None,
     ):
         super().__init__()
+        self.tp = tp
+        """This rank's ``tp.TPGroup`` when ``hf_model`` is one rank's part (``tp_load``), else None."""
+        if tp is not None and max_loras:
+            raise ValueError(
+                "LoRA adapters with tensor parallelism are not built: their A/B weights are not "
+                "sharded (serve LoRA at parallel.tensor_parallel_size 1)"
+            )
         if logits not in ("all", "rows"):
             raise ValueError(f"logits must be 'all' or 'rows', not {logits!r}")
         self.source = source
@@ -141,7 +149,9 @@ class PagedCausalLM(torch.nn.Module):
             self.fused_reason = "fused_ops defaults to off on the CPU"
         if self.fused_reason is None:  # before the KV pool: it is sized from what is left
             positions = shape.blocks_per_seq(max_model_len) * block_size
-            self.fused = fuse(hf_model, positions)
+            self.fused = (
+                fuse(hf_model, positions) if tp is None else _tp_fuse(hf_model, positions, tp)
+            )
         elif fused_ops:
             log.warning("fused_ops: %s; running transformers' forward", self.fused_reason)
         self.lora = None  # LoRA adapters (lora_slots.LoraManager) with max_loras > 0
@@ -204,20 +214,26 @@ class PagedCausalLM(torch.nn.Module):
         logits: str = "all",
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        tp=None,
     ) -> "PagedCausalLM":
         """From a local model directory's checkpoint (``load.load_model``: checked before
         anything is allocated, the weights and this KV cache against the free memory); with
         ``random_weights`` (a config object, benchmarks), weights drawn from ``seed``.
         ``max_step_tokens``: the most tokens a step runs (the scheduler's token budget; default
         ``DEFAULT_STEP_TOKENS``); on CUDA a step of that size is measured before the pool is
-        sized (models/hf/step_memory.py). ``logits``: see the class docstring."""
+        sized (models/hf/step_memory.py). ``logits``: see the class docstring. ``tp``: a
+        ``tp.TPGroup``: load only this rank's part of the model (models/hf/tp.py)."""
         register()
         config = load_config(source)
+        if tp is not None:  # the rank's KV heads
+            from .tp import rank_config, split_of
+
+            config = rank_config(config, split_of(config, tp.size, tp.rank, str(source)))
         shape = kv_shape(config, dtype, block_size)
         tokens = kv_cache_tokens
         if tokens is None:  # the pool's least: one max_model_len sequence (blocks on demand)
             tokens = shape.blocks_per_seq(max_model_len) * block_size
-        hf = load_model(
+        hf = (load_model if tp is None else _tp_loader(tp))(
             source,
             dtype=dtype,
             device=device,
@@ -239,6 +255,7 @@ class PagedCausalLM(torch.nn.Module):
             logits=logits,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            tp=tp,
         )
 
     def _pool(self, shape, blocks: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -368,3 +385,17 @@ class PagedCausalLM(torch.nn.Module):
             StaticInput(name="seq_lens", per="req", dtype=torch.int32, pad=0),
             StaticInput(name="query_start_loc", per="req+1", dtype=torch.int32, pad="last"),
         ] + ([] if self.lora is None else [LORA_SLOTS_INPUT])
+
+
+def _tp_fuse(hf_model, positions: int, tp) -> FusedDecoder:
+    from .tp import tp_fuse
+
+    return tp_fuse(hf_model, positions, tp)
+
+
+def _tp_loader(tp):
+    from functools import partial
+
+    from .tp_load import load_tp_model
+
+    return partial(load_tp_model, tp=tp)

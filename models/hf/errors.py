@@ -28,3 +28,8 @@ class CheckpointMismatchError(ModelLoadError):
 
 class ModelMemoryError(ModelLoadError):
     """The weights and the KV cache would not fit in the device's free memory."""
+
+
+class TensorParallelError(ModelConfigError):
+    """The checkpoint cannot be split over the plan's ``tensor_parallel_size`` ranks (a head or
+    MLP count the TP size does not divide)."""

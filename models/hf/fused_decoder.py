@@ -133,9 +133,10 @@ def _relay_biases(linears) -> torch.Tensor | None:
     return None if linears[0].bias is None else relay([m.bias for m in linears])
 
 
-def fuse(hf, max_positions: int) -> "FusedDecoder":
+def fuse(hf, max_positions: int, decoder=None) -> "FusedDecoder":
     """Lay ``hf``'s weights out for the fused forward (module docstring); ``hf`` must pass
-    ``why_not_fused``. ``max_positions``: rows of the rotary tables (positions 0..n-1)."""
+    ``why_not_fused``. ``max_positions``: rows of the rotary tables (positions 0..n-1).
+    ``decoder``: the class to build (``FusedDecoder``'s signature; tp.py's for a TP rank)."""
     layers = []
     for layer in hf.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -160,7 +161,7 @@ def fuse(hf, max_positions: int) -> "FusedDecoder":
         )
         if layers[-1].qkv.is_cuda:  # the originals' blocks back to the device, for the next cat
             torch.cuda.empty_cache()
-    fused = FusedDecoder(hf, layers, max_positions)
+    fused = (decoder or FusedDecoder)(hf, layers, max_positions)
     fused.warm_up()
     return fused
 
@@ -217,7 +218,7 @@ class FusedDecoder:
         (after the final norm), without the LM head. ``lora_slots`` ``[T]``: each token's LoRA
         adapter slot (-1: none; ``lora_slots.py``)."""
         self.lora_step = None if self.lora is None else self.lora.step(lora_slots)
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = self.embedding(input_ids)  # [T, hidden]
         residual = None
         step = self.step_inputs(positions, graphplan)
         for layer in self.layers:
@@ -226,7 +227,18 @@ class FusedDecoder:
             h = rmsnorm(h, self.norm, self.eps)
         else:
             h, _ = add_rmsnorm_(h, residual, self.norm, self.eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias) if head else h
+        return self.head(h) if head else h
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head, self.lm_head_bias)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of o_proj's / down_proj's output (tp.py); one
+        rank: ``x``."""
+        return x
 
     def step_inputs(self, positions: torch.Tensor, graphplan) -> tuple:
         """What every layer of one step reads: (positions, position_ids, graphplan, the attention
@@ -251,7 +263,8 @@ class FusedDecoder:
         h = silu_mul(
             self._lora(F.linear(h, layer.gate_up, layer.gate_up_bias), h, layer, "gate_up")
         )
-        return self._lora(F.linear(h, layer.down, layer.down_bias), h, layer, "down"), residual
+        down = self._lora(F.linear(h, layer.down, layer.down_bias), h, layer, "down")
+        return self.reduce(down), residual
 
     def _lora(self, y, x, layer: FusedLayer, group: str) -> torch.Tensor:
         """``y`` (projection ``group`` of ``x``) plus the step's LoRA update, if any."""
@@ -282,4 +295,4 @@ class FusedDecoder:
             graphplan=graphplan,
         )
         out = out.reshape(tokens, -1)
-        return self._lora(F.linear(out, layer.o_proj, layer.o_bias), out, layer, "o")
+        return self.reduce(self._lora(F.linear(out, layer.o_proj, layer.o_bias), out, layer, "o"))

@@ -210,6 +210,12 @@ def _build(config, dtype: torch.dtype, device: torch.device, attn_implementation
     return model
 
 
+def build_model(config, dtype: torch.dtype, device, attn_implementation: str):
+    """``config``'s model class in ``dtype`` on ``device``, uninitialised (models/hf/tp_load.py
+    builds a tensor-parallel rank's model with it)."""
+    return _build(config, dtype, torch.device(device), attn_implementation)
+
+
 def load_model(
     source,
     *,
@@ -263,25 +269,42 @@ def init_random(model, seed: int) -> None:
     float32 and the scale one rounded multiply, so every device gives the same bits. Norm
     weights 1; embeddings std 1 (so the context, not only the last token, moves the argmax); every
     other weight and bias std 0.02. A tied head shares the embedding."""
-    key = seed_key(seed)
-    embed = model.get_input_embeddings().weight
-    # a tied head is listed once, as the embedding
-    for i, (name, p) in enumerate(model.named_parameters()):
-        if "norm" in name.split(".")[-2]:
+    for name, p, std in random_params(model, seed):
+        if std is None:
             p.fill_(1.0)
             continue
-        std = 1.0 if p is embed else 0.02
-        scale = torch.tensor(std / _IRWIN_HALL_STD, dtype=torch.float32, device=p.device)
-        p_key = mix32(key ^ mix32((i * 0x2545F491 + 0x68E31DA4) & M32))
         flat = p.view(-1)
         if flat.numel() > M32:
             raise ModelLoadError(f"{name}: {flat.numel()} elements, more than random weights index")
         for lo in range(0, flat.numel(), _CHUNK):
             j = torch.arange(lo, min(lo + _CHUNK, flat.numel()), dtype=torch.int64, device=p.device)
-            h1 = mix32(j ^ p_key)
-            h2 = mix32(h1 ^ 0x5BD1E995)
-            s = (h1 & 0xFFFF) + (h1 >> 16) + (h2 & 0xFFFF) + (h2 >> 16) - _IRWIN_HALL_MEAN
-            flat[lo : lo + j.numel()].copy_(s.float() * scale)
+            flat[lo : lo + j.numel()].copy_(random_values(std, j))
+
+
+def random_params(model, seed: int):
+    """(name, parameter, std or None for a norm weight of 1) for every parameter ``init_random``
+    draws, ``std`` carrying the parameter's key (see ``random_values``); a tied head is listed
+    once, as the embedding."""
+    key = seed_key(seed)
+    embed = model.get_input_embeddings().weight
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if "norm" in name.split(".")[-2]:
+            yield name, p, None
+            continue
+        p_key = mix32(key ^ mix32((i * 0x2545F491 + 0x68E31DA4) & M32))
+        yield name, p, (1.0 if p is embed else 0.02, p_key)
+
+
+def random_values(std, j: torch.Tensor) -> torch.Tensor:
+    """float32 values of the elements at flat indices ``j`` (int64, on the parameter's device) of
+    the parameter whose ``(std, key)`` ``random_params`` gave: the same for a whole parameter and
+    for any part of it (a tensor-parallel shard draws only its own elements)."""
+    std, p_key = std
+    scale = torch.tensor(std / _IRWIN_HALL_STD, dtype=torch.float32, device=j.device)
+    h1 = mix32(j ^ p_key)
+    h2 = mix32(h1 ^ 0x5BD1E995)
+    s = (h1 & 0xFFFF) + (h1 >> 16) + (h2 & 0xFFFF) + (h2 >> 16) - _IRWIN_HALL_MEAN
+    return s.float() * scale
 
 
 def eos_token_ids(source) -> tuple[int, ...]:

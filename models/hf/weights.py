@@ -161,6 +161,16 @@ class CheckpointReader:
             return handle.get_tensor(name)
         return handle[name]
 
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``get(name).narrow(dim, start, stop - start)`` reading only those elements from the
+        file (safetensors ``get_slice``; a ``.bin`` is mapped, so only the part is paged in):
+        a tensor-parallel rank's shard (models/hf/tp.py), ``dim`` 0 or 1."""
+        handle = self._handles[self.infos[name].file]
+        if self.weights.format == "safetensors":
+            part = handle.get_slice(name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+        return handle[name].narrow(dim, start, stop - start)
+
 
 def _listing(handle, fmt: str, path: Path):
     if fmt == "bin":

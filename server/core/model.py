@@ -139,8 +139,19 @@ def compiled_model(spec: ServingSpec, model: Model):
 
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
     """A compiled table (``.json``; overrides not allowed) or a plan compiled now
-    (graphplan.compiler.plan_or_table; the YAML stack only when a plan is given)."""
-    return load_table_or_plan(str(path), overrides)[0]
+    (graphplan.compiler.plan_or_table; the YAML stack only when a plan is given). A plan with
+    ``tensor_parallel_size`` > 1 is refused: the server starts no per-rank engines yet."""
+    table = load_table_or_plan(str(path), overrides)[0]
+    tp = table.settings.tensor_parallel_size
+    if tp > 1:
+        from graphplan.compiler.errors import GraphplanError
+
+        raise GraphplanError(
+            f"{path}: parallel.tensor_parallel_size={tp}: graphplan-serve does not start one "
+            "engine process per rank yet (the sharded model is built: models/hf/tp.py); serve "
+            "with --set parallel.tensor_parallel_size=1"
+        )
+    return table
 
 
 def parse_sets(pairs: list[str] | None) -> dict:
