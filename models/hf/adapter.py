@@ -129,11 +129,8 @@ class PagedCausalLM(torch.nn.Module):
         super().__init__()
         self.tp = tp
         """This rank's ``tp.TPGroup`` when ``hf_model`` is one rank's part (``tp_load``), else None."""
-        if tp is not None and max_loras:
-            raise ValueError(
-                "LoRA adapters with tensor parallelism are not built: their A/B weights are not "
-                "sharded (serve LoRA at parallel.tensor_parallel_size 1)"
-            )
+        if tp is not None and max_loras:  # their A/B weights are not sharded
+            raise ValueError("LoRA with tensor parallelism is not built: use TP 1 for adapters")
         if logits not in ("all", "rows"):
             raise ValueError(f"logits must be 'all' or 'rows', not {logits!r}")
         self.source = source
