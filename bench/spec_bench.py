@@ -91,7 +91,7 @@ def step_times(a, device) -> dict[int, float]:
         batch = model.make_batch([(0, a.context, [7] * q)])
         rows = torch.arange(q, device=device)
 
-        def step(batch=batch, q=q, rows=rows, runner=runner):
+        def step(batch=batch, q=q, rows=rows, runner=runner, model=model):
             return model.logits(runner.step(batch, 1, q), rows)
 
         with torch.no_grad():
