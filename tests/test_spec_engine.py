@@ -28,7 +28,9 @@ NGRAM = parse_speculative_config(
 )
 
 
-def plan(q: int, mode: str = "FULL_AND_PIECEWISE", seqs: int = 8, sizes=(1, 2, 4, 8, 16, 32)) -> str:
+def plan(
+    q: int, mode: str = "FULL_AND_PIECEWISE", seqs: int = 8, sizes=(1, 2, 4, 8, 16, 32)
+) -> str:
     return (
         f"version: 1\nname: spec{q}\n"
         f"scheduler: {{max_num_seqs: {seqs}, max_num_batched_tokens: 64, decode_query_len: {q}}}\n"
@@ -75,7 +77,10 @@ def test_greedy_alone_is_identical_and_drafts_are_accepted(engines):
 def test_greedy_in_busy_batches_with_arrivals_and_stops_is_identical(engines):
     free = run(engines[False], [[(repeating(i, 6 + i), 20, (), GREEDY) for i in range(6)]])
     waves = [
-        [(repeating(i, 6 + i), 20, (free[i][0][5 + i % 7],) if i % 2 else (), GREEDY) for i in range(6)],
+        [
+            (repeating(i, 6 + i), 20, (free[i][0][5 + i % 7],) if i % 2 else (), GREEDY)
+            for i in range(6)
+        ],
         [(prompt(10 + i, 5), 9 + i, (), GREEDY) for i in range(4)],
         [(repeating(20 + i, 3), 25 - i, (), GREEDY) for i in range(3)],
     ]
@@ -88,22 +93,26 @@ def test_greedy_in_busy_batches_with_arrivals_and_stops_is_identical(engines):
 def test_seeded_sampling_and_logprobs_are_the_same_tokens(engines):
     """One-hot (n-gram) acceptance is coupled to the sampler's noise: a seed gives the very tokens
     it gives without speculation, and each token's logprobs come from the row that produced it."""
+
     def params(i):
         return SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=100 + i, max_tokens=None)
 
     def collect(e):
         sink = QueueSink()
-        reqs = [
-            Request(repeating(i, 8), 16, sink, params(i), tag=i, logprobs=3) for i in range(4)
-        ]
+        reqs = [Request(repeating(i, 8), 16, sink, params(i), tag=i, logprobs=3) for i in range(4)]
         e.enqueue(reqs)
         got: dict = {}
         done = 0
         while done < len(reqs):
             tag, kind, value = sink.get(30)
             if kind == "token":
-                got.setdefault(tag, []).append((value.token, round(value.logprob, 4),
-                                                 tuple((t, round(v, 4)) for t, v in value.top)))
+                got.setdefault(tag, []).append(
+                    (
+                        value.token,
+                        round(value.logprob, 4),
+                        tuple((t, round(v, 4)) for t, v in value.top),
+                    )
+                )
             elif kind in ("done", "error"):
                 done += 1
         _wait_idle(e)
@@ -146,8 +155,13 @@ def test_preemption_in_a_small_kv_pool_is_identical_and_leaks_no_block(hf_dir):
     waves = [[(repeating(i, 12), 36, (), GREEDY) for i in range(4)]]
     got = {}
     for speculative in (None, NGRAM):
-        e = _engine(spec, plan(1 + K if speculative else 1, mode="FULL_DECODE_ONLY", seqs=4,
-                               sizes=(1, 2, 4, 8, 16)), speculative)
+        e = _engine(
+            spec,
+            plan(
+                1 + K if speculative else 1, mode="FULL_DECODE_ONLY", seqs=4, sizes=(1, 2, 4, 8, 16)
+            ),
+            speculative,
+        )
         try:
             got[speculative is not None] = run(e, waves)
             assert e.metrics.value("graphplan_server_preemptions_total") > 0
@@ -160,11 +174,14 @@ def test_preemption_in_a_small_kv_pool_is_identical_and_leaks_no_block(hf_dir):
 
 
 def test_a_plan_without_q_equal_1_plus_k_is_refused(engines):
-    with pytest.raises(SpeculativeConfigError, match="decode_query_len 1: set scheduler.decode_query_len: 4"):
+    with pytest.raises(
+        SpeculativeConfigError, match="decode_query_len 1: set scheduler.decode_query_len: 4"
+    ):
         Engine(load_table_from_text(plan(1)), "plan.yaml", spec=SPEC, speculative=NGRAM)
     e = engines[True]
     # a reload to a plan of another q keeps the old one (422)
-    import tempfile, os
+    import os
+    import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "p.yaml")
@@ -199,8 +216,14 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted(hf_dir, other_dir)
         [(repeating(9, 7), 12, (), GREEDY)],
     ]
     got = {}
-    for name, speculative in (("off", None), ("self", _draft(hf_dir)), ("other", _draft(other_dir))):
-        e = _engine(spec, plan(1 + K if speculative else 1, seqs=4, sizes=(1, 2, 4, 8, 16)), speculative)
+    for name, speculative in (
+        ("off", None),
+        ("self", _draft(hf_dir)),
+        ("other", _draft(other_dir)),
+    ):
+        e = _engine(
+            spec, plan(1 + K if speculative else 1, seqs=4, sizes=(1, 2, 4, 8, 16)), speculative
+        )
         try:
             got[name] = run(e, waves)
             assert e.metrics.value("graphplan_server_preemptions_total") > 0
@@ -217,8 +240,13 @@ def test_a_draft_model_equal_to_the_target_is_always_accepted(hf_dir, other_dir)
 
 def test_a_draft_with_another_vocabulary_is_refused(hf_dir, tmp_path):
     other = write_model_dir(tmp_path / "v", vocab=200)
-    e = Engine(load_table_from_text(plan(1 + K)), "plan.yaml", progress=False, speculative=_draft(other),
-               spec=HFSpec(model=str(hf_dir), max_model_len=64))
+    e = Engine(
+        load_table_from_text(plan(1 + K)),
+        "plan.yaml",
+        progress=False,
+        speculative=_draft(other),
+        spec=HFSpec(model=str(hf_dir), max_model_len=64),
+    )
     e.start()
     assert not e.wait_ready(60)
     assert isinstance(e.error, SpeculativeConfigError) and "vocab_size 200" in str(e.error)

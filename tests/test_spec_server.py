@@ -31,8 +31,12 @@ PROMPTS = ["w1 w7 w30 w1 w7 w30 w1 w7", "w4 w2 w4 w2 w4", "w9"]
 
 def _served(tmp_path_factory, model_dir, speculative):
     s = start_server(
-        tmp_path_factory, model_dir, plan(3 if speculative else 1), max_model_len=64,
-        speculative=speculative, processes=True,
+        tmp_path_factory,
+        model_dir,
+        plan(3 if speculative else 1),
+        max_model_len=64,
+        speculative=speculative,
+        processes=True,
     )
     try:
         c = openai_client(s)
@@ -42,7 +46,11 @@ def _served(tmp_path_factory, model_dir, speculative):
         streamed = "".join(
             ch.choices[0].text
             for ch in c.completions.create(
-                model="m", prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
+                model="m",
+                prompt=PROMPTS[1],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
                 stop=[stop] if stop else None,
             )
         )
@@ -61,7 +69,9 @@ def test_the_openai_client_gets_the_same_text_with_and_without_speculation(tmp_p
     assert "graphplan_spec_decode_num_drafts_total" not in off[2]
     drafts = _sample(on[2], "graphplan_spec_decode_num_draft_tokens_total")
     assert drafts > 0 and drafts % 2 == 0
-    assert _sample(on[2], 'graphplan_spec_decode_num_accepted_tokens_per_pos_total{position="1"}') >= 0
+    assert (
+        _sample(on[2], 'graphplan_spec_decode_num_accepted_tokens_per_pos_total{position="1"}') >= 0
+    )
 
 
 def _sample(text: str, name: str) -> float:
@@ -75,14 +85,32 @@ def _sample(text: str, name: str) -> float:
     "config, q, message",
     [
         ("{nope", 3, "--speculative-config: not JSON"),
-        ('{"method": "ngram", "num_speculative_tokens": 2}', 1,
-         "scheduler.decode_query_len 1: set scheduler.decode_query_len: 3"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2}',
+            1,
+            "scheduler.decode_query_len 1: set scheduler.decode_query_len: 3",
+        ),
     ],
 )
 def test_the_flag_s_errors_exit_2(tmp_path, capsys, config, q, message):
     path = tmp_path / "plan.yaml"
     path.write_text(plan(q))
-    code = main(["--plan", str(path), "--layers", "2", "--hidden", "64", "--vocab-size", "128",
-                 "--max-model-len", "48", "--speculative-config", config, "--no-progress"])
+    code = main(
+        [
+            "--plan",
+            str(path),
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--vocab-size",
+            "128",
+            "--max-model-len",
+            "48",
+            "--speculative-config",
+            config,
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from graphplan.models.counter_hash import seed_key
 from graphplan.models.tiny_llama import TinyLlama
+from graphplan.server.core.model import ModelSpec
 from graphplan.server.core.sampling import Sampler
 from graphplan.server.core.spec.config import (
     SpeculativeConfigError,
@@ -24,7 +25,6 @@ from graphplan.server.core.spec.config import (
 )
 from graphplan.server.core.spec.ngram import ngram_propose
 from graphplan.server.core.spec.verify import accepted, rejection_sample, target_tokens
-from graphplan.server.core.model import ModelSpec
 from graphplan.server.sampling_params import SamplingParams
 
 VOCAB, N, PROMPT = 6, 2000, [1, 4, 2]
@@ -33,7 +33,9 @@ VOCAB, N, PROMPT = 6, 2000, [1, 4, 2]
 # -- greedy acceptance --------------------------------------------------------------------------
 @given(st.lists(st.integers(0, 3), max_size=6), st.data())
 def test_accepted_is_the_matching_prefix_then_the_targets_token(drafts, data):
-    target = data.draw(st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1))
+    target = data.draw(
+        st.lists(st.integers(0, 3), min_size=len(drafts) + 1, max_size=len(drafts) + 1)
+    )
     got = accepted(drafts, target)
     a = next((j for j, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
     assert got == drafts[:a] + [target[a]]
@@ -53,12 +55,21 @@ def _brute(seq: list[int], k: int, hi: int, lo: int) -> list[int]:
             if seq[i : i + n] == seq[-n:]:
                 ext = list(seq)
                 for _ in range(k):
-                    ext.append(ext[i + n + len(ext) - len(seq)] if i + n + len(ext) - len(seq) < len(ext) else ext[-1])
+                    ext.append(
+                        ext[i + n + len(ext) - len(seq)]
+                        if i + n + len(ext) - len(seq) < len(ext)
+                        else ext[-1]
+                    )
                 return ext[len(seq) :]
     return []
 
 
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 5), st.integers(1, 4), st.integers(1, 4))
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=30),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(1, 4),
+)
 def test_ngram_drafts_follow_the_most_recent_earlier_occurrence(seq, k, a, b):
     lo, hi = min(a, b), max(a, b)
     got = ngram_propose(seq, k, hi, lo)
@@ -78,12 +89,27 @@ def test_ngram_examples():
 # -- config ---------------------------------------------------------------------------------------
 def test_config_parses_vllms_spelling_and_checks_the_plan():
     c = parse_speculative_config(
-        json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                    "prompt_lookup_min": 2})
+        json.dumps(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+        )
     )
-    assert (c.method, c.k, c.prompt_lookup_max, c.prompt_lookup_min, c.query_len) == ("ngram", 3, 4, 2, 4)
+    assert (c.method, c.k, c.prompt_lookup_max, c.prompt_lookup_min, c.query_len) == (
+        "ngram",
+        3,
+        4,
+        2,
+        4,
+    )
     check_plan(c, 4)
-    with pytest.raises(SpeculativeConfigError, match="scheduler.decode_query_len 1: set scheduler.decode_query_len: 4"):
+    with pytest.raises(
+        SpeculativeConfigError,
+        match="scheduler.decode_query_len 1: set scheduler.decode_query_len: 4",
+    ):
         check_plan(c, 1)
 
 
@@ -93,12 +119,18 @@ def test_config_parses_vllms_spelling_and_checks_the_plan():
         ("{", "not JSON"),
         ("[1]", "must be a JSON object"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
-        ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens: 0 must be an integer in 1..16"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 0}',
+            r"num_speculative_tokens: 0 must be an integer in 1..16",
+        ),
         ('{"method": "ngram", "num_speculative_tokens": true}', "must be an integer"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not built"),
         ('{"method": "magic", "num_speculative_tokens": 2}', "'magic' is not a method"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}', "exceeds prompt_lookup_max"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
+            "exceeds prompt_lookup_max",
+        ),
         ("x" * 5000, "5000 characters"),
     ],
 )
@@ -146,7 +178,9 @@ def _speculative(conditionals, seeds: list[int], k: int, one_hot: bool) -> list[
             for _ in range(kk):
                 q = _draft_q(conditionals[ctx], ctx)
                 t = int(q.argmax()) if one_hot else int(torch.multinomial(q, 1, generator=gen))
-                qi.append(torch.nn.functional.one_hot(torch.tensor(t), VOCAB).double() if one_hot else q)
+                qi.append(
+                    torch.nn.functional.one_hot(torch.tensor(t), VOCAB).double() if one_hot else q
+                )
                 pi.append(conditionals[ctx])
                 d.append(t)
                 ctx = ctx + (t,)
@@ -156,8 +190,11 @@ def _speculative(conditionals, seeds: list[int], k: int, one_hot: bool) -> list[
             qs.append(torch.stack(qi) if qi else torch.zeros(0, VOCAB, dtype=torch.float64))
         steps = torch.tensor([len(got[i]) for i in idx])
         n_acc, toks = rejection_sample(
-            torch.stack(ps), torch.stack(qs), torch.tensor(drafts, dtype=torch.int64).view(len(idx), kk),
-            keys[idx], steps,
+            torch.stack(ps),
+            torch.stack(qs),
+            torch.tensor(drafts, dtype=torch.int64).view(len(idx), kk),
+            keys[idx],
+            steps,
         )
         for i, a, t in zip(idx, n_acc.tolist(), toks.tolist()):
             got[i] += t[: a + 1]
@@ -226,7 +263,9 @@ def _counts(samples) -> dict:
 
 
 @pytest.mark.parametrize("one_hot", [False, True], ids=["draft-q", "one-hot"])
-def test_rejection_sampling_gives_the_targets_distribution_and_seeds_reproduce(conditionals, one_hot):
+def test_rejection_sampling_gives_the_targets_distribution_and_seeds_reproduce(
+    conditionals, one_hot
+):
     seeds = list(range(N))
     spec = _speculative(conditionals, seeds, 2, one_hot)
     plain = _plain(conditionals, list(range(N, 2 * N)))
@@ -262,5 +301,7 @@ def test_target_tokens_at_offsets_are_the_samplers_later_steps():
         t = a.sample(logits[j : j + 1], torch.tensor([0]), logprobs=False).token_ids
         a.update([0], t)
         one += t.tolist()
-    together = target_tokens(b, logits, torch.zeros(4, dtype=torch.int64), torch.arange(4), logprobs=False)
+    together = target_tokens(
+        b, logits, torch.zeros(4, dtype=torch.int64), torch.arange(4), logprobs=False
+    )
     assert together.token_ids.tolist() == one

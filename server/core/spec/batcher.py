@@ -102,7 +102,7 @@ class SpecBatcher(ContinuousBatcher):
             if drafts:
                 r.computed = start + len(out)  # the last token and the drafts kept
                 if self.kv_pool is not None:
-                    getattr(self.kv_pool, "truncate")(row, r.computed)
+                    self.kv_pool.truncate(row, r.computed)
             else:
                 r.computed += len(toks)
             for tok in out:

@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 
 from graphplan.models.counter_hash import M32, mix32
-from ..sampling import Sampler, SampleOutput, gumbel_noise, noise_row_keys, vocab_keys
+
+from ..sampling import SampleOutput, Sampler, gumbel_noise, noise_row_keys, vocab_keys
 
 
 def accepted(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
@@ -107,4 +108,3 @@ def rejection_sample(
     tokens = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
     tokens.scatter_(1, num_accepted[:, None], drawn.gather(1, num_accepted[:, None]))
     return num_accepted, tokens
-
