@@ -124,7 +124,10 @@ def test_config_parses_vllms_spelling_and_checks_the_plan():
             r"num_speculative_tokens: 0 must be an integer in 1..16",
         ),
         ('{"method": "ngram", "num_speculative_tokens": true}', "must be an integer"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model applies to method 'draft_model' only"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}',
+            "model applies to method 'draft_model' only",
+        ),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not built"),
         ('{"method": "magic", "num_speculative_tokens": 2}', "'magic' is not a method"),
         (

@@ -1,0 +1,86 @@
+"""Speculative decoding on CUDA through the HF path (PagedCausalLM, the Triton paged attention,
+graphs captured on the device): greedy output identical with and without speculation (n-gram
+and a draft model equal to the target, alone, in a busy batch and with preemption), float32 so
+that the q = 1 + k verify step and the q = 1 step round alike; a draft equal to the target is
+always accepted; the uniform steps replay the table's q-multiple FULL graphs. bfloat16: a draft
+equal to the target is accepted almost always (the draft's q = 1 step and the verify step of
+q = 4 may round a near-tie apart). Skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+from test_async_scheduling import prompt, run
+from test_spec_engine import NGRAM, K, _accepted, _draft, plan, repeating
+
+from graphplan.models.hf import load_model
+from graphplan.server.core.hf_model import HFSpec
+from graphplan.server.requests import GREEDY
+
+from hf_models import small_config, write_tokenizer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "m"
+    config = small_config("llama", hidden=128, heads=4, kv_heads=2, layers=2)
+    load_model(config, seed=0, attn_implementation="eager", random_weights=True).save_pretrained(
+        path
+    )
+    return write_tokenizer(path)
+
+
+WAVES = [
+    [(prompt(i, 5 + i), 30 - i, (), GREEDY) for i in range(4)],
+    [([7] * 6, 20, (), GREEDY), (repeating(9, 7), 12, (), GREEDY)],
+]
+
+
+@pytest.mark.parametrize("kv_tokens", [None, 96], ids=["roomy", "preempting"])
+def test_greedy_identity_on_cuda(llama_dir, kv_tokens):
+    spec = HFSpec(
+        model=str(llama_dir), max_model_len=64, dtype="float32", kv_cache_tokens=kv_tokens
+    )
+    got, full = {}, {}
+    for name, speculative in (("off", None), ("ngram", NGRAM), ("self", _draft(llama_dir))):
+        text = plan(1 + K if speculative else 1, seqs=4, sizes=(1, 2, 4, 8, 16))
+        e = _cuda_engine(spec, text, speculative)
+        try:
+            got[name] = run(e, WAVES)
+            assert e.kv_blocks_used() == 0
+            if kv_tokens:
+                assert e.metrics.value("graphplan_server_preemptions_total") > 0
+            drafted = e.metrics.value("graphplan_spec_decode_num_draft_tokens_total")
+            if name == "self":
+                assert drafted > 30 and _accepted(e) == drafted
+            full[name] = e.runner.stats()["replays_by_mode"].get("FULL", 0)
+        finally:
+            e.stop(5)
+    assert got["ngram"] == got["off"] and got["self"] == got["off"]
+    assert full["self"] > 10  # q-multiple FULL graphs ran
+
+
+def test_bfloat16_draft_equal_to_the_target_is_accepted_almost_always(llama_dir):
+    spec = HFSpec(model=str(llama_dir), max_model_len=64, dtype="bfloat16")
+    e = _cuda_engine(spec, plan(1 + K, seqs=4, sizes=(1, 2, 4, 8, 16)), _draft(llama_dir))
+    try:
+        run(e, WAVES)
+        drafted = e.metrics.value("graphplan_spec_decode_num_draft_tokens_total")
+        assert drafted > 30 and _accepted(e) >= 0.9 * drafted
+    finally:
+        e.stop(5)
+
+
+def _cuda_engine(spec, text, speculative):
+    from test_server import load_table_from_text
+
+    from graphplan.server import Engine
+
+    e = Engine(
+        load_table_from_text(text), "plan.yaml", spec=spec, device="cuda", progress=False,
+        speculative=speculative,
+    )  # fmt: skip
+    e.start()
+    assert e.wait_ready(120), e.error
+    return e
