@@ -19,4 +19,5 @@ def test_the_smoke_run_times_both_steps_and_the_variants_agree(tmp_path):
     steps = dict(re.findall(r"^\| q = (\d) \| ([\d.]+) \|$", text, re.M))
     assert set(steps) == {"1", "4"} and all(float(v) > 0 for v in steps.values())
     assert re.search(r"\| draft = target, k = 3 \| [\d.]+ \| 100\.0% \|", text)
-    assert "- greedy tokens identical in all three variants: **True**" in text
+    assert re.search(r"\| oracle drafts \(the ceiling\), k = 3 \| [\d.]+ \| 100\.0% \|", text)
+    assert "- greedy tokens identical in all four variants: **True**" in text

@@ -8,8 +8,8 @@ These read the source with ``ast``; README's contributing section names this fil
 from __future__ import annotations
 
 import ast
-import sys
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
