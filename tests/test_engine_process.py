@@ -233,6 +233,23 @@ def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1
         proc.stderr.close()
 
 
+async def _until_admitted(port: int, n: int, timeout: float = 30.0) -> None:
+    """Wait until the engine holds ``n`` requests (running or queued for a seat), per /metrics."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, text = await asyncio.to_thread(exchange, ("127.0.0.1", port), "GET", "/metrics")
+        held = sum(
+            float(m)
+            for m in re.findall(
+                r"^graphplan_server_(?:queue_depth|running_requests) ([\d.e+]+)$", text, re.M
+            )
+        )
+        if held >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the engine did not hold {n} requests within {timeout} s")
+
+
 def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
     # streams of 300 tokens in two waves of 8 seats: the drain lasts well past the refusal below
     proc, port, engine = _start_cli(plan, "--api-server-count", "2", "--max-model-len", "320")
@@ -241,7 +258,7 @@ def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
 
         async def run():
             clients = asyncio.create_task(_stream_all(port, 16, 300))
-            await asyncio.sleep(0.8)
+            await _until_admitted(port, 16)  # on a loaded machine 0.8 s may not be enough
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.2)
             post = (("127.0.0.1", port), "POST", "/generate", {"prompt": [1]})
