@@ -64,8 +64,17 @@ def decode_steps(model, a, device, batches) -> dict[int, float]:
     return out
 
 
-def comm_time(cfg, a, batch: int, device) -> float:
-    """The step's collectives of ``batch`` tokens (step_collectives), one CUDA graph, replayed."""
+def comm_time(cfg, a, batch: int, device, symm: bool = False) -> float | str:
+    """The step's collectives of ``batch`` tokens (step_collectives), one CUDA graph, replayed;
+    ``symm``: the all-reduces by symmetric memory (tp_symm, a buffer of their size)."""
+    reducer = None
+    if symm:
+        from graphplan.models.hf.tp_symm import symm_reducer
+
+        elements = step_collectives(cfg, a.tp, batch)[0].elements
+        reducer = symm_reducer(dist.group.WORLD, device, 2 * elements)
+        if reducer is None:
+            return "unavailable"
     tensors = []
     for c in step_collectives(cfg, a.tp, batch):
         x = torch.randn(c.elements, device=device, dtype=torch.bfloat16)
@@ -75,7 +84,9 @@ def comm_time(cfg, a, batch: int, device) -> float:
     def body():
         for c, x, out in tensors:
             for _ in range(c.count):
-                if out is None:
+                if out is None and reducer is not None:
+                    reducer.all_reduce_(x)
+                elif out is None:
                     dist.all_reduce(x)
                 else:
                     dist.all_gather_into_tensor(out, x)
@@ -97,8 +108,13 @@ def rank_worker(rank: int, world: int, a, out_dir: str) -> None:
     if a.capture_plan:
         table = compile_plan(a.capture_plan, parse_overrides(["cudagraph.mode=FULL_DECODE_ONLY"]))
     seats = max(max(a.batches), table.max_num_seqs if table else 0)
-    model, load_s = load(a, cfg, seats, TPGroup(rank, world, dist.group.WORLD))
-    result: dict = {"load_s": load_s}
+    symm = None
+    if a.allreduce == "symm":
+        from graphplan.models.hf.tp_symm import symm_reducer
+
+        symm = symm_reducer(dist.group.WORLD, device)
+    model, load_s = load(a, cfg, seats, TPGroup(rank, world, dist.group.WORLD, symm))
+    result: dict = {"load_s": load_s, "symm": symm is not None}
     if table is not None:  # first: it includes the attention kernels' first compile
         runner, seconds = captured(model, table, device)
         runner.release()
@@ -111,8 +127,10 @@ def rank_worker(rank: int, world: int, a, out_dir: str) -> None:
     result["rows"] = []
     for b in a.batches:
         floor = floor_step(model.hf, a, device, b, a.context)
+        comm = comm_time(cfg, a, b, device)
+        comm_symm = comm_time(cfg, a, b, device, symm=True)
         result["rows"].append(
-            {"batch": b, "step": steps[b], "floor": floor, "comm": comm_time(cfg, a, b, device)}
+            {"batch": b, "step": steps[b], "floor": floor, "comm": comm, "comm_symm": comm_symm}
         )
     del model
     gc.collect()

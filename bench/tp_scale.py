@@ -84,6 +84,13 @@ def parse_args(argv=None):
         default=str(ROOT / "plans" / "llama3-8b-h100.yaml"),
         help="the plan whose decode graphs are captured and timed as FULL_DECODE_ONLY ('' skips)",
     )
+    p.add_argument(
+        "--allreduce",
+        choices=("nccl", "symm"),
+        default="nccl",
+        help="the model's all-reduce: NCCL, or torch symmetric memory (one-shot) for messages up "
+        "to GRAPHPLAN_TP_SYMM_MAX_BYTES (models/hf/tp_symm.py); comm is timed both ways",
+    )
     p.add_argument("--tp1", action="store_true", help="also TP=1 on rank 0's GPU (batch 1)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
@@ -124,14 +131,18 @@ def report(a, device_name: str, r0: dict) -> tuple[str, bool]:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         f"command: `python bench/tp_scale.py {shlex.join(sys.argv[1:])}`",
         f"layers {shape_of(a)['num_hidden_layers']}; rank model built in {r0['load_s']:.1f} s; "
-        f"context {a.context}; times are ms per step on rank 0",
+        f"context {a.context}; the model's all-reduce: {a.allreduce}"
+        f"{'' if r0.get('symm') or a.allreduce == 'nccl' else ' (unavailable: NCCL)'}; times are ms per step on "
+        "rank 0; floor = GEMMs+SDPA + the lesser comm",
         "",
-        "| batch | step | GEMMs+SDPA (rank) | comm (NCCL) | floor | step/floor | bar | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | step | GEMMs+SDPA (rank) | comm NCCL | comm symm | floor | step/floor | bar "
+        "| tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for row in r0["rows"]:
-        floor = row["floor"] + row["comm"] if isinstance(row["floor"], float) else None
+        comms = [c for c in (row["comm"], row.get("comm_symm")) if isinstance(c, float)]
+        floor = row["floor"] + min(comms) if isinstance(row["floor"], float) else None
         ratio = row["step"] / floor if floor else None
         bar = ""
         if ratio is not None and a.shape == "70b" and a.tp == 4:
@@ -139,6 +150,7 @@ def report(a, device_name: str, r0: dict) -> tuple[str, bool]:
             ok &= ratio <= FLOOR_BAR
         lines.append(
             f"| {row['batch']} | {ms(row['step'])} | {ms(row['floor'])} | {ms(row['comm'])} | "
+            f"{ms(row.get('comm_symm', '-'))} | "
             f"{ms(floor) if floor else '-'} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
             f"{bar} | {row['batch'] / row['step']:.0f} |"
         )
