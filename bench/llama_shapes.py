@@ -36,3 +36,12 @@ SHAPES = {
         max_position_embeddings=4096,
     ),
 }
+SHAPES["70b"] = dict(
+    LLAMA3,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    tie_word_embeddings=False,
+)
+"""Llama-3-70B (80 layers, hidden 8192, 64 heads, 8 KV heads): a tensor-parallel shape (tp_scale)."""

@@ -3,7 +3,8 @@
 sharded on each rank) over NCCL, the all-reduces and the LM head's all-gather captured inside
 FULL and FULL_AND_PIECEWISE graphs: TP=2 logits of decode and mixed steps within the bf16 bound
 (2% of the largest logit, as hf_models.bf16_errors) of TP=1 on the same weights, and the argmax
-equal on at least 95% of the rows (bf16 near-ties)."""
+equal on at least 95% of the rows (bf16 near-ties); the same in FULL graphs with the all-reduces by
+torch symmetric memory (models/hf/tp_symm.py)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,16 @@ def _load(tp=None):
     )
 
 
-def _rank(rank: int, world: int) -> dict:
+def _rank(rank: int, world: int, symm: bool = False, modes=("FULL", "FULL_AND_PIECEWISE")):
     import torch.distributed as dist
 
     from graphplan.models.hf.tp import TPGroup
+    from graphplan.models.hf.tp_symm import symm_reducer
 
-    model = _load(TPGroup(rank, world, dist.group.WORLD))
-    result = {}
-    for mode in ("FULL", "FULL_AND_PIECEWISE"):
+    reducer = symm_reducer(dist.group.WORLD, torch.device("cuda", rank)) if symm else None
+    model = _load(TPGroup(rank, world, dist.group.WORLD, reducer))
+    result: dict = {"symm": reducer is not None}
+    for mode in modes:
         got = _run(model, mode)
         if rank == 0:
             one = _run(_load(), mode)
@@ -92,3 +95,14 @@ def test_tp2_logits_of_an_8b_shape_are_within_bf16_of_tp1_full_and_piecewise(tmp
     for mode in ("FULL", "FULL_AND_PIECEWISE"):
         for err, bound, agree in result[mode]:
             assert err <= bound and agree >= 0.95, (mode, err, bound, agree)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_with_symmetric_memory_all_reduce_is_within_bf16_of_tp1_in_full_graphs(tmp_path):
+    from test_dp_gpu import _spawn
+
+    result = _spawn(_rank, tmp_path, True, ("FULL",))[0]
+    if not result["symm"]:
+        pytest.skip("torch symmetric memory is unavailable on these GPUs")
+    for err, bound, agree in result["FULL"]:
+        assert err <= bound and agree >= 0.95, (err, bound, agree)

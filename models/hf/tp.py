@@ -54,9 +54,13 @@ class TPGroup:
     rank: int
     size: int
     group: object = None
+    symm: object = None
+    """A ``tp_symm.SymmAllReduce`` (the small messages it takes), or None: NCCL/Gloo for all."""
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (the partial sums of a row-parallel GEMM)."""
+        if self.size > 1 and self.symm is not None and self.symm.takes(x):  # type: ignore[attr-defined]
+            return self.symm.all_reduce_(x)  # type: ignore[attr-defined]
         if self.size > 1:
             import torch.distributed as dist
 
