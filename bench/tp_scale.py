@@ -1,6 +1,7 @@
 """Decode under tensor parallelism (issue 37): N ranks (one GPU each, NCCL), each building only its
 shard of a Llama shape from the config (random weights drawn per rank), the decode graphs
-(FULL) captured with the all-reduces inside, beside a TP floor measured in the same run.
+(FULL) captured with the all-reduces inside, beside a TP floor measured in the same run. GPU only:
+N GPUs of one host (multicast off, bench/ranks.py).
 
     python bench/tp_scale.py --tp 2 --shape 8b --tp1 --out tp2.md    # with TP=1 on rank 0's GPU
     python bench/tp_scale.py --tp 4 --shape 70b --out tp4.md
