@@ -95,3 +95,24 @@ def test_rank_zero_schedules_and_a_follower_gives_the_greedy_tokens_of_one_rank(
 def test_a_step_message_round_trips():
     reqs = [(2, 5, [1]), (0, 0, [7, 8, 9]), (3, 1, [])]
     assert decode_step(encode_step(reqs, 2, 3)) == (reqs, 2, 3)
+
+
+def _orphan_worker(rank, world):
+    """Rank 0 says hello and exits; rank 1, following, must fail soon, not hang."""
+    import time
+
+    send = StepSender()
+    if rank == 0:
+        send.hello("t")
+        return {}
+    t0 = time.monotonic()
+    try:
+        follow(None, None, "t")
+    except RuntimeError as exc:  # Gloo: the peer closed its connection
+        return {"error": type(exc).__name__, "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_a_follower_whose_rank_zero_dies_fails_within_seconds(tmp_path):
+    _, r1 = _spawn(_orphan_worker, 2, tmp_path)
+    assert r1["error"] is not None and r1["seconds"] < 30
