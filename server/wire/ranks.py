@@ -1,0 +1,108 @@
+"""The step protocol between tensor-parallel ranks (docs/semantics.md §7.7): rank 0 schedules,
+and before each step it broadcasts what the other ranks need to run the identical step (the
+step's ``reqs``: seat, start and token ids per request; ``num_reqs``; ``max_query_len``), and
+each seat it releases. The other ranks (``follow``) run ``model.make_batch`` and
+``runner.step`` on what they receive, so every rank runs the same collectives in the same
+order. The first message is the table's fingerprint: a rank whose table differs stops with an
+error naming both.
+
+Messages are int64 tensors over a CPU (Gloo) process group: a header ``[op, length]``, then
+``length`` integers. No objects are pickled. Steps are synchronous (a TP engine runs without
+async scheduling: the tokens of a speculated step would have to reach the workers too)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+HELLO, STEP, RELEASE, STOP = 1, 2, 3, 4
+
+
+class RankProtocolError(RuntimeError):
+    """A rank received what it did not expect (another table, an unknown operation)."""
+
+
+def _send(group, op: int, payload: list[int]) -> None:
+    dist.broadcast(torch.tensor([op, len(payload)], dtype=torch.int64), 0, group=group)
+    if payload:
+        dist.broadcast(torch.tensor(payload, dtype=torch.int64), 0, group=group)
+
+
+def _recv(group) -> tuple[int, list[int]]:
+    head = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(head, 0, group=group)
+    op, n = (int(v) for v in head.tolist())
+    if not n:
+        return op, []
+    body = torch.zeros(n, dtype=torch.int64)
+    dist.broadcast(body, 0, group=group)
+    return op, body.tolist()
+
+
+def encode_step(reqs, num_reqs: int, max_query_len: int) -> list[int]:
+    out = [num_reqs, max_query_len, len(reqs)]
+    for seat, start, ids in reqs:
+        out += [int(seat), int(start), len(ids), *(int(t) for t in ids)]
+    return out
+
+
+def decode_step(body: list[int]) -> tuple[list[tuple[int, int, list[int]]], int, int]:
+    num_reqs, max_query_len, n = body[:3]
+    reqs, i = [], 3
+    for _ in range(n):
+        seat, start, k = body[i : i + 3]
+        reqs.append((seat, start, body[i + 3 : i + 3 + k]))
+        i += 3 + k
+    return reqs, num_reqs, max_query_len
+
+
+class StepSender:
+    """Rank 0's side: ``hello`` once, then ``step`` before each of its own steps, ``release``
+    with each of its seat releases, ``stop`` at the end."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def hello(self, fingerprint: str) -> None:
+        _send(self.group, HELLO, list(fingerprint.encode()))
+
+    def step(self, reqs, num_reqs: int, max_query_len: int) -> None:
+        _send(self.group, STEP, encode_step(reqs, num_reqs, max_query_len))
+
+    def release(self, seat: int) -> None:
+        _send(self.group, RELEASE, [int(seat)])
+
+    def stop(self) -> None:
+        _send(self.group, STOP, [])
+
+
+def follow(model, runner, fingerprint: str, group=None) -> int:
+    """A worker rank's loop: run every step rank 0 sends until ``stop``; the number of steps.
+    RankProtocolError when rank 0's table is not this rank's, or when the model runs its LM head
+    outside the graph (``logits="rows"``: rank 0 alone would gather its logits)."""
+    if getattr(model, "logits_mode", "all") != "all":
+        raise RankProtocolError(
+            "tensor-parallel serving needs every token's logits from forward (logits='all'): "
+            "the LM head's all-gather must run inside every rank's step"
+        )
+    op, body = _recv(group)
+    theirs = bytes(body).decode(errors="replace")
+    if op != HELLO or theirs != fingerprint:
+        raise RankProtocolError(
+            f"tensor-parallel rank {dist.get_rank()}: rank 0 serves table {theirs!r}, this rank "
+            f"loaded {fingerprint!r}; start every rank from the same plan and model"
+        )
+    steps = 0
+    while True:
+        op, body = _recv(group)
+        if op == STOP:
+            return steps
+        if op == RELEASE:
+            model.release(body[0])
+        elif op == STEP:
+            reqs, num_reqs, max_query_len = decode_step(body)
+            with torch.no_grad():
+                runner.step(model.make_batch(reqs), num_reqs, max_query_len)
+            steps += 1
+        else:
+            raise RankProtocolError(f"tensor-parallel rank: unknown operation {op} from rank 0")
