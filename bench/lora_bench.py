@@ -30,11 +30,12 @@ import time
 import torch
 
 from graphplan.compiler import compile_plan
-from graphplan.models.hf import ATTN_IMPLEMENTATION, PagedCausalLM, load_model
+from graphplan.models.hf import PagedCausalLM
 from graphplan.models.hf.lora import MODULES, LoraAdapter, projection_shapes
 from graphplan.runtime import GraphRunner
 
 from llama_shapes import SHAPES
+from real_scale import build_model
 from timing import publish, sync, time_per_call
 
 BAR = 1.20
@@ -100,19 +101,11 @@ def plan(batches, max_loras: int, lora: bool) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from transformers import LlamaConfig
-
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = LlamaConfig(**SHAPES[a.shape])
     t0 = time.perf_counter()
-    hf = load_model(
-        cfg,
-        dtype=dtype,
-        device=device,
-        attn_implementation=ATTN_IMPLEMENTATION,
-        random_weights=True,
-    )
+    hf, _ = build_model(a, device)  # real_scale's: the shape's random weights
+    cfg = hf.config
     top = max(a.batches)
     model = PagedCausalLM(
         hf,

@@ -10,25 +10,13 @@ from __future__ import annotations
 
 import pytest
 from test_async_scheduling import prompt, run
+from test_async_scheduling_gpu import llama_dir  # noqa: F401 (a fixture)
 from test_spec_engine import NGRAM, K, _accepted, _draft, plan, repeating
 
-from graphplan.models.hf import load_model
 from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.requests import GREEDY
 
-from hf_models import small_config, write_tokenizer
-
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama") / "m"
-    config = small_config("llama", hidden=128, heads=4, kv_heads=2, layers=2)
-    load_model(config, seed=0, attn_implementation="eager", random_weights=True).save_pretrained(
-        path
-    )
-    return write_tokenizer(path)
 
 
 WAVES = [
@@ -38,7 +26,7 @@ WAVES = [
 
 
 @pytest.mark.parametrize("kv_tokens", [None, 96], ids=["roomy", "preempting"])
-def test_greedy_identity_on_cuda(llama_dir, kv_tokens):
+def test_greedy_identity_on_cuda(llama_dir, kv_tokens):  # noqa: F811
     spec = HFSpec(
         model=str(llama_dir), max_model_len=64, dtype="float32", kv_cache_tokens=kv_tokens
     )
@@ -61,7 +49,7 @@ def test_greedy_identity_on_cuda(llama_dir, kv_tokens):
     assert full["self"] > 10  # q-multiple FULL graphs ran
 
 
-def test_bfloat16_draft_equal_to_the_target_is_accepted_almost_always(llama_dir):
+def test_bfloat16_draft_equal_to_the_target_is_accepted_almost_always(llama_dir):  # noqa: F811
     spec = HFSpec(model=str(llama_dir), max_model_len=64, dtype="bfloat16")
     e = _cuda_engine(spec, plan(1 + K, seqs=4, sizes=(1, 2, 4, 8, 16)), _draft(llama_dir))
     try:
