@@ -121,8 +121,10 @@ def test_seeded_sampling_and_logprobs_are_the_same_tokens(engines):
     assert collect(engines[True]) == collect(engines[False])
 
 
-def test_uniform_steps_replay_the_q_multiple_full_graphs_the_table_routes(engines):
-    e = engines[True]
+def replays_and_routes(e, work) -> tuple[Counter, Counter, list]:
+    """Run ``work()`` on engine ``e`` recording each runner step's (tokens, requests, longest
+    query): the replays per graph it made, the replays ``table.route`` gives for those steps, and
+    the uniform q = 1 + k steps with their routes."""
     steps: list[tuple[int, int, int]] = []
     runner_step = e.runner.step
 
@@ -133,14 +135,23 @@ def test_uniform_steps_replay_the_q_multiple_full_graphs_the_table_routes(engine
     before = {g["id"]: g["replays"] for g in e.runner.stats()["graphs"]}
     e.runner.step = recording
     try:
-        run(e, [[(repeating(i, 5), 24, (), GREEDY) for i in range(3)]])
+        work()
     finally:
         del e.runner.step
     after = {g["id"]: g["replays"] for g in e.runner.stats()["graphs"]}
     got = Counter({g: after[g] - before.get(g, 0) for g in after if after[g] != before.get(g, 0)})
     routes = [e.table.route(n, r, q) for n, r, q in steps]
-    assert got == Counter(rt.graph_id for rt in routes if rt.graph_id >= 0)
+    want = Counter(rt.graph_id for rt in routes if rt.graph_id >= 0)
     uniform = [(s, rt) for s, rt in zip(steps, routes) if s[2] == 1 + K and s[0] == (1 + K) * s[1]]
+    return got, want, uniform
+
+
+def test_uniform_steps_replay_the_q_multiple_full_graphs_the_table_routes(engines):
+    e = engines[True]
+    got, want, uniform = replays_and_routes(
+        e, lambda: run(e, [[(repeating(i, 5), 24, (), GREEDY) for i in range(3)]])
+    )
+    assert got == want
     assert len(uniform) >= 5
     assert all(rt.mode.name == "FULL" and rt.padded_tokens % (1 + K) == 0 for _, rt in uniform)
 

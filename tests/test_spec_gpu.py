@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from test_async_scheduling import prompt, run
 from test_async_scheduling_gpu import llama_dir  # noqa: F401 (a fixture)
-from test_spec_engine import NGRAM, K, _accepted, _draft, plan, repeating
+from test_spec_engine import NGRAM, K, _accepted, _draft, plan, repeating, replays_and_routes
 
 from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.requests import GREEDY
@@ -30,23 +30,27 @@ def test_greedy_identity_on_cuda(llama_dir, kv_tokens):  # noqa: F811
     spec = HFSpec(
         model=str(llama_dir), max_model_len=64, dtype="float32", kv_cache_tokens=kv_tokens
     )
-    got, full = {}, {}
+    got, uniform = {}, {}
     for name, speculative in (("off", None), ("ngram", NGRAM), ("self", _draft(llama_dir))):
         text = plan(1 + K if speculative else 1, seqs=4, sizes=(1, 2, 4, 8, 16))
         e = _cuda_engine(spec, text, speculative)
         try:
-            got[name] = run(e, WAVES)
+            replays, routed, uniform[name] = replays_and_routes(
+                e, lambda e=e, name=name: got.__setitem__(name, run(e, WAVES))
+            )
+            assert replays == routed  # every step replayed the graph its route names
             assert e.kv_blocks_used() == 0
             if kv_tokens:
                 assert e.metrics.value("graphplan_server_preemptions_total") > 0
             drafted = e.metrics.value("graphplan_spec_decode_num_draft_tokens_total")
             if name == "self":
                 assert drafted > 30 and _accepted(e) == drafted
-            full[name] = e.runner.stats()["replays_by_mode"].get("FULL", 0)
         finally:
             e.stop(5)
     assert got["ngram"] == got["off"] and got["self"] == got["off"]
-    assert full["self"] > 10  # q-multiple FULL graphs ran
+    # a draft equal to the target makes every decode step uniform: q-multiple FULL graphs ran
+    assert len(uniform["self"]) >= 5
+    assert all(rt.mode.name == "FULL" for _, rt in uniform["self"])
 
 
 def test_bfloat16_draft_equal_to_the_target_is_accepted_almost_always(llama_dir):  # noqa: F811
