@@ -54,6 +54,10 @@ def test_the_smoke_run_serves_every_request_whole_and_reports_each_figure(tmp_pa
                     r"batch, ([\d.]+) ms: \*\*([\d.]+)x\*\* \((met|MISSED): <= 2.0x\)", text)  # fmt: skip
     assert bar and float(bar[1]) == round(itl_p99, 1) and float(bar[2]) > 0
     assert bar[4] == ("met" if float(bar[3]) <= 2.0 else "MISSED")
+    own = re.search(r"- the offline engine's own ITL p99 \(same plan, mixed steps included\) "
+                    r"([\d.]+) ms: served / engine \*\*([\d.]+)x\*\*", text)  # fmt: skip
+    assert own and float(own[1]) > 0
+    assert abs(float(own[2]) - itl_p99 / float(own[1])) <= 0.01 * itl_p99 / float(own[1]) + 0.005
     assert all(f"- anchor: {x}" in text for x in ANCHORS)
     assert "not answered whole" not in text
     assert text.rstrip().endswith("**PASS**: every request finished whole")
