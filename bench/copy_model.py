@@ -14,8 +14,10 @@ Residual layout (``Layout``): coordinate 0 is a constant 1 in every token's embe
 ``M`` holds token t's *match code*: ``n`` unit vectors c_t^j of ``m`` dimensions (one per
 induction head j), scaled by 1/sqrt(n); ``P`` (zero in the embeddings) receives the previous
 token's match code; ``R`` holds t's *readout code* rho_t, a unit vector of ``kv_heads * rb``
-dimensions. Codes are random Gaussian vectors, normalised. Each embedding has norm sqrt(3)
-exactly, so RMSNorm scales every position of layer 0 alike.
+dimensions; ``out`` (zero in the embeddings) receives the induction heads' copies and is what the
+LM head reads (a tied head reads the embedding's own R, so there ``out`` is R). Codes are random
+Gaussian vectors, normalised. Each embedding has norm sqrt(3) exactly, so RMSNorm scales every
+position of layer 0 alike.
 
 1. Layer 0, previous-token heads: q and k read only the bias coordinate, so they are constant
    vectors that RoPE rotates. Rotary pair p (frequency w_p) gets q = a_p (1, 0) and
@@ -32,13 +34,18 @@ exactly, so RMSNorm scales every position of layer 0 alike.
    pairs, which turn by at most ``MAX_ANGLE`` radians over ``max_positions`` (Llama-3's rope
    scaling included: the frequencies come from the config's own rotary embedding), so the score
    is about ``MATCH`` logits where token j-1 equals token i and about 0 elsewhere. The value
-   copies the key position's readout block; o_proj adds it into R, ``GAMMA`` in all.
-3. The LM head reads R: rho_v . (rho_t + GAMMA rho_next) is about GAMMA for the next token, 1 for
-   the current one and near 0 for the rest (a tied head also reads M and the bias: the bias adds
-   the same to every logit, M adds at most 1 to the current token's).
+   copies the key position's readout block of R (the embedding's, untouched by earlier induction
+   layers, which write into ``out``); o_proj adds it into ``out``, ``GAMMA`` in all. Each head
+   copies its own block, so the heads vote: one head in the wrong place costs a block.
+3. The LM head reads ``out``: rho_v . GAMMA rho_next is about GAMMA for the next token and near 0
+   for the rest. A tied head (one induction layer) reads the embedding's R, M and bias too: the
+   bias adds the same to every logit, R and M add about 2 to the current token's.
 
 So wherever the current token occurred before, the model predicts the token that followed it; a
-token seen several times may resolve to any earlier occurrence (or a mix). ``copy_weights``
+token seen several times may resolve to any earlier occurrence (or a mix). How sharply depends on
+the match dimensions ``m`` and the heads ``n`` (``layout``): the 8B shape (m = 46 over 2048
+positions, 8 heads) copies a 1024-token context in bfloat16 by about 46 logits; the ``tiny``
+shape (m = 12, two heads, vocab 512) only about 96 % of positions, its match codes too short. ``copy_weights``
 checks the shape has room (hidden size, KV heads, slow rotary pairs) and raises ``ValueError``
 naming what to change. Same seed, same weights on one device type (the codes are drawn with the
 device's generator, on the device: an 8B model is filled in about a second on a GPU).
@@ -47,6 +54,7 @@ device's generator, on the device: an 8B model is filled in about a second on a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -264,6 +272,25 @@ def build_copy_model(config, dtype=torch.float32, device="cpu", *, max_positions
     fill_copy_weights(model, max_positions=max_positions, seed=seed,
                       induction_layers=induction_layers)  # fmt: skip
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def drawn_as_copy_model(max_positions: int = 2048):
+    """While open, every model loaded with random weights (``load_model(random_weights=True)``,
+    ``HFSpec(random_weights=True)``, ``--random-weights``) gets the copy circuit instead: the
+    engine loads its model on its own thread, so keep this open until it is ready."""
+    from graphplan.models.hf import load
+
+    draw = load.init_random
+
+    def fill(model, seed: int) -> None:
+        fill_copy_weights(model, max_positions=max_positions, seed=seed)
+
+    load.init_random = fill
+    try:
+        yield
+    finally:
+        load.init_random = draw
 
 
 def copy_weights(config, *, max_positions: int = 2048, seed: int = 0) -> dict[str, torch.Tensor]:
