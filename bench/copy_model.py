@@ -161,7 +161,9 @@ def layout(config, max_positions: int, induction_layers: int | None = None) -> L
                   tuple(sorted(slow[: m // 2])), rb, tied)  # fmt: skip
 
 
-def previous_token_weights(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, float]:
+def previous_token_weights(
+    inv_freq: torch.Tensor, max_positions: int
+) -> tuple[torch.Tensor, float]:
     """Weights w_p >= 0 (sum 1) of the rotary pairs maximising the least margin
     min over offsets d of sum_p w_p (1 - cos(d w_p)), d = -1, 1, 2, .. max_positions (d = i - j - 1),
     and that margin: a deterministic exponentiated-gradient ascent on a soft minimum (float64)."""
@@ -214,7 +216,9 @@ def fill_copy_weights(model, *, max_positions: int = 2048, seed: int = 0,
     embed[:, lay.R : lay.R + lay.dR] = readout.to(embed.dtype)
     del codes
     if not lay.tied:
-        model.get_output_embeddings().weight[:, lay.out : lay.out + lay.dR] = readout.to(embed.dtype)
+        model.get_output_embeddings().weight[:, lay.out : lay.out + lay.dR] = readout.to(
+            embed.dtype
+        )
     del readout
     layers = model.model.layers
 
@@ -299,8 +303,9 @@ def copy_weights(config, *, max_positions: int = 2048, seed: int = 0) -> dict[st
 
 
 def main(argv=None) -> int:
-    from llama_shapes import SHAPES
     from transformers import LlamaConfig
+
+    from llama_shapes import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")

@@ -146,7 +146,7 @@ def prompts(a, vocab: int) -> list[list[int]]:
 
 
 def follows(prompts: list[list[int]], outputs: list[list[int]], context: int) -> str:
-    """"a/b": output tokens equal to the repeated document's next token (``prompts``' layout)."""
+    """Output tokens equal to the repeated document's next token ("a/b"; ``prompts``' layout)."""
     n = max(1, context // 4)
     hits = sum(
         t == p[(len(p) + i) % n] for p, out in zip(prompts, outputs) for i, t in enumerate(out)

@@ -10,13 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_spec_engine import K, NGRAM, _engine, plan
+from test_async_scheduling import run
+from test_spec_engine import NGRAM, K, _engine, plan
 
 from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.requests import GREEDY
 
 from copy_model import build_copy_model, layout, main
-from test_async_scheduling import run
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -45,7 +45,8 @@ def llama3_config(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=
 @pytest.fixture(scope="module")
 def models():
     return {
-        tied: build_copy_model(llama3_config(tied=tied), max_positions=256) for tied in (False, True)
+        tied: build_copy_model(llama3_config(tied=tied), max_positions=256)
+        for tied in (False, True)
     }
 
 
@@ -53,7 +54,9 @@ def distinct(seed: int, n: int, vocab: int) -> list[int]:
     return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(3, 48), data=st.data())
 def test_greedy_generation_continues_the_repeated_sequence(models, seed, n, data):
     m = data.draw(st.integers(1, n - 1), label="m")
@@ -109,7 +112,9 @@ def test_ngram_speculation_accepts_every_draft_and_changes_no_token(tmp_path):
     model_dir = tmp_path / "copy"
     build_copy_model(llama3_config(), max_positions=256).save_pretrained(model_dir)
     spec = HFSpec(model=str(model_dir), max_model_len=128)
-    cases = [(distinct(10 + i, n, 1000), m) for i, (n, m) in enumerate([(30, 1), (25, 9), (20, 13)])]
+    cases = [
+        (distinct(10 + i, n, 1000), m) for i, (n, m) in enumerate([(30, 1), (25, 9), (20, 13)])
+    ]
     waves = [[(x + x[:m], len(x) - m, (), GREEDY) for x, m in cases]]
     want = {i: (x[m:], "length") for i, (x, m) in enumerate(cases)}
     got = {}

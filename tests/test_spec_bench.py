@@ -32,7 +32,9 @@ def test_copy_model_runs_the_ngram_row_on_weights_that_copy(tmp_path):
     assert main([*argv, "--out", str(out)]) == 0
     text = out.read_text()
     assert re.search(r"^\| no speculation, copy weights \| [\d.]+ \| - \| [\d.]+x \|$", text, re.M)
-    assert re.search(r"^\| n-gram \(copy workload, copy weights\), k = 3 \| [\d.]+ \| [\d.]+% \|", text, re.M)
+    assert re.search(
+        r"^\| n-gram \(copy workload, copy weights\), k = 3 \| [\d.]+ \| [\d.]+% \|", text, re.M
+    )
     assert (
         "- greedy tokens identical in the three random-weight variants: **True**; "
         "n-gram and no speculation on the copy weights: **True**" in text
