@@ -66,6 +66,7 @@ for step in "$@"; do
                  sets=""; for kv in $v; do sets="$sets --set $kv"; done
                  timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml $sets --workload loguniform --requests 1000 --client-procs 8 --offline --offline-loop engine --out "$OUT/serve_bench_itl.md" 2>&1 | grep -E "^\| (1000|TTFT|ITL)|served|MISSED|met" ; done ;;
     spec)      timeout 400 python bench/spec_bench.py --out "$OUT/spec_bench.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -22 ;;
+    spec-copy) timeout 580 python bench/spec_bench.py --copy-model --out "$OUT/spec_bench_copy.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -24 ;;
     servebench-1proc) timeout 400 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --workload loguniform --requests 1000 --client-procs 8 --server-arg=--single-process --out "$OUT/serve_bench_1proc.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
     servebench-2api) timeout 400 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --workload loguniform --requests 1000 --client-procs 8 --server-arg='--api-server-count 2' --out "$OUT/serve_bench_2api.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
     servebench-tp) timeout 330 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --workload loguniform --requests 1000 --client-procs 8 --offline --offline-loop engine --out "$OUT/serve_bench_throughput.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -30 ;;
