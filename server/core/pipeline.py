@@ -80,6 +80,8 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}
+            if e.tp is not None:  # tensor parallelism: the worker ranks run this step too
+                e.tp.step(batch)
             loras = lora_step(e.model, batch)  # before make_batch: it reads the seats' slots
             inputs = e.model.make_batch(batch.reqs, **nb)
             out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)
