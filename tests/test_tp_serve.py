@@ -98,7 +98,11 @@ def test_two_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_fa
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
-    assert got == want and all(ids for _, ids in got[0]) and all(sum(len(i) for _, i in s) == 6 for s in got[1])
+    assert (
+        got == want
+        and all(ids for _, ids in got[0])
+        and all(sum(len(i) for _, i in s) == 6 for s in got[1])
+    )
     assert "tensor parallelism: 2 ranks" in err and "async scheduling off" in err
     assert "tensor-parallel rank 1: stopped after" in err
 

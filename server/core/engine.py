@@ -58,7 +58,6 @@ class Engine(lora_serving.LoraMethods):
         self.speculative = speculative
         self.spec_step: Any = None  # its step (server/core/spec/step.py)
         self.proposer: Any = None  # its drafts (server/core/spec/proposer.py)
-        self.tp: Any = None  # tensor parallelism: rank 0's tp_serving.Ranks (set by engine_proc)
         async_scheduling &= speculative is None or checked_speculation(speculative, table)
         self.pipeline = Pipeline(self, async_scheduling)  # the step (server/core/pipeline.py)
         self.capture = lambda table: capture_runner(
@@ -183,10 +182,6 @@ class Engine(lora_serving.LoraMethods):
         try:
             if self.state != "ready":
                 raise RequestError(503, f"cannot reload: server is {self.state}")
-            if self.tp is not None:  # the worker ranks would have to capture it too
-                raise RequestError(
-                    409, "reloads are not built for tensor-parallel serving: restart the server"
-                )
             src = str(source) if source else self.source
             ov = overrides if overrides is not None or source else self.overrides
             old = self.table.fingerprint

@@ -139,7 +139,9 @@ class Ranks:
     def watch(self, core: Any) -> None:
         """End rank 0 (exit 1) when a worker dies while serving; at start-up, first tell the
         front ends why (the worker's one line)."""
-        threading.Thread(target=self._watch, args=(core,), name="graphplan-tp-watch", daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(core,), name="graphplan-tp-watch", daemon=True
+        ).start()
 
     def _watch(self, core: Any) -> None:
         live = {p.sentinel: (r + 1, p, self.reports[r]) for r, p in enumerate(self.procs)}

@@ -189,6 +189,10 @@ class EngineCore:
 
         def reload() -> None:
             try:
+                if self.engine.pipeline.tp is not None:  # its worker ranks would capture it too
+                    raise RequestError(
+                        409, "reloads are not built for tensor-parallel serving: restart the server"
+                    )
                 body = self.engine.reload(*msg.args)
                 sink.send(m.Reply(msg.call, 200, body))
                 self.broadcast(state=self.engine.state)  # the new plan and fingerprint
@@ -229,7 +233,7 @@ def engine_main(config: EngineConfig) -> None:
         ranks = Ranks(table, config.source, config.overrides, kwargs)
         kwargs = ranks.engine_kwargs(kwargs)
     engine = Engine(table, config.source, config.overrides, **kwargs)
-    engine.tp = ranks
+    engine.pipeline.tp = ranks
     core = EngineCore(engine, config)
     if ranks is not None:
         ranks.watch(core)
