@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from test_engine_process import _children, _left, _start_cli, _stream_all, _until_admitted
+from test_server import ADMIN, TOKEN, exchange
 from test_tp import save
 
 from graphplan.compiler import compile_plan
@@ -86,11 +87,14 @@ def test_two_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_fa
         want = _answers(openai_client(one))
     finally:
         one.stop()
-    proc, port, engine = _start_cli(plan, *_serve_flags(llama), spec_args=[])
+    flags = [*_serve_flags(llama), "--admin-token", TOKEN]
+    proc, port, engine = _start_cli(plan, *flags, spec_args=[])
     try:
         assert len(_workers(engine)) == 1
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         got = _answers(c)
+        reload = exchange(("127.0.0.1", port), "POST", "/admin/reload", {}, ADMIN)
+        assert reload[0].status == 409 and "not built for tensor-parallel" in reload[1]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         err = proc.stderr.read()

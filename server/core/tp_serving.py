@@ -147,7 +147,7 @@ class Ranks:
         live = {p.sentinel: (r + 1, p, self.reports[r]) for r, p in enumerate(self.procs)}
         while live:
             for s in multiprocessing.connection.wait(list(live)):
-                rank, p, report = live.pop(s)  # type: ignore[call-overload]
+                rank, p, report = live.pop(s)
                 if self.stopping:
                     continue
                 why = f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
