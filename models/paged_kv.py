@@ -185,6 +185,15 @@ class BlockTables:
         if prefix_caching:
             self.enable_prefix_caching()
 
+    def limit(self, num_blocks: int) -> None:
+        """Hand out only blocks [0, num_blocks) (a fresh pool, before any is taken): the ranks of
+        a tensor-parallel server agree on the smallest pool among them, so that every rank's
+        blocks hold what rank 0's batcher admits."""
+        if self._num_free != len(self._ring) or not 0 < num_blocks <= len(self._ring):
+            raise ValueError(f"limit({num_blocks}): only a fresh pool of at least that many")
+        self._ring = self._ring[:num_blocks].copy()
+        self._head, self._num_free = 0, num_blocks
+
     def num_free(self) -> int:
         """Blocks a seat can take: the plainly free ones and the cached ones no seat holds."""
         return self._num_free + (len(self.cache.lru) if self.cache is not None else 0)

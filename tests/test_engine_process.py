@@ -130,10 +130,13 @@ def test_two_front_ends_on_one_port_serve_the_same_tokens(plan):
         assert s.stop()
 
 
-def _start_cli(plan, *flags) -> tuple[subprocess.Popen, int, int]:
-    """graphplan-serve as a user starts it: (process, port, engine pid), once ready."""
+def _start_cli(
+    plan, *flags, spec_args=SPEC_ARGS, device="cpu"
+) -> tuple[subprocess.Popen, int, int]:
+    """graphplan-serve as a user starts it: (process, port, engine pid), once ready
+    (``spec_args``: the model's flags, the tiny Llama's by default)."""
     cmd = [sys.executable, "-m", "graphplan.server", "--plan", str(plan), "--port", "0"]
-    cmd += ["--device", "cpu", "--no-progress", *SPEC_ARGS, *flags]
+    cmd += ["--device", device, "--no-progress", *spec_args, *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     port = engine = None
     deadline = time.monotonic() + 90
@@ -165,7 +168,9 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-async def _stream_all(port: int, n: int, max_tokens: int) -> list[tuple[str, float]]:
+async def _stream_all(
+    port: int, n: int, max_tokens: int, model: str = "tiny-llama"
+) -> list[tuple[str, float]]:
     """``n`` streaming clients; each one's outcome ("whole", "error: ...") and when it ended."""
     c = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
@@ -175,7 +180,7 @@ async def _stream_all(port: int, n: int, max_tokens: int) -> list[tuple[str, flo
         got = 0
         try:
             stream = await c.completions.create(
-                model="tiny-llama", prompt=[1 + i % 100, 2], max_tokens=max_tokens, stream=True
+                model=model, prompt=[1 + i % 100, 2], max_tokens=max_tokens, stream=True
             )
             async for chunk in stream:
                 got += len(chunk.choices[0].token_ids or []) if chunk.choices else 0

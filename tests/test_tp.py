@@ -198,13 +198,3 @@ def test_fewer_kv_heads_than_ranks_replicate_each_to_the_ranks_of_its_query_head
         attn = attn.model.layers[0].self_attn
         assert torch.equal(attn.k_proj.weight, whole.k_proj.weight[head * 8 : head * 8 + 8])
         assert torch.equal(attn.q_proj.weight, whole.q_proj.weight[rank * 8 : rank * 8 + 8])
-
-
-def test_the_server_refuses_a_tp_plan_by_name_until_it_starts_per_rank_engines(root):
-    from graphplan.compiler.errors import GraphplanError
-    from graphplan.server.core.model import load_table
-
-    plan = str(root / "plans" / "tiny-llama.yaml")
-    assert load_table(plan).settings.tensor_parallel_size == 1
-    with pytest.raises(GraphplanError, match=r"tensor_parallel_size=2: graphplan-serve does not"):
-        load_table(plan, {"parallel.tensor_parallel_size": 2})

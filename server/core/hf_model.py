@@ -116,7 +116,9 @@ class HFSpec:
 
         return load_tokenizer(self.model)
 
-    def build(self, table, device):
+    def build(self, table, device, tp=None):
+        """``tp``: this rank's ``TPGroup`` (tensor-parallel serving: server/core/tp_serving.py):
+        only its shard loads, and the LM head runs inside the step on every rank."""
         import torch
 
         from graphplan.models.hf import PagedCausalLM
@@ -126,6 +128,13 @@ class HFSpec:
         from .model import dtype_of
 
         lora = settings(table, self.lora_modules, self.max_loras, self.max_lora_rank)
+        if lora and tp is not None:
+            from graphplan.compiler.errors import GraphplanError
+
+            raise GraphplanError(
+                "LoRA with parallel.tensor_parallel_size > 1: adapters' weights are not sharded; "
+                "serve adapters with --set parallel.tensor_parallel_size=1"
+            )
         if lora and self.compile:
             from graphplan.compiler.errors import GraphplanError
 
@@ -147,7 +156,10 @@ class HFSpec:
             kv_memory_fraction=self.kv_memory_fraction,
             fused_ops=True if lora and self.fused_ops is None else self.fused_ops,  # LoRA's path
             max_step_tokens=table.max_tokens,
-            logits="rows",  # the LM head on the rows a step reads, outside the graphs
+            # the LM head on the rows a step reads, outside the graphs; with TP inside every
+            # rank's step (its all-gather: server/wire/ranks.py's ``follow``)
+            logits="rows" if tp is None else "all",
+            tp=tp,
             max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_rank if lora else 16,
         )

@@ -55,8 +55,9 @@ class ServingSpec(Protocol):
         """The model's chat template for /v1/chat/completions, or None (no chat)."""
         ...
 
-    def build(self, table: DispatchTable, device: str | torch.device) -> Model:
-        """The model, its KV cache sized to the table's ``max_num_seqs``."""
+    def build(self, table: DispatchTable, device: str | torch.device, tp=None) -> Model:
+        """The model, its KV cache sized to the table's ``max_num_seqs``; ``tp``: this rank's
+        ``TPGroup`` (tensor-parallel serving builds only the rank's shard)."""
         ...
 
 
@@ -107,7 +108,14 @@ class ModelSpec:
             num_cache_rows=num_cache_rows,
         )
 
-    def build(self, table: DispatchTable, device: str | torch.device) -> TinyLlama:
+    def build(self, table: DispatchTable, device: str | torch.device, tp=None) -> TinyLlama:
+        if tp is not None:
+            from graphplan.compiler.errors import GraphplanError
+
+            raise GraphplanError(
+                "parallel.tensor_parallel_size > 1 serves a Hugging Face checkpoint (--model DIR): "
+                "the tiny Llama has no sharded form; use --set parallel.tensor_parallel_size=1"
+            )
         return TinyLlama(
             self.config(table.max_num_seqs),
             seed=self.seed,
@@ -140,18 +148,8 @@ def compiled_model(spec: ServingSpec, model: Model):
 def load_table(path: str, overrides: dict | None = None) -> DispatchTable:
     """A compiled table (``.json``; overrides not allowed) or a plan compiled now
     (graphplan.compiler.plan_or_table; the YAML stack only when a plan is given). A plan with
-    ``tensor_parallel_size`` > 1 is refused: the server starts no per-rank engines yet."""
-    table = load_table_or_plan(str(path), overrides)[0]
-    tp = table.settings.tensor_parallel_size
-    if tp > 1:
-        from graphplan.compiler.errors import GraphplanError
-
-        raise GraphplanError(
-            f"{path}: parallel.tensor_parallel_size={tp}: graphplan-serve does not start one "
-            "engine process per rank yet (the sharded model is built: models/hf/tp.py); serve "
-            "with --set parallel.tensor_parallel_size=1"
-        )
-    return table
+    ``tensor_parallel_size`` > 1 is served by one process per rank (server/core/tp_serving.py)."""
+    return load_table_or_plan(str(path), overrides)[0]
 
 
 def parse_sets(pairs: list[str] | None) -> dict:
@@ -165,6 +163,12 @@ def parse_sets(pairs: list[str] | None) -> dict:
 
 def check_fits(table: DispatchTable, model: Model) -> None:
     """A new table must fit the model built at start-up (its KV cache is kept across swaps)."""
+    tp = table.settings.tensor_parallel_size
+    if tp > 1:
+        raise TableError(
+            f"plan {table.settings.name!r} has parallel.tensor_parallel_size={tp}: a reload "
+            "cannot start tensor-parallel ranks; restart the server with the new plan"
+        )
     rows = model.cfg.num_cache_rows
     if table.max_num_seqs > rows:
         raise TableError(

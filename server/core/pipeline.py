@@ -65,6 +65,9 @@ class Pipeline:
     def __init__(self, engine: Any, async_scheduling: bool = False):
         self.engine = engine  # the Engine whose step this is (its model, runner, batcher...)
         self.async_scheduling = async_scheduling
+        self.tp: Any = None
+        """Tensor parallelism: rank 0's ``tp_serving.Ranks`` (set by the engine process), which
+        sends each step to the worker ranks before it runs."""
         self.speculated = 0
         """Steps launched before the previous step's tokens were read."""
         self._flight: _Flight | None = None
@@ -80,6 +83,8 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}
+            if self.tp is not None:  # tensor parallelism: the worker ranks run this step too
+                self.tp.step(batch)
             loras = lora_step(e.model, batch)  # before make_batch: it reads the seats' slots
             inputs = e.model.make_batch(batch.reqs, **nb)
             out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)

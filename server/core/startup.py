@@ -46,7 +46,8 @@ def make_batcher(e: Any) -> ContinuousBatcher:
         token_budget=t.max_tokens,
         max_model_len=cfg.max_model_len,
         num_cache_rows=cfg.num_cache_rows,
-        kv_pool=e.model.kv_pool,
+        # with tensor parallelism, each seat released also goes to the worker ranks
+        kv_pool=e.model.kv_pool if e.pipeline.tp is None else e.pipeline.tp.pool(e.model.kv_pool),
         prefix_caching=e.enable_prefix_caching,
     )
     batcher: ContinuousBatcher

@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from ..core.model import ModelSpec, ServingSpec, load_table
+from ..core.tp_serving import check_serving as check_tp_serving
 from ..errors import RequestError
 from .http_app import build_app
 from .http_protocol import GuardedH11Protocol
@@ -93,6 +94,13 @@ class Server:
         self.drained = True
         self._stopped = False
         table = load_table(source, overrides)  # GraphplanError: the caller reports it
+        check_tp_serving(
+            table,
+            device=device,
+            processes=self.processes,
+            speculative=speculative,
+            compile=spec.compile,
+        )
         self.engine_kwargs: dict[str, Any] = dict(
             spec=spec,
             device=device,

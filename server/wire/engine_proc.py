@@ -189,6 +189,10 @@ class EngineCore:
 
         def reload() -> None:
             try:
+                if self.engine.pipeline.tp is not None:  # its worker ranks would capture it too
+                    raise RequestError(
+                        409, "reloads are not built for tensor-parallel serving: restart the server"
+                    )
                 body = self.engine.reload(*msg.args)
                 sink.send(m.Reply(msg.call, 200, body))
                 self.broadcast(state=self.engine.state)  # the new plan and fingerprint
@@ -222,9 +226,20 @@ def engine_main(config: EngineConfig) -> None:
     from ..core.model import load_table
 
     table = load_table(config.source, config.overrides)
-    engine = Engine(table, config.source, config.overrides, **config.engine_kwargs)
+    kwargs, ranks = config.engine_kwargs, None
+    if table.settings.tensor_parallel_size > 1:  # this process is rank 0 and starts the others
+        from ..core.tp_serving import Ranks
+
+        ranks = Ranks(table, config.source, config.overrides, kwargs)
+        kwargs = ranks.engine_kwargs(kwargs)
+    engine = Engine(table, config.source, config.overrides, **kwargs)
+    engine.pipeline.tp = ranks
     core = EngineCore(engine, config)
+    if ranks is not None:
+        ranks.watch(core)
     code = core.run()
+    if ranks is not None:
+        ranks.stop(served=engine.state == "stopped")
     core.close()
     logging.shutdown()
     os._exit(code)  # no interpreter teardown: CUDA contexts and threads end with the process

@@ -76,15 +76,8 @@ class StepSender:
         _send(self.group, STOP, [])
 
 
-def follow(model, runner, fingerprint: str, group=None) -> int:
-    """A worker rank's loop: run every step rank 0 sends until ``stop``; the number of steps.
-    RankProtocolError when rank 0's table is not this rank's, or when the model runs its LM head
-    outside the graph (``logits="rows"``: rank 0 alone would gather its logits)."""
-    if getattr(model, "logits_mode", "all") != "all":
-        raise RankProtocolError(
-            "tensor-parallel serving needs every token's logits from forward (logits='all'): "
-            "the LM head's all-gather must run inside every rank's step"
-        )
+def receive_hello(fingerprint: str, group=None) -> None:
+    """Rank 0's first message: RankProtocolError unless it names this rank's table."""
     op, body = _recv(group)
     theirs = bytes(body).decode(errors="replace")
     if op != HELLO or theirs != fingerprint:
@@ -92,6 +85,20 @@ def follow(model, runner, fingerprint: str, group=None) -> int:
             f"tensor-parallel rank {dist.get_rank()}: rank 0 serves table {theirs!r}, this rank "
             f"loaded {fingerprint!r}; start every rank from the same plan and model"
         )
+
+
+def follow(model, runner, fingerprint: str, group=None, *, greeted: bool = False) -> int:
+    """A worker rank's loop: run every step rank 0 sends until ``stop``; the number of steps.
+    ``greeted``: rank 0's hello was already received (``receive_hello``, before loading).
+    RankProtocolError when rank 0's table is not this rank's, or when the model runs its LM head
+    outside the graph (``logits="rows"``: rank 0 alone would gather its logits)."""
+    if getattr(model, "logits_mode", "all") != "all":
+        raise RankProtocolError(
+            "tensor-parallel serving needs every token's logits from forward (logits='all'): "
+            "the LM head's all-gather must run inside every rank's step"
+        )
+    if not greeted:
+        receive_hello(fingerprint, group)
     steps = 0
     while True:
         op, body = _recv(group)

@@ -1,0 +1,231 @@
+"""graphplan-serve with a plan of ``parallel.tensor_parallel_size`` 2 (server/core/tp_serving.py,
+tp_worker.py): the engine process is rank 0 and starts the worker rank, 2 Gloo ranks on the CPU,
+started as a user starts the server and driven with the official openai client. The greedy text and
+ids, streamed and not, are TP=1's; a worker SIGKILLed under streaming clients errors every open
+stream and ends every process with exit 1; SIGTERM lets the streams in flight finish (exit 0, the
+worker stopped); what TP does not run is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import torch
+from test_engine_process import _children, _left, _start_cli, _stream_all, _until_admitted
+from test_server import ADMIN, TOKEN, exchange
+from test_tp import save
+
+from graphplan.compiler import compile_plan
+from graphplan.compiler.errors import GraphplanError, TableError
+from graphplan.server import Server
+from graphplan.server.core.hf_model import HFSpec
+from graphplan.server.core.model import check_fits
+from graphplan.server.core.tp_serving import check_serving
+
+from hf_models import write_tokenizer
+from served import openai_client, start_server
+
+PLAN = (
+    "version: 1\nname: hf-tp\nscheduler: {max_num_seqs: 4, max_num_batched_tokens: 32}\n"
+    "cudagraph: {mode: FULL_AND_PIECEWISE, attention_support: ALWAYS, capture_sizes: [1, 2, 4]}\n"
+    "parallel: {tensor_parallel_size: 2}\n"
+)
+PROMPTS = ["w1 w7 w30", "w4 w2", "w9 w9 w9 w9 w9 w9 w9 w9 w9 w9 w9", "w100"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A Llama with one KV head (replicated to both ranks) and its tokenizer, as saved."""
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    return write_tokenizer(save(path, "llama", kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    path.write_text(PLAN)
+    return path
+
+
+def _workers(engine: int) -> list[int]:
+    """The engine process's worker ranks (not multiprocessing's resource tracker)."""
+    out = []
+    for pid in _children(engine):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                out.append(pid)
+    return out
+
+
+def _serve_flags(llama, max_model_len=32) -> list[str]:
+    return ["--model", str(llama), "--max-model-len", str(max_model_len)]
+
+
+def _answers(client) -> tuple:
+    res = client.completions.create(model="llama", prompt=PROMPTS, max_tokens=8, temperature=0)
+    streamed = [
+        [
+            (ch.choices[0].text, tuple(ch.choices[0].token_ids or ()))
+            for ch in client.completions.create(
+                model="llama", prompt=p, max_tokens=6, temperature=0, stream=True
+            )
+        ]
+        for p in PROMPTS[:2]
+    ]
+    return [(c.text, c.token_ids) for c in res.choices], streamed
+
+
+def test_two_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_factory):
+    one = start_server(tmp_path_factory, llama, PLAN.replace("size: 2", "size: 1"), 32)
+    try:
+        want = _answers(openai_client(one))
+    finally:
+        one.stop()
+    flags = [*_serve_flags(llama), "--admin-token", TOKEN]
+    proc, port, engine = _start_cli(plan, *flags, spec_args=[])
+    try:
+        assert len(_workers(engine)) == 1
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        got = _answers(c)
+        reload = exchange(("127.0.0.1", port), "POST", "/admin/reload", {}, ADMIN)
+        assert reload[0].status == 409 and "not built for tensor-parallel" in reload[1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    assert (
+        got == want
+        and all(ids for _, ids in got[0])
+        and all(sum(len(i) for _, i in s) == 6 for s in got[1])
+    )
+    assert "tensor parallelism: 2 ranks" in err and "async scheduling off" in err
+    assert "tensor-parallel rank 1: stopped after" in err
+
+
+def test_a_worker_killed_under_streaming_clients_errors_them_and_ends_every_process(plan, llama):
+    proc, port, engine = _start_cli(plan, *_serve_flags(llama, 96), spec_args=[])
+    try:
+        workers = _workers(engine)
+        front = [p for p in _children(proc.pid) if p != engine]
+
+        async def run():
+            clients = asyncio.create_task(_stream_all(port, 8, 80, model="llama"))
+            await _until_admitted(port, 8)
+            await asyncio.sleep(0.5)  # they are streaming
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            return time.monotonic(), await clients
+
+        killed, outcomes = asyncio.run(run())
+        kinds = {o.split(":")[0] for o, _ in outcomes}
+        assert kinds <= {"whole", "error"} and "error" in kinds, outcomes
+        assert proc.wait(30) == 1 and time.monotonic() - killed < 30
+        assert "tensor-parallel rank 1 died" in proc.stderr.read()
+        assert not _left([engine, *workers, *front], within=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_sigterm_lets_the_streams_in_flight_finish_and_stops_the_worker(plan, llama):
+    proc, port, engine = _start_cli(plan, *_serve_flags(llama, 64), spec_args=[])
+    try:
+        workers = _workers(engine)
+
+        async def run():
+            clients = asyncio.create_task(_stream_all(port, 6, 40, model="llama"))
+            await _until_admitted(port, 6)
+            proc.send_signal(signal.SIGTERM)
+            return await clients
+
+        outcomes = asyncio.run(run())
+        assert [o for o, _ in outcomes] == ["whole"] * 6
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "SIGTERM: drained, stopped" in err and "tensor-parallel rank 1: stopped" in err
+        assert not _left([engine, *workers])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_ranks_that_do_not_divide_the_heads_fail_start_up_by_name(plan, llama):
+    cmd = [sys.executable, "-m", "graphplan.server", "--plan", str(plan), "--port", "0"]
+    cmd += ["--device", "cpu", "--no-progress", *_serve_flags(llama)]
+    cmd += ["--set", "parallel.tensor_parallel_size=3"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "TensorParallelError" in out.stderr and "Traceback" not in out.stderr
+    assert "the engine failed" in out.stderr
+
+
+def _table(**overrides):
+    from graphplan.compiler.cli.inputs import parse_overrides
+
+    sets = [f"{k}={v}" for k, v in {"parallel.tensor_parallel_size": 2, **overrides}.items()]
+    return compile_plan("plans/hf-decode.yaml", parse_overrides(sets))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(processes=False), "runs one process per rank: drop --single-process"),
+        (dict(speculative=object()), "with --speculative-config: the worker ranks would not"),
+        (dict(compile="inductor"), "with --compile is not built: drop --compile"),
+    ],
+)
+def test_what_tensor_parallel_serving_does_not_run_is_refused_by_name(root, kw, message):
+    os.chdir(root)
+    args = dict(device="cpu", processes=True, speculative=None, compile="") | kw
+    with pytest.raises(GraphplanError, match="parallel.tensor_parallel_size=2 " + message):
+        check_serving(_table(), **args)
+    check_serving(_table(**{"parallel.tensor_parallel_size": 1}), **args)  # one rank: anything
+
+
+def test_a_reload_cannot_start_tensor_parallel_ranks(root):
+    os.chdir(root)
+
+    class Model:
+        class cfg:
+            num_cache_rows = 64
+
+    with pytest.raises(TableError, match="a reload cannot start tensor-parallel ranks; restart"):
+        check_fits(_table(), Model())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpu_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_factory):
+    flags = [*_serve_flags(llama), "--dtype", "float32"]
+    path = tmp_path_factory.mktemp("plan") / "one.yaml"
+    path.write_text(PLAN.replace("size: 2", "size: 1"))
+    spec = HFSpec(model=str(llama), max_model_len=32, dtype="float32")
+    one = Server(path, spec=spec, device="cuda", progress=False).start()
+    try:
+        assert one.wait_ready(120), one.engine.error
+        want = _answers(openai_client(one))
+    finally:
+        one.stop()
+    proc, port, engine = _start_cli(plan, *flags, spec_args=[], device="cuda")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert _answers(c) == want
+        workers = _workers(engine)
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert not _left([engine, *workers], within=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
