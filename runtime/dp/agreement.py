@@ -133,6 +133,18 @@ def _words_hex(words: np.ndarray) -> str:
     return "sha256:" + words.astype("<i4").tobytes().hex()
 
 
+def _group_info(group) -> tuple[int, int, str]:
+    """(this process's rank, size, backend name) of a process group: one torch.distributed knows,
+    or one built directly over a store (``ProcessGroupGloo(store, rank, size)``: graphplan-serve's
+    DP group beside its engines' tensor-parallel worlds)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)).lower()
+    except (ValueError, RuntimeError):  # not in torch.distributed's map of groups
+        return group.rank(), group.size(), str(group.name()).lower()
+
+
 class DPCoordinator:
     """One exchange of the [4, dp_size] matrix per step over a DP process group, with a timeout.
 
@@ -170,8 +182,7 @@ class DPCoordinator:
             self.group, self.rank, self.size, self.device = None, 0, 1, torch.device("cpu")
         else:
             group = group or dist.group.WORLD
-            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-            have = str(dist.get_backend(group)).lower()
+            self.rank, self.size, have = _group_info(group)
             want = backend.lower()
             if want == "auto":
                 want = "gloo" if "gloo" in have else "nccl"

@@ -2,8 +2,7 @@
 (server/core/batching.py). Requests enter through a queue and join between steps: each step decodes the
 running requests and prefills prompts in chunks within the plan's token budget, in one batch; a
 finished request frees its cache row at once. Plan swaps are captured on the same thread between
-steps, so a step never sees two runners; so are on-demand captures (cudagraph.on_demand: the
-runner captures a graph first needed by a step before the next step)."""
+steps, so a step never sees two runners; so are on-demand captures (cudagraph.on_demand)."""
 
 from __future__ import annotations
 
@@ -257,12 +256,13 @@ class Engine(lora_serving.LoraMethods):
                 self.sampler.release_graphs()
 
     def _loop(self) -> None:
+        awake = self.pipeline.awake
         while True:
             with self._cond:
-                while not (self._waiting or self._live or self._swaps or self._stop):
+                while not (self._waiting or self._live or self._swaps or self._stop or awake()):
                     self.outbox.flush()
                     self._cond.wait()
-                if self._stop:
+                if self._stop and not awake():  # data parallelism: stops between waves
                     return
                 swaps, new = list(self._swaps), list(self._waiting)
                 self._swaps.clear()
@@ -304,7 +304,7 @@ class Engine(lora_serving.LoraMethods):
             if batch is not None:
                 self._step(batch)
             else:
-                self.outbox.flush()
+                self.pipeline.idle()  # with data parallelism, a dummy step while peers work
             self._live = [r for r in self._live if not r.finished]
             if batch is None and self._live:  # nothing can run yet: do not spin
                 time.sleep(0.001)

@@ -169,6 +169,12 @@ def check_fits(table: DispatchTable, model: Model) -> None:
             f"plan {table.settings.name!r} has parallel.tensor_parallel_size={tp}: a reload "
             "cannot start tensor-parallel ranks; restart the server with the new plan"
         )
+    dp = table.settings.data_parallel_size
+    if dp > 1:
+        raise TableError(
+            f"plan {table.settings.name!r} has parallel.data_parallel_size={dp}: a reload "
+            "cannot start data-parallel engines; restart the server with the new plan"
+        )
     rows = model.cfg.num_cache_rows
     if table.max_num_seqs > rows:
         raise TableError(

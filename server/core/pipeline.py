@@ -68,6 +68,9 @@ class Pipeline:
         self.tp: Any = None
         """Tensor parallelism: rank 0's ``tp_serving.Ranks`` (set by the engine process), which
         sends each step to the worker ranks before it runs."""
+        self.dp: Any = None
+        """Data parallelism: this engine's ``dp_serving.DPWave`` (set by the engine process): its
+        steps are the DP group's, and it runs dummy steps while a peer has work."""
         self.speculated = 0
         """Steps launched before the previous step's tokens were read."""
         self._flight: _Flight | None = None
@@ -77,9 +80,23 @@ class Pipeline:
         """A step is in flight (async scheduling): ``advance()`` or ``drain()`` it."""
         return self._flight is not None
 
+    def awake(self) -> bool:
+        """Data parallelism: in a wave (the engine steps, dummy steps included, and stops only
+        after it); False without DP."""
+        return self.dp is not None and self.dp.awake()
+
+    def idle(self) -> None:
+        """A loop of the engine without a step to run: deliver what the outbox holds; with data
+        parallelism, the dummy step while the wave lasts."""
+        self.engine.outbox.flush()
+        if self.dp is not None:
+            self.dp.idle()
+
     def step(self, batch: StepBatch) -> None:
         """Run a freshly scheduled step (the engine's ``_step``)."""
         e = self.engine
+        if self.dp is not None:  # a wave starts (every DP peer is woken) or goes on
+            self.dp.begin()
         t0 = time.perf_counter()
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}

@@ -71,7 +71,14 @@ def check_serving(table, *, device: str, processes: bool, speculative: Any, comp
 class Ranks:
     """Rank 0's worker processes, its place in the ranks' groups and its messages to them."""
 
-    def __init__(self, table: Any, source: str, overrides: dict | None, engine_kwargs: dict):
+    def __init__(
+        self,
+        table: Any,
+        source: str,
+        overrides: dict | None,
+        engine_kwargs: dict,
+        dp_rank: int = 0,
+    ):
         self.table, self.size = table, table.settings.tensor_parallel_size
         self.device = engine_kwargs["device"]
         self.sender: StepSender | None = None
@@ -94,6 +101,7 @@ class Ranks:
                 device=rank_device(self.device, r),
                 on_demand=engine_kwargs.get("on_demand"),
                 log_level=log.getEffectiveLevel(),
+                dp_rank=dp_rank,
             )
             self.procs.append(spawn(worker_main, cfg, send, name=f"graphplan-tp-{r}"))
             send.close()  # the worker holds the sending end now

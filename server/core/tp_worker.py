@@ -51,6 +51,8 @@ class RankConfig:
     """This rank's device (``rank_device``)."""
     on_demand: bool | None
     log_level: int = logging.INFO
+    dp_rank: int = 0
+    """Data parallelism (a DP x TP plan): the DP rank of this worker's engine."""
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -99,6 +101,10 @@ def _start(cfg: RankConfig) -> tuple[Any, Any, str, Any]:
     model = cfg.spec.build(table, device, tp=TPGroup(cfg.rank, cfg.size, group))
     agree_blocks(model, messages)
     runner = capture_runner(model, table, device, False, None, cfg.on_demand)
+    if table.settings.data_parallel_size > 1:  # steps at rank 0's DP decisions
+        from .dp_serving import worker_runner
+
+        runner = worker_runner(runner, table, messages, cfg.dp_rank)
     return model, runner, table.fingerprint, messages
 
 

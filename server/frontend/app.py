@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from ..core.model import ModelSpec, ServingSpec, load_table
+from ..core.dp_serving import check_serving as check_dp_serving
 from ..core.tp_serving import check_serving as check_tp_serving
 from ..errors import RequestError
 from .http_app import build_app
@@ -101,6 +102,11 @@ class Server:
             speculative=speculative,
             compile=spec.compile,
         )
+        check_dp_serving(
+            table, device=device, processes=self.processes, speculative=speculative
+        )
+        self.tp = table.settings.tensor_parallel_size
+        engines = table.settings.data_parallel_size  # one engine process per DP rank
         self.engine_kwargs: dict[str, Any] = dict(
             spec=spec,
             device=device,
@@ -123,9 +129,10 @@ class Server:
             if frontend is not None:
                 self.index, self._addresses, self._sock = frontend
             else:
-                self.index, self._addresses = 0, Addresses.new(api_server_count)
+                self.index, self._addresses = 0, Addresses.new(api_server_count, engines)
             a = self._addresses
-            self.engine = EngineClient(spec, table, self.index, a.engine, a.frontend(self.index))
+            inboxes = [a.engine_at(d) for d in range(a.engines)]
+            self.engine = EngineClient(spec, table, self.index, inboxes, a.frontend(self.index))
         else:
             from ..core.engine import Engine
 
@@ -196,7 +203,7 @@ class Server:
         if self.index == 0:
             from ..wire.supervisor import Supervisor
 
-            self._supervisor = Supervisor(self.engine, self._addresses, self.log_level)
+            self._supervisor = Supervisor(self.engine, self._addresses, self.log_level, self.tp)
             self._supervisor.start(
                 self.source,
                 self.overrides,

@@ -7,7 +7,10 @@ Requests keep their ``Request`` objects here (the handlers read ``out``, ``finis
 step arrives as one ``Step`` message, read by ``serve_events`` on the front end's event loop, which
 updates the requests and hands each HTTP request its events in one call: no thread hop, no lock.
 Sends go through one PUSH socket under a lock (the event loop sends requests and cancellations;
-a reload waits on a thread of its own)."""
+a reload waits on a thread of its own).
+
+With data parallelism it talks to every engine process (server/wire/engines.py): each request goes
+to one, its cancel to the same one; the state is all of theirs; /metrics labels each one's."""
 
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ import zmq.asyncio
 from ..errors import RequestError, not_serving
 from ..requests import AsyncSink, Request
 from . import messages as m
+from .engines import Router, merge_metrics, server_state
 
 log = logging.getLogger("graphplan.server")
 
 
 class EngineClient:
-    def __init__(self, spec: Any, table: Any, index: int, engine_address: str, address: str):
+    def __init__(
+        self, spec: Any, table: Any, index: int, engine_address: str | list[str], address: str
+    ):
         self.spec, self.index = spec, index
         self.state = "starting"  # the engine's, as its Status messages say
         self.error: str | None = None
@@ -41,10 +47,19 @@ class EngineClient:
         self._rids = itertools.count()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._push: Any = zmq.Context.instance().socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
-        self._push.setsockopt(zmq.LINGER, 1000)
-        self._push.connect(engine_address)
+        addresses = [engine_address] if isinstance(engine_address, str) else engine_address
+        self._pushes: list[Any] = []  # one per engine (data parallelism: several)
+        for a in addresses:
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(a)
+            self._pushes.append(push)
+        self._push = self._pushes[0]
+        self.states = ["starting"] * len(addresses)  # each engine's, by its Status messages
+        self._drained = [True] * len(addresses)
+        self.router = Router(len(addresses))
+        self._at: dict[int, int] = {}  # rid -> the engine that holds it
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -61,11 +76,13 @@ class EngineClient:
     def enqueue(self, reqs: list[Request]) -> None:
         if self.state != "ready":
             raise not_serving(self.state)
-        wire = []
+        wire: dict[int, list] = {}
         for r in reqs:
             rid = next(self._rids)
             self.live[rid] = r
-            wire.append(
+            d = self.router.pick()
+            self._at[rid] = d
+            wire.setdefault(d, []).append(
                 m.WireRequest(
                     rid,
                     r.prompt,
@@ -78,15 +95,19 @@ class EngineClient:
                 )
             )
             r.wire_id = rid
-        self.send(m.Add(self.index, wire))
+        for d, ws in wire.items():
+            self.send(m.Add(self.index, ws), d)
 
     def cancel(self, reqs: list[Request], status: int = 499) -> None:
         gone = [r for r in reqs if not (r.finished or r.cancelled)]
         rids = [r.wire_id for r in gone if r.wire_id is not None]
         for r in gone:  # the first reason stands (a stop string, then the hang-up)
             r.cancelled = True
-        if rids:
-            self.send(m.Cancel(self.index, rids, status))
+        by_engine: dict[int, list[int]] = {}
+        for rid in rids:
+            by_engine.setdefault(self._at.get(rid, 0), []).append(rid)
+        for d, ids in by_engine.items():
+            self.send(m.Cancel(self.index, ids, status), d)
 
     def reload(
         self, source: str | None = None, overrides: dict | None = None, timeout: float = 600
@@ -109,27 +130,36 @@ class EngineClient:
         return reply.body
 
     async def scrape(self) -> str:
-        reply = await asyncio.wait_for(asyncio.wrap_future(self.call("metrics")), 30)
-        return reply.body
+        calls = [asyncio.wrap_future(self.call("metrics", to=d)) for d in range(len(self._pushes))]
+        replies = await asyncio.wait_for(asyncio.gather(*calls), 30)
+        if len(replies) == 1:
+            return replies[0].body
+        return merge_metrics([r.body for r in replies])
 
     def count_response(self, code: int, path: str) -> None:
         if self.state not in ("stopped", "failed"):
             self.send(m.Responses([(int(code), path)]))
 
     # -- the wire --------------------------------------------------------------------------------
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, to: int = 0) -> None:
+        """To engine ``to`` (engine 0: every call but a metrics scrape, the responses' counts)."""
         data = m.encoder.encode(msg)
         with self._lock:
-            self._push.send(data, copy=False)
+            self._pushes[to].send(data, copy=False)
 
-    def call(self, what: str, args: list | None = None) -> concurrent.futures.Future:
+    def broadcast(self, msg: Any) -> None:
+        """To every engine (a drain, a front end gone)."""
+        for d in range(len(self._pushes)):
+            self.send(msg, d)
+
+    def call(self, what: str, args: list | None = None, to: int = 0) -> concurrent.futures.Future:
         """Ask the engine process (a reload, a metrics scrape); the Future gets its ``Reply``."""
         if self.state in ("stopped", "failed"):
             raise RequestError(503, f"the engine is {self.state}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         cid = next(self._call_ids)
         self._calls[cid] = fut
-        self.send(m.Call(self.index, cid, what, args or []))
+        self.send(m.Call(self.index, cid, what, args or []), to)
         return fut
 
     async def serve_events(self) -> None:
@@ -169,6 +199,9 @@ class EngineClient:
                     r.cached_tokens = cached
             elif kind in ("done", "error"):
                 del self.live[rid]
+                d = self._at.pop(rid, None)
+                if d is not None:
+                    self.router.done(d)
                 r.finished = True
                 if kind == "done":
                     r.finish_reason = value
@@ -181,10 +214,14 @@ class EngineClient:
         if s.state == "failed" and self.state == "starting":  # as the one-process engine logs it
             log.error("start-up failed: %s", s.error)
         self.plan, self.fingerprint = s.plan or self.plan, s.fingerprint or self.fingerprint
-        self.state, self.drained = s.state, s.drained
+        if 0 <= s.engine < len(self.states):
+            self.states[s.engine], self._drained[s.engine] = s.state, s.drained
+        self.state, self.drained = server_state(self.states), all(self._drained)
+        if s.state == "failed":
+            self.state = "failed"
         if s.error:
             self.error = s.error
-        if s.state in ("stopped", "failed"):
+        if self.state in ("stopped", "failed"):
             self.fail_all(s.error or f"the engine {s.state}")
             self.stopped.set()
             for fut in self._calls.values():
@@ -194,7 +231,7 @@ class EngineClient:
     def drain(self, timeout: float) -> None:
         """Refuse new requests here at once (503) and ask the engine to drain."""
         self.state = "draining"
-        self.send(m.Drain(timeout))
+        self.broadcast(m.Drain(timeout))
 
     def fail_all(self, message: str) -> None:
         """End every open request with a 503 (on the event loop): the engine is gone."""
@@ -215,4 +252,5 @@ class EngineClient:
 
     def close(self) -> None:
         with self._lock:
-            self._push.close(linger=100)
+            for push in self._pushes:
+                push.close(linger=100)

@@ -43,6 +43,11 @@ class EngineConfig:
     address: str
     frontends: list[str]
     log_level: int = logging.INFO
+    dp_rank: int = 0
+    """Data parallelism (server/core/dp_serving.py): this engine's DP rank, the DP group's store
+    port on 127.0.0.1, and every engine's inbox (its Wake messages)."""
+    dp_port: int = 0
+    peers: tuple[str, ...] = ()
 
 
 class FrontendSink:
@@ -91,7 +96,12 @@ class EngineCore:
 
     def broadcast(self, **status: Any) -> None:
         e = self.engine
-        msg = m.Status(plan=e.table.settings.name, fingerprint=e.table.fingerprint, **status)
+        msg = m.Status(
+            plan=e.table.settings.name,
+            fingerprint=e.table.fingerprint,
+            engine=self.config.dp_rank,
+            **status,
+        )
         for sink in self.sinks:
             sink.send(msg)
 
@@ -166,6 +176,8 @@ class EngineCore:
             e.cancel(gone)
         elif isinstance(msg, m.Drain):
             threading.Thread(target=self._drain, args=(msg.timeout,), daemon=True).start()
+        elif isinstance(msg, m.Wake):  # a DP peer started a wave
+            e.pipeline.dp.wake(msg.wave)
 
     def _call(self, msg: m.Call) -> None:
         sink = self.sinks[msg.frontend]
@@ -180,6 +192,11 @@ class EngineCore:
 
             def lora() -> None:
                 try:
+                    if self.engine.pipeline.dp is not None:  # every engine would load it
+                        raise RequestError(
+                            409, "adapter loads are not built for data-parallel serving: "
+                            "name the adapters at start-up (--lora-modules)"
+                        )
                     sink.send(m.Reply(msg.call, 200, call(*msg.args)))
                 except RequestError as err:
                     sink.send(m.Reply(msg.call, err.status, err.message))
@@ -192,6 +209,10 @@ class EngineCore:
                 if self.engine.pipeline.tp is not None:  # its worker ranks would capture it too
                     raise RequestError(
                         409, "reloads are not built for tensor-parallel serving: restart the server"
+                    )
+                if self.engine.pipeline.dp is not None:  # every engine would switch together
+                    raise RequestError(
+                        409, "reloads are not built for data-parallel serving: restart the server"
                     )
                 body = self.engine.reload(*msg.args)
                 sink.send(m.Reply(msg.call, 200, body))
@@ -220,7 +241,10 @@ def engine_main(config: EngineConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a process group's signals
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s[engine"
+        + (f" {config.dp_rank}" if config.peers else "")
+        + "]: %(message)s",
     )
     from ..core.engine import Engine
     from ..core.model import load_table
@@ -230,10 +254,14 @@ def engine_main(config: EngineConfig) -> None:
     if table.settings.tensor_parallel_size > 1:  # this process is rank 0 and starts the others
         from ..core.tp_serving import Ranks
 
-        ranks = Ranks(table, config.source, config.overrides, kwargs)
+        ranks = Ranks(table, config.source, config.overrides, kwargs, dp_rank=config.dp_rank)
         kwargs = ranks.engine_kwargs(kwargs)
     engine = Engine(table, config.source, config.overrides, **kwargs)
     engine.pipeline.tp = ranks
+    if config.peers:  # data parallelism: one of the DP engines
+        from ..core.dp_serving import DPWave
+
+        DPWave(table, config.dp_rank, config.dp_port, list(config.peers)).attach(engine)
     core = EngineCore(engine, config)
     if ranks is not None:
         ranks.watch(core)

@@ -90,6 +90,14 @@ class Status(msgspec.Struct, tag=True, array_like=True, frozen=True):
     error: str | None = None
     drained: bool = True
     """With ``stopped``: every request finished before the drain timeout."""
+    engine: int = 0
+    """Data parallelism: the engine (DP rank) whose state this is (server/wire/engines.py)."""
+
+
+class Wake(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Data parallelism: a DP peer started ``wave``; step with it (server/core/dp_serving.py)."""
+
+    wave: int
 
 
 class Reply(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -99,7 +107,7 @@ class Reply(msgspec.Struct, tag=True, array_like=True, frozen=True):
     body: Any = None
 
 
-ToEngine = Union[Add, Cancel, Call, Responses, Gone, Drain]
+ToEngine = Union[Add, Cancel, Call, Responses, Gone, Drain, Wake]
 ToFrontend = Union[Step, Status, Reply]
 
 encoder = msgspec.msgpack.Encoder()

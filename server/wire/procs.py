@@ -27,19 +27,25 @@ def die_with_parent() -> None:
 
 @dataclass(frozen=True, slots=True)
 class Addresses:
-    """IPC endpoints of one server, in a private directory: the engine's inbox and one PULL
+    """IPC endpoints of one server, in a private directory: each engine's inbox and one PULL
     socket per front end."""
 
     directory: str
     frontends: int
+    engines: int = 1
+    """Data parallelism: one engine process per DP rank, each with its inbox."""
 
     @classmethod
-    def new(cls, frontends: int) -> Addresses:
-        return cls(tempfile.mkdtemp(prefix="graphplan-"), frontends)
+    def new(cls, frontends: int, engines: int = 1) -> Addresses:
+        return cls(tempfile.mkdtemp(prefix="graphplan-"), frontends, engines)
 
     @property
     def engine(self) -> str:
         return f"ipc://{self.directory}/engine"
+
+    def engine_at(self, d: int) -> str:
+        """Engine ``d``'s inbox (engine 0's is ``engine``)."""
+        return self.engine if d == 0 else f"ipc://{self.directory}/engine-{d}"
 
     def frontend(self, i: int) -> str:
         return f"ipc://{self.directory}/frontend-{i}"

@@ -8,14 +8,20 @@ error naming both.
 
 Messages are int64 tensors over a CPU (Gloo) process group: a header ``[op, length]``, then
 ``length`` integers. No objects are pickled. Steps are synchronous (a TP engine runs without
-async scheduling: the tokens of a speculated step would have to reach the workers too)."""
+async scheduling: the tokens of a speculated step would have to reach the workers too).
+
+With data parallelism (a DP x TP plan, server/core/dp_serving.py) rank 0 also sends ``DUMMY``
+before each of its dummy steps (its engine is idle while a DP peer has work: the follower runs
+``runner.step(None)``), and, inside every step, the DP group's ``DECISION`` (``encode_decision``),
+which the follower's ``DPRunner`` takes in place of an exchange of its own, so it runs the same
+route at the same padded size as rank 0."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-HELLO, STEP, RELEASE, STOP = 1, 2, 3, 4
+HELLO, STEP, RELEASE, STOP, DUMMY, DECISION = 1, 2, 3, 4, 5, 6
 
 
 class RankProtocolError(RuntimeError):
@@ -56,6 +62,37 @@ def decode_step(body: list[int]) -> tuple[list[tuple[int, int, list[int]]], int,
     return reqs, num_reqs, max_query_len
 
 
+def encode_decision(d) -> list[int]:
+    """A ``DPDecision`` as integers: mode, ubatch, pad_to (-1: None), aborted, size, the tokens
+    and padded tokens per DP rank."""
+    pad = -1 if d.pad_to is None else int(d.pad_to)
+    head = [int(d.mode), int(d.ubatch), pad, int(d.ubatch_aborted), len(d.num_tokens)]
+    return head + [int(t) for t in d.num_tokens] + [int(t) for t in d.padded_tokens]
+
+
+def decode_decision(body: list[int]):
+    from graphplan.compiler.records import RuntimeMode
+    from graphplan.runtime.dp import DPDecision
+
+    mode, ubatch, pad, aborted, n = body[:5]
+    return DPDecision(
+        RuntimeMode(mode),
+        bool(ubatch),
+        None if pad < 0 else pad,
+        tuple(body[5 : 5 + n]),
+        tuple(body[5 + n : 5 + 2 * n]),
+        bool(aborted),
+    )
+
+
+def receive_decision(group=None):
+    """A follower's side of a DP step: rank 0's ``DECISION``."""
+    op, body = _recv(group)
+    if op != DECISION:
+        raise RankProtocolError(f"tensor-parallel rank: expected a DP decision, got operation {op}")
+    return decode_decision(body)
+
+
 class StepSender:
     """Rank 0's side: ``hello`` once, then ``step`` before each of its own steps, ``release``
     with each of its seat releases, ``stop`` at the end."""
@@ -74,6 +111,12 @@ class StepSender:
 
     def stop(self) -> None:
         _send(self.group, STOP, [])
+
+    def dummy(self) -> None:
+        _send(self.group, DUMMY, [])
+
+    def decision(self, d) -> None:
+        _send(self.group, DECISION, encode_decision(d))
 
 
 def receive_hello(fingerprint: str, group=None) -> None:
@@ -111,5 +154,8 @@ def follow(model, runner, fingerprint: str, group=None, *, greeted: bool = False
             with torch.no_grad():
                 runner.step(model.make_batch(reqs), num_reqs, max_query_len)
             steps += 1
+        elif op == DUMMY:  # a DP dummy step: the decision follows inside runner.step
+            with torch.no_grad():
+                runner.step(None)
         else:
             raise RankProtocolError(f"tensor-parallel rank: unknown operation {op} from rank 0")
