@@ -140,7 +140,11 @@ def _group_info(group) -> tuple[int, int, str]:
     import torch.distributed as dist
 
     try:
-        return dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)).lower()
+        return (
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            str(dist.get_backend(group)).lower(),
+        )
     except (ValueError, RuntimeError):  # not in torch.distributed's map of groups
         return group.rank(), group.size(), str(group.name()).lower()
 

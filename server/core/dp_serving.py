@@ -179,6 +179,29 @@ class DPWave:
                 self.running = False
                 self.wave += 1
 
+    def metrics(self) -> str:
+        """This engine's DP series (Prometheus text): steps by kind, waves, padding, sync time."""
+        if self.runner is None:
+            return ""
+        c = self.runner.counts
+        work = c["steps"] - c["dummy_steps"] - c["idle_steps"]
+        lines = [
+            "# HELP graphplan_dp_steps_total DP steps of this engine: with work, dummy (a peer "
+            "had work), idle (no engine had work: a wave ended).",
+            "# TYPE graphplan_dp_steps_total counter",
+            f'graphplan_dp_steps_total{{kind="work"}} {work}',
+            f'graphplan_dp_steps_total{{kind="dummy"}} {c["dummy_steps"]}',
+            f'graphplan_dp_steps_total{{kind="idle"}} {c["idle_steps"]}',
+            "# HELP graphplan_dp_padding_tokens_total Tokens run beyond this engine's own padding "
+            "to match its DP peers.",
+            "# TYPE graphplan_dp_padding_tokens_total counter",
+            f"graphplan_dp_padding_tokens_total {c['dp_padding_tokens']}",
+            "# HELP graphplan_dp_sync_seconds_total Time in the DP agreement's exchange.",
+            "# TYPE graphplan_dp_sync_seconds_total counter",
+            f"graphplan_dp_sync_seconds_total {self.runner.coord.sync_seconds}",
+        ]
+        return "\n".join(lines) + "\n"
+
 
 class RelayCoordinator:
     """TP rank 0's DP coordinator: the group's, and each decision goes to the worker ranks."""
@@ -227,4 +250,3 @@ def worker_runner(runner: Any, table: Any, messages: Any, dp_rank: int) -> Any:
 
     coord = ReplayCoordinator(messages, dp_rank, table.settings.data_parallel_size)
     return DPRunner(runner, coord, check_fingerprint=False)  # type: ignore[arg-type]
-

@@ -315,4 +315,5 @@ def render_metrics(engine: Any) -> str:
         runner = engine.runner
         stats = m.cumulative(runner.stats() if runner is not None else None)
     text = render_prometheus(stats) if stats is not None and runner is not None else ""
-    return text + generate_latest(m.registry).decode()
+    dp = getattr(getattr(engine, "pipeline", None), "dp", None)  # data parallelism's counters
+    return text + (dp.metrics() if dp is not None else "") + generate_latest(m.registry).decode()

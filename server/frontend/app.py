@@ -23,8 +23,8 @@ from typing import Any
 
 import uvicorn
 
-from ..core.model import ModelSpec, ServingSpec, load_table
 from ..core.dp_serving import check_serving as check_dp_serving
+from ..core.model import ModelSpec, ServingSpec, load_table
 from ..core.tp_serving import check_serving as check_tp_serving
 from ..errors import RequestError
 from .http_app import build_app
@@ -102,9 +102,7 @@ class Server:
             speculative=speculative,
             compile=spec.compile,
         )
-        check_dp_serving(
-            table, device=device, processes=self.processes, speculative=speculative
-        )
+        check_dp_serving(table, device=device, processes=self.processes, speculative=speculative)
         self.tp = table.settings.tensor_parallel_size
         engines = table.settings.data_parallel_size  # one engine process per DP rank
         self.engine_kwargs: dict[str, Any] = dict(

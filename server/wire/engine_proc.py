@@ -194,8 +194,9 @@ class EngineCore:
                 try:
                     if self.engine.pipeline.dp is not None:  # every engine would load it
                         raise RequestError(
-                            409, "adapter loads are not built for data-parallel serving: "
-                            "name the adapters at start-up (--lora-modules)"
+                            409,
+                            "adapter loads are not built for data-parallel serving: "
+                            "name the adapters at start-up (--lora-modules)",
                         )
                     sink.send(m.Reply(msg.call, 200, call(*msg.args)))
                 except RequestError as err:

@@ -85,7 +85,10 @@ class Supervisor:
 
     def _watch(self) -> None:
         engines = {p.sentinel: (d, p) for d, p in enumerate(self.engines)}
-        watched = {**{s: 0 for s in engines}, **{p.sentinel: i + 1 for i, p in enumerate(self.frontends)}}
+        watched = {
+            **{s: 0 for s in engines},
+            **{p.sentinel: i + 1 for i, p in enumerate(self.frontends)},
+        }
         while any(s in watched for s in engines):
             for s in multiprocessing.connection.wait(list(watched)):
                 who = watched.pop(s)
