@@ -89,6 +89,8 @@ for step in "$@"; do
     allreduce) for n in 2 4; do [ "$(nvidia-smi -L | wc -l)" -ge $n ] && timeout 170 python bench/allreduce_bench.py --ranks $n --out "$OUT/allreduce_bench_tp$n.md" 2>&1 | tail -16; done ;;
     tpserve)   timeout 240 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_tp_serve.py 2>&1 | tee "$OUT/tp_serve_gpu_tests.log" | tail -8
                for tp in 1 2; do timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --set parallel.tensor_parallel_size=$tp --server-arg=--no-async-scheduling --prefix-caching off --workload loguniform --requests 300 --client-procs 8 --out "$OUT/serve_bench_tp$tp.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -12; done ;;
+    dpserve)   timeout 300 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_dp_serve.py 2>&1 | tee "$OUT/dp_serve_gpu_tests.log" | tail -8
+               timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --set parallel.data_parallel_size=2 --set parallel.tensor_parallel_size=2 --server-arg=--no-async-scheduling --prefix-caching off --workload loguniform --requests 300 --client-procs 8 --out "$OUT/serve_bench_dp2tp2.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -12 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

@@ -151,7 +151,7 @@ class DPWave:
         if not self._sockets:
             import zmq
 
-            ctx = zmq.Context.instance()
+            ctx: Any = zmq.Context.instance()
             for a in self.peers:
                 s = ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.SNDHWM, 0)

@@ -50,7 +50,7 @@ class EngineClient:
         addresses = [engine_address] if isinstance(engine_address, str) else engine_address
         self._pushes: list[Any] = []  # one per engine (data parallelism: several)
         for a in addresses:
-            push = zmq.Context.instance().socket(zmq.PUSH)
+            push: Any = zmq.Context.instance().socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
             push.setsockopt(zmq.LINGER, 1000)
             push.connect(a)
