@@ -18,7 +18,15 @@ import time
 import openai
 import pytest
 import torch
-from test_engine_process import PROMPTS, _greedy, _left, _start_cli, _stream_all, _streamed
+from test_engine_process import (
+    PROMPTS,
+    _greedy,
+    _left,
+    _start_cli,
+    _stream_all,
+    _streamed,
+    _until_admitted,
+)
 from test_engine_process import plan as plan
 from test_server import exchange
 from test_tp_serve import PLAN, _answers, _serve_flags, _workers
@@ -74,7 +82,7 @@ def test_two_engines_serve_the_ids_of_one_in_lockstep_and_drain_on_sigterm(plan)
         if one.poll() is None:
             one.kill()
         one.stderr.close()
-    proc, port, _ = _start_cli(plan, "--drain-timeout", "20", *DP2)
+    proc, port, _ = _start_cli(plan, "--drain-timeout", "300", *DP2)  # far above the drain
     try:
         engines = _workers(proc.pid)
         assert len(engines) == 2
@@ -93,7 +101,7 @@ def test_two_engines_serve_the_ids_of_one_in_lockstep_and_drain_on_sigterm(plan)
 
         async def run():
             clients = asyncio.create_task(_stream_all(port, 6, 40))
-            await asyncio.sleep(1.0)  # they are streaming
+            await _until_admitted(port, 6)  # on a loaded machine a fixed wait may be too short
             proc.send_signal(signal.SIGTERM)
             return await clients
 
@@ -110,13 +118,13 @@ def test_two_engines_serve_the_ids_of_one_in_lockstep_and_drain_on_sigterm(plan)
 
 
 def test_an_engine_killed_under_streaming_clients_errors_them_and_ends_every_process(plan):
-    proc, port, _ = _start_cli(plan, *DP2)
+    proc, port, _ = _start_cli(plan, "--max-model-len", "320", *DP2)
     try:
         engines = _workers(proc.pid)
 
-        async def run():
-            clients = asyncio.create_task(_stream_all(port, 8, 40))
-            await asyncio.sleep(1.0)
+        async def run():  # streams of 300 tokens: still streaming when the engine is killed
+            clients = asyncio.create_task(_stream_all(port, 8, 300))
+            await _until_admitted(port, 8)
             os.kill(engines[1], signal.SIGKILL)
             return time.monotonic(), await clients
 

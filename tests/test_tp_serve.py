@@ -119,8 +119,7 @@ def test_a_worker_killed_under_streaming_clients_errors_them_and_ends_every_proc
 
         async def run():
             clients = asyncio.create_task(_stream_all(port, 8, 80, model="llama"))
-            await _until_admitted(port, 8)
-            await asyncio.sleep(0.5)  # they are streaming
+            await _until_admitted(port, 8)  # held by the engine: none can be whole yet
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
             return time.monotonic(), await clients
@@ -138,7 +137,9 @@ def test_a_worker_killed_under_streaming_clients_errors_them_and_ends_every_proc
 
 
 def test_sigterm_lets_the_streams_in_flight_finish_and_stops_the_worker(plan, llama):
-    proc, port, engine = _start_cli(plan, *_serve_flags(llama, 64), spec_args=[])
+    proc, port, engine = _start_cli(
+        plan, *_serve_flags(llama, 64), "--drain-timeout", "300", spec_args=[]
+    )
     try:
         workers = _workers(engine)
 
