@@ -289,6 +289,30 @@ def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
         proc.stderr.close()
 
 
+def test_a_drain_past_its_timeout_fails_what_is_left_and_exits_128_plus_n(plan):
+    # --drain-timeout 0: the drain ends at once, so the 8 streams of 300 tokens still held by the
+    # engine are failed (an error, never a short answer passed off as whole) and the exit is 143
+    proc, port, engine = _start_cli(plan, "--max-model-len", "320", "--drain-timeout", "0")
+    try:
+        children = _children(proc.pid)
+
+        async def run():
+            clients = asyncio.create_task(_stream_all(port, 8, 300))
+            await _until_admitted(port, 8)
+            proc.send_signal(signal.SIGTERM)
+            return await clients
+
+        outcomes = asyncio.run(run())
+        assert all(o.startswith("error: APIError") for o, _ in outcomes), outcomes
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        assert "SIGTERM: stopped before every request finished" in proc.stderr.read()
+        assert not _left([engine, *children])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
