@@ -18,6 +18,8 @@ import time
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_engine_process import (
     PROMPTS,
     _greedy,
@@ -231,6 +233,53 @@ def test_metrics_of_two_engines_label_each_sample_once_per_family():
         'x_total{engine="0",code="200"} 3.0\nx_total{engine="1",code="200"} 4.0\n'
         '# HELP y Y.\n# TYPE y gauge\ny{engine="0"} 1\ny{engine="1"} 2\n'
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 50), min_size=1, max_size=3),  # counter increments per code
+            st.floats(-1e6, 1e6, allow_nan=False),  # a gauge
+            st.lists(st.floats(0, 100, allow_nan=False), max_size=6),  # histogram observations
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_merged_metrics_parse_as_every_engines_samples_labelled(engines):
+    """prometheus_client's own exposition of a counter with labels, a gauge and a histogram per
+    engine, merged, parses with prometheus_client's parser into exactly each engine's samples
+    with ``engine="d"`` added."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    texts = []
+    for counts, level, observed in engines:
+        reg = CollectorRegistry()
+        c = Counter("req", "Requests.", ["code"], registry=reg)
+        for i, n in enumerate(counts):
+            c.labels(code=str(200 + i)).inc(n)
+        Gauge("level", "Level.", registry=reg).set(level)
+        h = Histogram("lat_seconds", "Latency.", buckets=(0.5, 5, 50), registry=reg)
+        for x in observed:
+            h.observe(x)
+        texts.append(generate_latest(reg).decode())
+
+    def samples(text, engine=None):
+        out = set()
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                labels = dict(smp.labels)
+                if engine is not None:
+                    labels["engine"] = str(engine)
+                out.add((fam.name, fam.type, smp.name, tuple(sorted(labels.items())), smp.value))
+        return out
+
+    want = set().union(*(samples(t, d) for d, t in enumerate(texts)))
+    merged = merge_metrics(texts)
+    assert samples(merged) == want
+    assert merged.count("# HELP req_total ") == 1 and merged.count("# TYPE lat_seconds ") == 1
 
 
 @pytest.mark.gpu
