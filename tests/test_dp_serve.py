@@ -31,14 +31,19 @@ from test_engine_process import (
 )
 from test_engine_process import plan as plan
 from test_server import exchange
-from test_tp_serve import PLAN, _answers, _serve_flags, _workers
+from test_tp_serve import (
+    PLAN,
+    StubModel,
+    _answers,
+    _serve_flags,
+    _workers,
+    hf_decode_table,
+    one_rank_answers_on_cuda,
+)
 from test_tp_serve import llama as llama
 
-from graphplan.compiler import compile_plan
 from graphplan.compiler.errors import GraphplanError, TableError
-from graphplan.server import Server
 from graphplan.server.core.dp_serving import check_serving, engine_device
-from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.core.model import check_fits
 from graphplan.server.wire.engines import Router, merge_metrics, server_state
 
@@ -142,16 +147,22 @@ def test_an_engine_killed_under_streaming_clients_errors_them_and_ends_every_pro
         proc.stderr.close()
 
 
+def _dp2tp2_plan(tmp_path_factory):
+    """The TP=2 test plan with two data-parallel engines."""
+    path = tmp_path_factory.mktemp("plan") / "dp2tp2.yaml"
+    path.write_text(
+        PLAN.replace("tensor_parallel_size: 2", "tensor_parallel_size: 2, data_parallel_size: 2")
+    )
+    return path
+
+
 def test_dp2_by_tp2_serves_the_greedy_text_and_ids_of_one_rank(llama, tmp_path_factory):
     one = start_server(tmp_path_factory, llama, PLAN.replace("size: 2", "size: 1"), 32)
     try:
         want = _answers(openai_client(one))
     finally:
         one.stop()
-    path = tmp_path_factory.mktemp("plan") / "dp2tp2.yaml"
-    path.write_text(
-        PLAN.replace("tensor_parallel_size: 2", "tensor_parallel_size: 2, data_parallel_size: 2")
-    )
+    path = _dp2tp2_plan(tmp_path_factory)
     proc, port, _ = _start_cli(path, *_serve_flags(llama), spec_args=[])
     try:
         engines = _workers(proc.pid)
@@ -171,10 +182,7 @@ def test_dp2_by_tp2_serves_the_greedy_text_and_ids_of_one_rank(llama, tmp_path_f
 
 
 def _table(**overrides):
-    from graphplan.compiler.cli.inputs import parse_overrides
-
-    sets = [f"{k}={v}" for k, v in {"parallel.data_parallel_size": 2, **overrides}.items()]
-    return compile_plan("plans/hf-decode.yaml", parse_overrides(sets))
+    return hf_decode_table(**{"parallel.data_parallel_size": 2, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -195,13 +203,8 @@ def test_what_data_parallel_serving_does_not_run_is_refused_by_name(root, kw, se
 
 def test_a_reload_cannot_start_data_parallel_engines(root):
     os.chdir(root)
-
-    class Model:
-        class cfg:
-            num_cache_rows = 64
-
     with pytest.raises(TableError, match="a reload cannot start data-parallel engines; restart"):
-        check_fits(_table(), Model())
+        check_fits(_table(), StubModel())
 
 
 def test_engine_devices_follow_each_other_with_their_tensor_parallel_ranks():
@@ -286,19 +289,8 @@ def test_merged_metrics_parse_as_every_engines_samples_labelled(engines):
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
 def test_dp2_by_tp2_on_four_gpus_serves_the_greedy_text_and_ids_of_one(llama, tmp_path_factory):
     flags = [*_serve_flags(llama), "--dtype", "float32"]
-    path = tmp_path_factory.mktemp("plan") / "one.yaml"
-    path.write_text(PLAN.replace("size: 2", "size: 1"))
-    spec = HFSpec(model=str(llama), max_model_len=32, dtype="float32")
-    one = Server(path, spec=spec, device="cuda", progress=False).start()
-    try:
-        assert one.wait_ready(120), one.engine.error
-        want = _answers(openai_client(one))
-    finally:
-        one.stop()
-    path = tmp_path_factory.mktemp("plan") / "dp2tp2.yaml"
-    path.write_text(
-        PLAN.replace("tensor_parallel_size: 2", "tensor_parallel_size: 2, data_parallel_size: 2")
-    )
+    want = one_rank_answers_on_cuda(llama, tmp_path_factory)
+    path = _dp2tp2_plan(tmp_path_factory)
     proc, port, _ = _start_cli(path, *flags, spec_args=[], device="cuda")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)

@@ -171,11 +171,37 @@ def test_ranks_that_do_not_divide_the_heads_fail_start_up_by_name(plan, llama):
     assert "the engine failed" in out.stderr
 
 
-def _table(**overrides):
+def hf_decode_table(**sets):
+    """plans/hf-decode.yaml compiled with ``--set key=value`` for each of ``sets``."""
     from graphplan.compiler.cli.inputs import parse_overrides
 
-    sets = [f"{k}={v}" for k, v in {"parallel.tensor_parallel_size": 2, **overrides}.items()]
-    return compile_plan("plans/hf-decode.yaml", parse_overrides(sets))
+    return compile_plan(
+        "plans/hf-decode.yaml", parse_overrides([f"{k}={v}" for k, v in sets.items()])
+    )
+
+
+def _table(**overrides):
+    return hf_decode_table(**{"parallel.tensor_parallel_size": 2, **overrides})
+
+
+class StubModel:
+    """What ``check_fits`` reads of a built model: its KV-cache rows."""
+
+    class cfg:
+        num_cache_rows = 64
+
+
+def one_rank_answers_on_cuda(llama, tmp_path_factory):
+    """The float32 answers of the test Llama served by one in-process rank on cuda:0."""
+    path = tmp_path_factory.mktemp("plan") / "one.yaml"
+    path.write_text(PLAN.replace("size: 2", "size: 1"))
+    spec = HFSpec(model=str(llama), max_model_len=32, dtype="float32")
+    one = Server(path, spec=spec, device="cuda", progress=False).start()
+    try:
+        assert one.wait_ready(120), one.engine.error
+        return _answers(openai_client(one))
+    finally:
+        one.stop()
 
 
 @pytest.mark.parametrize(
@@ -196,28 +222,15 @@ def test_what_tensor_parallel_serving_does_not_run_is_refused_by_name(root, kw, 
 
 def test_a_reload_cannot_start_tensor_parallel_ranks(root):
     os.chdir(root)
-
-    class Model:
-        class cfg:
-            num_cache_rows = 64
-
     with pytest.raises(TableError, match="a reload cannot start tensor-parallel ranks; restart"):
-        check_fits(_table(), Model())
+        check_fits(_table(), StubModel())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_two_gpu_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_factory):
     flags = [*_serve_flags(llama), "--dtype", "float32"]
-    path = tmp_path_factory.mktemp("plan") / "one.yaml"
-    path.write_text(PLAN.replace("size: 2", "size: 1"))
-    spec = HFSpec(model=str(llama), max_model_len=32, dtype="float32")
-    one = Server(path, spec=spec, device="cuda", progress=False).start()
-    try:
-        assert one.wait_ready(120), one.engine.error
-        want = _answers(openai_client(one))
-    finally:
-        one.stop()
+    want = one_rank_answers_on_cuda(llama, tmp_path_factory)
     proc, port, engine = _start_cli(plan, *flags, spec_args=[], device="cuda")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
