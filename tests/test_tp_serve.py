@@ -68,6 +68,8 @@ def _serve_flags(llama, max_model_len=32) -> list[str]:
 
 
 def _answers(client) -> tuple:
+    """Greedy text and ids (batched, streamed), a seeded sample, a stop string's answer, and the
+    openai exceptions of a too-long request and of chat without a template."""
     res = client.completions.create(model="llama", prompt=PROMPTS, max_tokens=8, temperature=0)
     streamed = [
         [
@@ -78,7 +80,29 @@ def _answers(client) -> tuple:
         ]
         for p in PROMPTS[:2]
     ]
-    return [(c.text, c.token_ids) for c in res.choices], streamed
+    seeded = client.completions.create(
+        model="llama", prompt=PROMPTS[0], max_tokens=8, temperature=0.8, seed=7
+    ).choices[0]
+    stopped = client.completions.create(
+        model="llama", prompt=PROMPTS[1], max_tokens=8, temperature=0, stop=[" "]
+    ).choices[0]
+    errors = []
+    for call in (
+        lambda: client.completions.create(model="llama", prompt=PROMPTS[0], max_tokens=10_000),
+        lambda: client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "w1"}], max_tokens=4
+        ),
+    ):
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        errors.append((type(e.value).__name__, e.value.status_code))
+    return (
+        [(c.text, c.token_ids) for c in res.choices],
+        streamed,
+        (seeded.text, seeded.token_ids),
+        (stopped.text, stopped.finish_reason),
+        errors,
+    )
 
 
 def test_two_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_path_factory):
