@@ -85,6 +85,12 @@ class Pipeline:
         after it); False without DP."""
         return self.dp is not None and self.dp.awake()
 
+    def leave(self) -> bool:
+        """The engine is stopping (under its condition): may its loop end now? Without data
+        parallelism at once; with it only between waves and together with every DP peer
+        (``DPWave.leave``, which waits for them), so no peer steps waiting on one that left."""
+        return self.dp is None or self.dp.leave()
+
     def idle(self) -> None:
         """A loop of the engine without a step to run: deliver what the outbox holds; with data
         parallelism, the dummy step while the wave lasts."""
