@@ -182,6 +182,7 @@ class BlockTables:
         """[num_seats, max_blocks_per_seq] int32: every seat's row, padded with the padding
         block."""
         self.cache: PrefixCache | None = None
+        self.mirror = False  # a TP follower's rows: rank 0's blocks (``assign``)
         if prefix_caching:
             self.enable_prefix_caching()
 
@@ -235,10 +236,20 @@ class BlockTables:
         self._ring[: k - first] = blocks[first:]
         self._num_free += k
 
+    def assign(self, seat: int, first: int, blocks: Sequence[int]) -> None:
+        """A tensor-parallel follower's row: rank 0's blocks of the seat from index ``first``
+        (server/wire/ranks.py). From the first call the pool mirrors rank 0's scheduler and
+        decides nothing: ``reserve`` only checks the rows cover a step, ``release`` forgets."""
+        self.mirror, n = True, first + len(blocks)
+        self.table[seat, first:n] = blocks
+        self.table[seat, n:] = self.pad_block
+        self.held[seat] = n
+
     def release(self, seat: int) -> None:
         k = int(self.held[seat])
         row = self.table[seat]
-        self._give_back(row[:k])
+        if not self.mirror:
+            self._give_back(row[:k])
         row[:k] = self.pad_block
         self.held[seat] = 0
 
@@ -264,6 +275,10 @@ class BlockTables:
 
     def reserve(self, seat: int, start: int, num_tokens: int) -> None:
         """Blocks for positions [0, start + num_tokens) of the seat's sequence."""
+        if self.mirror and start + num_tokens > int(self.held[seat]) * self.block_size:
+            raise KVCacheSizeError(f"seat {seat}: rank 0 sent no block for position {start}+")
+        if self.mirror:
+            return
         if start == 0:
             self.release(seat)
         have = int(self.held[seat])

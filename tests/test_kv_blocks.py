@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from graphplan.models.paged_kv import BlockTables
+from graphplan.models.paged_kv import BlockTables, KVCacheSizeError
 from graphplan.server.core.batching import ContinuousBatcher
 
 VOCAB = 97
@@ -266,3 +266,30 @@ def test_a_default_pool_leaves_a_steps_measured_reserve_free(monkeypatch):
     assert paged_kv.size_blocks(shape, **half, reserve_bytes=200 * per_block) == 400 - 1
     with pytest.raises(paged_kv.KVCacheSizeError, match="one sequence of max_model_len=64"):
         paged_kv.size_blocks(shape, **size, reserve_bytes=999 * per_block)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20)), min_size=1, max_size=30))
+def test_a_tp_workers_pool_holds_exactly_rank_0s_rows_and_allocates_nothing(steps):
+    """A follower takes rank 0's blocks (server/wire/ranks.py sends the new ones of each seat):
+    whatever the steps and releases, its rows are rank 0's, its free ring is untouched, and a step
+    past the blocks it was sent is refused, never allocated."""
+    kw = dict(num_blocks=12, block_size=4, num_seats=4, max_blocks_per_seq=6)
+    lead, follow = BlockTables(**kw, prefix_caching=True), BlockTables(**kw)
+    ring, sent, pos = follow.free_blocks(), [0] * 4, [0] * 4
+    for seat, n in steps:
+        if pos[seat] + n > 24 or lead.num_free() < 6:  # full or out of blocks: the seat finishes
+            lead.release(seat)
+            follow.release(seat)
+            sent[seat] = pos[seat] = 0
+            continue
+        lead.reserve(seat, pos[seat], n)
+        held = int(lead.held[seat])
+        follow.assign(seat, sent[seat], lead.table[seat, sent[seat] : held].tolist())
+        follow.reserve(seat, pos[seat], n)  # covered: a check only
+        sent[seat], pos[seat] = held, pos[seat] + n
+        assert (follow.table == lead.table).all() and (follow.held == lead.held).all()
+        assert follow.free_blocks() == ring
+    seat = steps[0][0]
+    with pytest.raises(KVCacheSizeError, match=f"seat {seat}: rank 0 sent no block"):
+        follow.reserve(seat, int(follow.held[seat]) * 4, 1)

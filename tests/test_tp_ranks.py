@@ -94,7 +94,9 @@ def test_rank_zero_schedules_and_a_follower_gives_the_greedy_tokens_of_one_rank(
 
 def test_a_step_message_round_trips():
     reqs = [(2, 5, [1]), (0, 0, [7, 8, 9]), (3, 1, [])]
-    assert decode_step(encode_step(reqs, 2, 3)) == (reqs, 2, 3)
+    assert decode_step(encode_step(reqs, 2, 3)) == (reqs, 2, 3, None)
+    blocks = [(1, [4]), (0, [0, 9]), (2, [])]  # from index 1, a fresh row, nothing new
+    assert decode_step(encode_step(reqs, 2, 3, blocks)) == (reqs, 2, 3, blocks)
 
 
 def _orphan_worker(rank, world):

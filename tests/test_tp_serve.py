@@ -1,14 +1,18 @@
 """graphplan-serve with a plan of ``parallel.tensor_parallel_size`` 2 (server/core/tp_serving.py,
 tp_worker.py): the engine process is rank 0 and starts the worker rank, 2 Gloo ranks on the CPU,
 started as a user starts the server and driven with the official openai client. The greedy text and
-ids, streamed and not, are TP=1's; a worker SIGKILLed under streaming clients errors every open
-stream and ends every process with exit 1; SIGTERM lets the streams in flight finish (exit 0, the
-worker stopped); what TP does not run is refused by name."""
+ids, streamed and not, are TP=1's; with prefix caching (rank 0 decides every KV block and sends
+them) ``cached_tokens`` is exact and the answers are TP=1's without the cache, also in a pool that
+preempts; a worker SIGKILLed under streaming clients errors every open stream and ends every
+process with exit 1; SIGTERM lets the streams in flight finish (exit 0, the worker stopped); what
+TP does not run is refused by name."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +32,7 @@ from graphplan.server.core.hf_model import HFSpec
 from graphplan.server.core.model import check_fits
 from graphplan.server.core.tp_serving import check_serving
 
-from hf_models import write_tokenizer
+from hf_models import sharpen_attention, small_config, write_tokenizer
 from served import openai_client, start_server
 
 PLAN = (
@@ -267,3 +271,91 @@ def test_two_gpu_ranks_serve_the_greedy_text_and_ids_of_one(plan, llama, tmp_pat
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory):
+    """The Llama with its attention sharpened (hf_models.sharpen_attention), as saved: logits the
+    context moves, so a rank that read other KV blocks than rank 0's would change the answers."""
+    from graphplan.models.hf import load_model
+
+    path = tmp_path_factory.mktemp("sharp") / "llama"  # served as "llama"
+    model = load_model(
+        small_config("llama", kv_heads=1), seed=0, attn_implementation="eager", random_weights=True
+    )
+    sharpen_attention(model).save_pretrained(path)
+    return write_tokenizer(path)
+
+
+@contextlib.contextmanager
+def _serving(plan, *flags):
+    """graphplan-serve of ``plan`` (process, port), killed at the end unless it exited."""
+    proc, port, _ = _start_cli(plan, *flags, spec_args=[])
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+SHARED = " ".join(f"w{i}" for i in range(3, 43))  # 40 words: 2 whole 16-token blocks and more
+
+
+def _cached_answer(client, prompt, n: int = 16) -> tuple[list, list[list[float]], list[int]]:
+    """(text and ids, token logprobs, cached tokens) of each choice of one request."""
+    res = client.completions.create(
+        model="llama", prompt=prompt, max_tokens=n, temperature=0, logprobs=0
+    )
+    details = res.usage.prompt_tokens_details
+    answers = [(ch.text, ch.token_ids) for ch in res.choices]
+    lps = [ch.logprobs.token_logprobs for ch in res.choices]
+    return answers, lps, [details.cached_tokens if details else 0]
+
+
+def _close(a: list[list[float]], b: list[list[float]], tol: float = 1e-3) -> bool:
+    """Logprobs equal within ``tol`` (a cached prefix's K/V read, not recomputed, and TP's sums
+    change float rounding only; a follower reading other blocks changes them by far more)."""
+    return all(
+        len(x) == len(y) and max(map(abs, map(float.__sub__, x, y))) < tol for x, y in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("kv_tokens", [None, 96])
+def test_two_ranks_keep_prefix_caching_with_exact_cached_tokens_and_tp1s_answers(
+    plan, sharp_llama, tmp_path_factory, kv_tokens
+):
+    """Rank 0 decides every KV block (cached ones too) and sends each step's new blocks: the
+    second prompt sharing a 40-word start finds its first two 16-token blocks cached (32 tokens),
+    the answers are TP=1's without the cache, also in a 6-block pool that preempts."""
+    prompts = [SHARED + " w1 w2", SHARED + " w5", SHARED + " w9 w8 w7", "w4 " + SHARED]
+    one = start_server(
+        tmp_path_factory,
+        sharp_llama,
+        PLAN.replace("size: 2", "size: 1"),
+        64,
+        enable_prefix_caching=False,
+    )
+    try:
+        c1 = openai_client(one)
+        want = _cached_answer(c1, prompts)
+    finally:
+        one.stop()
+    flags = _serve_flags(sharp_llama, 64) + (
+        ["--kv-cache-tokens", str(kv_tokens)] if kv_tokens else []
+    )
+    with _serving(plan, *flags) as (proc, port):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        first, second = (_cached_answer(c, p) for p in prompts[:2])
+        assert (first[2], second[2]) == ([0], [32])
+        assert first[0] + second[0] == want[0][:2] and _close(first[1] + second[1], want[1][:2])
+        got = _cached_answer(c, prompts)  # together: sharing blocks, and preempting in 6 blocks
+        assert got[0] == want[0] and _close(got[1], want[1])
+        assert got[2] == [3 * 32]  # every prompt but "w4 ...": its first two blocks
+        text = exchange(("127.0.0.1", port), "GET", "/metrics")[1]
+        preempted = float(re.search(r"^graphplan_server_preemptions_total (\S+)$", text, re.M)[1])
+        assert (preempted > 0) == (kv_tokens is not None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+    assert "rank 0 decides every KV block (prefix caching as configured)" in err

@@ -17,8 +17,16 @@ peer woken for its current wave steps (dummy steps) too. A wave ends at the firs
 agreement says no engine had work (``DPDecision.idle``): every engine sees the same decision, so
 every one ends the wave at the same step, counts the next wave, and sleeps until work or a wake
 for that wave arrives. A wake for a wave already ended is stale and ignored; one for the next
-wave that arrives while an engine still finishes the current one is kept. An engine stops (drain)
-only between waves, so a peer never waits on an engine that left.
+wave that arrives while an engine still finishes the current one is kept.
+
+Leaving (a drain): engines leave only together, between waves. A stopping engine (it refuses new
+requests already: its state is draining) that is between waves at wave w sends ``Leave(rank, w)``
+to every peer and waits: woken for wave w by a peer that still has work, it steps with it (and
+says ``Leave`` again at the next wave); once every peer said ``Leave`` for its own wave w, it
+leaves. An engine that said ``Leave(w)`` starts no wave w (it has no work and gets none), so
+when all D said it no engine starts wave w: none is left stepping alone, waiting in the exchange
+for a peer that is gone. A request that reached one engine just before the drain is served, with
+its peers' dummy steps, before any engine leaves.
 
 What DP changes in an engine: reloads and LoRA adapter loads are refused (409: every engine would
 have to switch together), speculative decoding and micro-batching (``parallel.ubatch``) are not
@@ -95,6 +103,8 @@ class DPWave:
         self.wave = 0
         self.requested = -1  # the highest wave a peer woke this engine for
         self.running = False
+        self.announced = -1  # the wave this engine said Leave for
+        self.leaving: dict[int, int] = {}  # peer DP rank -> the wave it said Leave for
         self.engine: Any = None
         self.runner: Any = None
         self._sockets: list[Any] = []
@@ -148,6 +158,36 @@ class DPWave:
         self.running = True
         from ..wire import messages as m
 
+        self._send(m.Wake(self.wave))
+
+    def left(self, rank: int, wave: int) -> None:
+        """Peer ``rank`` said Leave for ``wave`` (the engine process's main thread)."""
+        cond = self.engine._cond
+        with cond:
+            self.leaving[rank] = max(wave, self.leaving.get(rank, -1))
+            cond.notify()
+
+    def leave(self) -> bool:
+        """The engine is stopping (its thread, under its condition): True once every engine is
+        between waves at this wave and said so (the module's docstring: Leaving); False when a
+        peer woke it for this wave (step with it, then ask again)."""
+        from ..wire import messages as m
+
+        peers = [r for r in range(self.size) if r != self.rank]
+        while not self.awake():
+            if self.announced != self.wave:
+                self.announced = self.wave
+                self._send(m.Leave(self.rank, self.wave))
+            if all(self.leaving.get(r) == self.wave for r in peers):
+                log.info("data parallelism: every engine stops at wave %d: leaving", self.wave)
+                return True
+            self.engine._cond.wait()
+        return False
+
+    def _send(self, msg: Any) -> None:
+        """To every peer's inbox (the engine thread)."""
+        from ..wire import messages as m
+
         if not self._sockets:
             import zmq
 
@@ -158,7 +198,7 @@ class DPWave:
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(a)
                 self._sockets.append(s)
-        data = m.encoder.encode(m.Wake(self.wave))
+        data = m.encoder.encode(msg)
         for s in self._sockets:
             s.send(data)
 

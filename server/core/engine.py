@@ -262,7 +262,7 @@ class Engine(lora_serving.LoraMethods):
                 while not (self._waiting or self._live or self._swaps or self._stop or awake()):
                     self.outbox.flush()
                     self._cond.wait()
-                if self._stop and not awake():  # data parallelism: stops between waves
+                if self._stop and self.pipeline.leave():  # DP: between waves, together
                     return
                 swaps, new = list(self._swaps), list(self._waiting)
                 self._swaps.clear()

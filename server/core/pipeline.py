@@ -85,6 +85,12 @@ class Pipeline:
         after it); False without DP."""
         return self.dp is not None and self.dp.awake()
 
+    def leave(self) -> bool:
+        """The engine is stopping (under its condition): may its loop end now? Without data
+        parallelism at once; with it only between waves and together with every DP peer
+        (``DPWave.leave``, which waits for them), so no peer steps waiting on one that left."""
+        return self.dp is None or self.dp.leave()
+
     def idle(self) -> None:
         """A loop of the engine without a step to run: deliver what the outbox holds; with data
         parallelism, the dummy step while the wave lasts."""
@@ -100,10 +106,10 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             nb = {"non_blocking": True} if self.async_scheduling else {}
-            if self.tp is not None:  # tensor parallelism: the worker ranks run this step too
-                self.tp.step(batch)
             loras = lora_step(e.model, batch)  # before make_batch: it reads the seats' slots
             inputs = e.model.make_batch(batch.reqs, **nb)
+            if self.tp is not None:  # tensor parallelism: the worker ranks run this step too
+                self.tp.step(batch)  # after make_batch: with the blocks it reserved
             out = e.runner.step(inputs, batch.num_reqs, batch.max_query_len, loras)
             logits = StepLogits.of(e.model, out)  # read at the rows a step samples (and prompts')
             prompt_lps = prompt_logprobs.launch(batch, logits)  # None unless a request asks

@@ -11,10 +11,11 @@ blocked in a collective is killed, never waited on), and a worker's death ends r
 /healthz says 503 and the server exits 1. The supervisor still watches one process.
 
 What TP changes in the engine: steps are synchronous (async scheduling off: a speculated step's
-tokens would have to reach the workers too), prefix caching is off (a follower's block tables
-mirror rank 0's reserve-and-release order, not its cache), the LM head runs inside every rank's
-step (``logits="all"``: its all-gather), plan reloads are refused, and the ranks agree on the
-smallest KV pool among them."""
+tokens would have to reach the workers too), the LM head runs inside every rank's step
+(``logits="all"``: its all-gather), plan reloads are refused, and the ranks agree on the smallest
+KV pool among them. Prefix caching stays on, as in vLLM: rank 0's scheduler alone decides the KV
+blocks (cached ones included), and each step message carries the blocks each request's seat got
+since the last step (``Ranks.step``), which the followers' pools take as they are."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class Ranks:
         self.table, self.size = table, table.settings.tensor_parallel_size
         self.device = engine_kwargs["device"]
         self.sender: StepSender | None = None
+        self.kv: Any = None  # rank 0's KV pool (BlockTables): the blocks the followers are sent
+        self.sent: dict[int, int] = {}  # seat -> blocks of its row the followers have
         self.messages: Any = None
         self.stopping = False
         self.store = dist.TCPStore(
@@ -108,20 +111,15 @@ class Ranks:
             self.reports.append(recv)
         log.info(
             "tensor parallelism: %d ranks (worker rank pids %s); steps are synchronous (async "
-            "scheduling off) and prefix caching is off",
+            "scheduling off); rank 0 decides every KV block (prefix caching as configured)",
             self.size,
             ", ".join(str(p.pid) for p in self.procs),
         )
 
     def engine_kwargs(self, kwargs: dict) -> dict:
-        """The engine's arguments on rank 0: synchronous steps, no prefix caching, and a spec
-        whose ``build`` joins the ranks and loads rank 0's shard."""
-        return {
-            **kwargs,
-            "async_scheduling": False,
-            "enable_prefix_caching": False,
-            "spec": RankZeroSpec(kwargs["spec"], self),
-        }
+        """The engine's arguments on rank 0: synchronous steps, and a spec whose ``build`` joins
+        the ranks and loads rank 0's shard."""
+        return {**kwargs, "async_scheduling": False, "spec": RankZeroSpec(kwargs["spec"], self)}
 
     def join(self) -> Any:
         """Join the ranks (on the engine thread, at start-up) and greet them with the table's
@@ -136,13 +134,24 @@ class Ranks:
         return TPGroup(0, self.size, group)
 
     def step(self, batch: Any) -> None:
-        """Before each of rank 0's steps (server/core/pipeline.py)."""
+        """Each of rank 0's steps, once its ``make_batch`` reserved the step's blocks and before
+        it runs (server/core/pipeline.py), with each seat's new blocks: from the first the
+        followers do not have (a sequence starting at 0, or a seat released since: the row)."""
         assert self.sender is not None
-        self.sender.step(batch.reqs, batch.num_reqs, batch.max_query_len)
+        blocks = None
+        if self.kv is not None:
+            blocks = []
+            for seat, start, _ in batch.reqs:
+                held = int(self.kv.held[seat])
+                first = 0 if start == 0 else min(self.sent.get(seat, 0), held)
+                blocks.append((first, self.kv.table[seat, first:held].tolist()))
+                self.sent[seat] = held
+        self.sender.step(batch.reqs, batch.num_reqs, batch.max_query_len, blocks)
 
     def pool(self, pool: Any) -> Any:
         """The batcher's view of rank 0's KV pool: each seat it releases goes to the workers."""
-        return _ReleasingPool(pool, self)
+        self.kv = pool
+        return _ReleasingPool(pool, self) if pool is not None else None
 
     def watch(self, core: Any) -> None:
         """End rank 0 (exit 1) when a worker dies while serving; at start-up, first tell the
@@ -199,6 +208,7 @@ class _ReleasingPool:
     def release(self, seat: int) -> None:
         assert self._ranks.sender is not None
         self._ranks.sender.release(seat)
+        self._ranks.sent.pop(seat, None)
         self._pool.release(seat)
 
 

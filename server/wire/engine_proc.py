@@ -178,6 +178,8 @@ class EngineCore:
             threading.Thread(target=self._drain, args=(msg.timeout,), daemon=True).start()
         elif isinstance(msg, m.Wake):  # a DP peer started a wave
             e.pipeline.dp.wake(msg.wave)
+        elif isinstance(msg, m.Leave):  # a DP peer is stopping between waves
+            e.pipeline.dp.left(msg.engine, msg.wave)
 
     def _call(self, msg: m.Call) -> None:
         sink = self.sinks[msg.frontend]

@@ -100,6 +100,14 @@ class Wake(msgspec.Struct, tag=True, array_like=True, frozen=True):
     wave: int
 
 
+class Leave(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Data parallelism: DP peer ``engine`` is stopping, between waves, at ``wave``; it starts no
+    wave again (server/core/dp_serving.py): the engines leave once every one said so."""
+
+    engine: int
+    wave: int
+
+
 class Reply(msgspec.Struct, tag=True, array_like=True, frozen=True):
     call: int
     status: int
@@ -107,7 +115,7 @@ class Reply(msgspec.Struct, tag=True, array_like=True, frozen=True):
     body: Any = None
 
 
-ToEngine = Union[Add, Cancel, Call, Responses, Gone, Drain, Wake]
+ToEngine = Union[Add, Cancel, Call, Responses, Gone, Drain, Wake, Leave]
 ToFrontend = Union[Step, Status, Reply]
 
 encoder = msgspec.msgpack.Encoder()
@@ -125,7 +133,8 @@ def event_out(rid: int, kind: str, value: Any, cached: int | None = None) -> lis
     if k == DONE:
         return [rid, k, value]
     if k == ERROR:
-        return [rid, k, value.status, value.message, [value.param, value.code]]
+        retry = value.headers.get("Retry-After")  # a refusal while draining: come back
+        return [rid, k, value.status, value.message, [value.param, value.code, retry]]
     return [rid, k, [[s.token, s.logprob, s.top or None] for s in value]]
 
 
@@ -142,8 +151,9 @@ def event_in(e: list[Any]) -> tuple[int, str, Any]:
     if k == DONE:
         return rid, "done", e[2]
     if k == ERROR:
-        param, code = e[4]
-        return rid, "error", RequestError(e[2], e[3], param, code)
+        param, code, *retry = e[4]
+        headers = {"Retry-After": str(retry[0])} if retry and retry[0] is not None else None
+        return rid, "error", RequestError(e[2], e[3], param, code, headers)
     return rid, "prompt_logprobs", [_sampled(*s) for s in e[2]]
 
 

@@ -1,7 +1,9 @@
 """The step protocol between tensor-parallel ranks (docs/semantics.md §7.7): rank 0 schedules,
 and before each step it broadcasts what the other ranks need to run the identical step (the
-step's ``reqs``: seat, start and token ids per request; ``num_reqs``; ``max_query_len``), and
-each seat it releases. The other ranks (``follow``) run ``model.make_batch`` and
+step's ``reqs``: seat, start and token ids per request; ``num_reqs``; ``max_query_len``; and,
+with rank 0's KV pool, the blocks each request's seat got since the last step), and each seat it
+releases. Rank 0's scheduler alone decides the blocks (prefix caching included: a request may
+start on cached blocks): the followers' pools take the rows they are sent (``assign``). The other ranks (``follow``) run ``model.make_batch`` and
 ``runner.step`` on what they receive, so every rank runs the same collectives in the same
 order. The first message is the table's fingerprint: a rank whose table differs stops with an
 error naming both.
@@ -45,21 +47,30 @@ def _recv(group) -> tuple[int, list[int]]:
     return op, body.tolist()
 
 
-def encode_step(reqs, num_reqs: int, max_query_len: int) -> list[int]:
+def encode_step(reqs, num_reqs: int, max_query_len: int, blocks=None) -> list[int]:
+    """``blocks``: per request ``(first, block ids)``, the KV blocks of its seat's row from index
+    ``first`` that rank 0's scheduler gave it since the last step (None: the followers allocate
+    their own, in rank 0's order, as without prefix caching)."""
     out = [num_reqs, max_query_len, len(reqs)]
-    for seat, start, ids in reqs:
+    for i, (seat, start, ids) in enumerate(reqs):
+        first, row = blocks[i] if blocks is not None else (-1, ())
         out += [int(seat), int(start), len(ids), *(int(t) for t in ids)]
+        out += [int(first), len(row), *(int(b) for b in row)]
     return out
 
 
-def decode_step(body: list[int]) -> tuple[list[tuple[int, int, list[int]]], int, int]:
+def decode_step(body: list[int]):
+    """``encode_step``'s integers back: (reqs, num_reqs, max_query_len, blocks or None)."""
     num_reqs, max_query_len, n = body[:3]
-    reqs, i = [], 3
+    reqs, blocks, i = [], [], 3
     for _ in range(n):
         seat, start, k = body[i : i + 3]
         reqs.append((seat, start, body[i + 3 : i + 3 + k]))
         i += 3 + k
-    return reqs, num_reqs, max_query_len
+        first, k = body[i : i + 2]
+        blocks.append((first, body[i + 2 : i + 2 + k]))
+        i += 2 + k
+    return reqs, num_reqs, max_query_len, (blocks if n and blocks[0][0] >= 0 else None)
 
 
 def encode_decision(d) -> list[int]:
@@ -103,8 +114,8 @@ class StepSender:
     def hello(self, fingerprint: str) -> None:
         _send(self.group, HELLO, list(fingerprint.encode()))
 
-    def step(self, reqs, num_reqs: int, max_query_len: int) -> None:
-        _send(self.group, STEP, encode_step(reqs, num_reqs, max_query_len))
+    def step(self, reqs, num_reqs: int, max_query_len: int, blocks=None) -> None:
+        _send(self.group, STEP, encode_step(reqs, num_reqs, max_query_len, blocks))
 
     def release(self, seat: int) -> None:
         _send(self.group, RELEASE, [int(seat)])
@@ -150,7 +161,10 @@ def follow(model, runner, fingerprint: str, group=None, *, greeted: bool = False
         if op == RELEASE:
             model.release(body[0])
         elif op == STEP:
-            reqs, num_reqs, max_query_len = decode_step(body)
+            reqs, num_reqs, max_query_len, blocks = decode_step(body)
+            if blocks is not None:  # rank 0's prefix-cached rows: this rank decides no block
+                for (seat, _, _), (first, row) in zip(reqs, blocks):
+                    model.kv_pool.assign(seat, first, row)
             with torch.no_grad():
                 runner.step(model.make_batch(reqs), num_reqs, max_query_len)
             steps += 1
