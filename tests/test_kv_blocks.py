@@ -293,3 +293,47 @@ def test_a_tp_workers_pool_holds_exactly_rank_0s_rows_and_allocates_nothing(step
     seat = steps[0][0]
     with pytest.raises(KVCacheSizeError, match=f"seat {seat}: rank 0 sent no block"):
         follow.reserve(seat, int(follow.held[seat]) * 4, 1)
+
+
+class _Sender:
+    def __init__(self):
+        self.released: list[int] = []
+
+    def release(self, seat: int) -> None:
+        self.released.append(seat)
+
+
+def test_the_tp_pool_proxy_keeps_prefix_caching_and_tells_the_workers_of_releases():
+    """Tensor parallelism hands the batcher a proxy of rank 0's pool (server/core/tp_serving.py).
+    Python 3.12's protocol isinstance looks attributes up statically and missed the proxy's
+    __getattr__, which turned prefix caching off under TP without a word; this checks the batcher
+    caches through the proxy: the second request starts past the first's two full blocks."""
+    import inspect
+    from types import SimpleNamespace
+
+    from graphplan.server.core.prefix_blocks import PREFIX_MEMBERS, shares_blocks
+    from graphplan.server.core.tp_serving import _ReleasingPool
+
+    pool = BlockTables(num_blocks=16, block_size=4, num_seats=2, max_blocks_per_seq=8)
+    ranks = SimpleNamespace(sender=_Sender(), sent={0: 2})
+    proxy = _ReleasingPool(pool, ranks)
+    # what 3.12's isinstance sees: none of the pool's members on the proxy's class
+    assert not any(hasattr(type(proxy), m) for m in PREFIX_MEMBERS)
+    with pytest.raises(AttributeError):
+        inspect.getattr_static(proxy, "lookup")
+    assert shares_blocks(proxy) and not shares_blocks(SimpleNamespace(block_size=4))
+    b = ContinuousBatcher(
+        max_num_seqs=2, token_budget=64, max_model_len=32, num_cache_rows=2, kv_pool=proxy,
+        prefix_caching=True,
+    )  # fmt: skip
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks and a part
+    b.add("a", prompt, max_new_tokens=1)
+    step = b.schedule()
+    for row, start, toks in step.reqs:
+        pool.reserve(row, start, len(toks))
+    b.commit(step, sampled=[7])
+    assert ranks.sender.released == [0] and 0 not in ranks.sent
+    b.add("b", prompt + [11], max_new_tokens=1)
+    step = b.schedule()
+    assert step.reqs[0][1] == 8  # admitted past the two cached blocks
+    assert b.prefix.cached_tokens["b"] == 8
