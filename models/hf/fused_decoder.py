@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from graphplan.runtime.compiled.merge_linear import end_to_end
 
-from . import overlap
 from .attention import ATTN_IMPLEMENTATION
 from .fused_ops import add_rmsnorm_, rmsnorm, rotary_, rotary_tables, silu_mul, use_triton
 
@@ -188,12 +187,6 @@ class FusedDecoder:
         )
         self.lora = None  # LoRA adapter slots (lora_slots.LoraSlots), once LoRA is enabled
         self.lora_step = None  # the forward's lora_slots.LoraStep while it runs, or None
-        self.overlap_min_tokens = 0
-        """Uniform decode steps of at least this many tokens run as two nano-batches whose
-        attention and dense work overlap (``overlap.py``); 0: never."""
-        self.overlap_priority = 0
-        """The side stream's CUDA priority (lower is higher; 0 the default)."""
-        self._side_stream = None
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -228,11 +221,8 @@ class FusedDecoder:
         h = self.embedding(input_ids)  # [T, hidden]
         residual = None
         step = self.step_inputs(positions, graphplan)
-        if self.layers and overlap.applies(self, step[2], h.shape[0]):
-            h, residual = overlap.overlapped_layers(self, h, step)
-        else:
-            for layer in self.layers:
-                h, residual = self.layer_forward(layer, h, residual, step)
+        for layer in self.layers:
+            h, residual = self.layer_forward(layer, h, residual, step)
         if residual is None:  # no layers
             h = rmsnorm(h, self.norm, self.eps)
         else:
