@@ -91,6 +91,9 @@ for step in "$@"; do
                for tp in 1 2; do timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --set parallel.tensor_parallel_size=$tp --server-arg=--no-async-scheduling --prefix-caching off --workload loguniform --requests 300 --client-procs 8 --out "$OUT/serve_bench_tp$tp.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -12; done ;;
     dpserve)   timeout 300 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_dp_serve.py 2>&1 | tee "$OUT/dp_serve_gpu_tests.log" | tail -8
                timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100.yaml --set parallel.data_parallel_size=2 --set parallel.tensor_parallel_size=2 --server-arg=--no-async-scheduling --prefix-caching off --workload loguniform --requests 300 --client-procs 8 --out "$OUT/serve_bench_dp2tp2.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -12 ;;
+    realscale-quick) timeout 280 python bench/real_scale.py --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_quick.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
+    itl512)    timeout 150 python bench/offline_throughput.py --plan plans/llama3-8b-h100-throughput.yaml --loop engine --out "$OUT/offline_fullbatch.md" 2>&1 | grep -E "output tokens/s|inter-token|step intervals"
+               for fe in 4 1; do timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --set scheduler.max_num_batched_tokens=512 --server-arg="--api-server-count $fe" --workload loguniform --requests 1000 --client-procs 8 $([ $fe = 4 ] && echo "--offline --offline-loop engine") --out "$OUT/serve_bench_itl512.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -22; done ;;
     *)         echo "unknown step $step" ;;
   esac
 done

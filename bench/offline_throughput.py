@@ -212,11 +212,14 @@ def run_engine(model, table, plan: str, prompts, outputs, device) -> dict:
     engine.start()
     assert engine.wait_ready(600), engine.error
     tally = Tally(len(prompts))
-    steps_seen: list[tuple[float, int, int]] = []  # (delivered at, requests, longest query) a step
+    # (delivered at, requests, longest query, tokens) a step
+    steps_seen: list[tuple[float, int, int, int]] = []
     observe = engine.metrics.step
 
     def step(seconds: float, batch, decode_query_len: int) -> None:
-        steps_seen.append((time.perf_counter(), batch.num_reqs, batch.max_query_len))
+        steps_seen.append(
+            (time.perf_counter(), batch.num_reqs, batch.max_query_len, batch.num_tokens)
+        )
         observe(seconds, batch, decode_query_len)
 
     engine.metrics.step = step  # type: ignore[method-assign]
@@ -242,20 +245,40 @@ def run_engine(model, table, plan: str, prompts, outputs, device) -> dict:
         "stats": stats,
         "itl": sorted(tally.gaps),
         "full_step": full_batch_step(steps_seen, table.max_num_seqs),
+        "intervals": step_intervals(steps_seen),
     }
 
 
-def full_batch_step(steps: list[tuple[float, int, int]], seats: int) -> tuple[float, int] | None:
+def full_batch_step(steps: list[tuple], seats: int) -> tuple[float, int] | None:
     """The engine's decode step at full batch: the median time between a decode-only step's tokens
     and the previous step's, over the steps with at least 90 % of the seats running (with async
     scheduling a step's own span overlaps its neighbours'; the interval is what it costs), and how
     many there were. Issue 34's ITL bar is 2x this."""
     full = sorted(
         t - prev[0]
-        for prev, (t, n, q) in zip(steps, steps[1:])
+        for prev, (t, n, q, _) in zip(steps, steps[1:])
         if q == 1 and prev[2] == 1 and n >= 0.9 * seats
     )
     return (full[len(full) // 2], len(full)) if full else None
+
+
+def step_intervals(steps: list[tuple]) -> dict:
+    """The engine loop's step intervals (a step's tokens delivered to the next step's: what an
+    inter-token gap is made of), by kind: decode-only steps and steps with prefill chunks, each
+    as (count, p50, p99, max) seconds, and the five longest with (requests, tokens, kind)."""
+    kinds: dict[str, list[float]] = {"decode": [], "mixed": []}
+    every = []
+    for prev, (t, n, q, tok) in zip(steps, steps[1:]):
+        kind = "decode" if q == 1 else "mixed"
+        kinds[kind].append(t - prev[0])
+        every.append((t - prev[0], n, tok, kind))
+    out: dict = {}
+    for kind, xs in kinds.items():
+        xs.sort()
+        if xs:
+            out[kind] = (len(xs), xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], xs[-1])
+    out["longest"] = sorted(every, reverse=True)[:5]
+    return out
 
 
 def step_kind(table, batch) -> str:
@@ -282,7 +305,24 @@ def itl_lines(r: dict) -> list[str]:
             f"; decode step at full batch (median of {n} decode-only steps with >= 90 % of the "
             f"seats) {step * 1e3:.1f} ms: ITL p99 / step {p(0.99) / (step * 1e3):.2f}"
         )
-    return [line]
+    lines = [line]
+    iv = r.get("intervals") or {}
+    for kind in ("decode", "mixed"):
+        if kind in iv:
+            n, p50, p99, top = iv[kind]
+            lines.append(
+                f"- step intervals, {kind} steps ({n}): p50 {p50 * 1e3:.1f} ms, p99 "
+                f"{p99 * 1e3:.1f} ms, max {top * 1e3:.1f} ms"
+            )
+    if iv.get("longest"):
+        lines.append(
+            "- longest step intervals: "
+            + "; ".join(
+                f"{t * 1e3:.1f} ms ({kind}, {n} requests, {tok} tokens)"
+                for t, n, tok, kind in iv["longest"]
+            )
+        )
+    return lines
 
 
 def main(argv=None) -> int:

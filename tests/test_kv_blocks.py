@@ -238,6 +238,10 @@ def test_the_offline_throughput_benchmark_finishes_every_request_on_the_cpu(tmp_
     assert offline_throughput.main([*argv, "--loop", "engine"]) == 0  # the server's engine thread
     text = out.read_text()
     assert "every request finished with all its tokens: True" in text
+    counts = re.findall(r"step intervals, (decode|mixed) steps \((\d+)\)", text)
+    steps = int(re.search(r"over (\d+) steps", text).group(1))
+    assert {k for k, _ in counts} == {"decode", "mixed"}
+    assert sum(int(n) for _, n in counts) == steps - 1  # an interval between each two steps
     assert "'PIECEWISE'" in text and "'FULL'" in text and "eager steps {}" in text
     assert offline_throughput.main([*argv, "--loop", "plain"]) == 0
     text = out.read_text()
