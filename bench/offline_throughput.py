@@ -276,7 +276,12 @@ def step_intervals(steps: list[tuple]) -> dict:
     for kind, xs in kinds.items():
         xs.sort()
         if xs:
-            out[kind] = (len(xs), xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], xs[-1])
+            out[kind] = (
+                len(xs),
+                xs[len(xs) // 2],
+                xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                xs[-1],
+            )
     out["longest"] = sorted(every, reverse=True)[:5]
     return out
 

@@ -187,9 +187,20 @@ def test_step_intervals_split_the_engines_step_gaps_by_kind_and_name_the_longest
     from offline_throughput import step_intervals
 
     # (delivered at s, requests, longest query, tokens)
-    steps = [(0.0, 4, 1, 4), (0.010, 4, 1, 4), (0.040, 3, 5, 20), (0.050, 4, 1, 4), (0.062, 2, 1, 2)]
+    steps = [
+        (0.0, 4, 1, 4),
+        (0.010, 4, 1, 4),
+        (0.040, 3, 5, 20),
+        (0.050, 4, 1, 4),
+        (0.062, 2, 1, 2),
+    ]
     got = step_intervals(steps)
-    assert got["decode"][0] == 3 and got["mixed"] == (1, 0.040 - 0.010, 0.040 - 0.010, 0.040 - 0.010)
+    assert got["decode"][0] == 3 and got["mixed"] == (
+        1,
+        0.040 - 0.010,
+        0.040 - 0.010,
+        0.040 - 0.010,
+    )
     assert got["decode"][1:] == pytest.approx((0.010, 0.012, 0.012))  # p50, p99, max
     assert [(round(t, 3), n, tok, k) for t, n, tok, k in got["longest"]] == [
         (0.03, 3, 20, "mixed"), (0.012, 2, 2, "decode"), (0.01, 4, 4, "decode"),

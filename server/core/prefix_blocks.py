@@ -36,7 +36,14 @@ class PrefixPool(Protocol):
     def register(self, seat: int, keys: Sequence[bytes], first: int = 0) -> None: ...
 
 
-PREFIX_MEMBERS = ("block_size", "enable_prefix_caching", "lookup", "free_cost", "attach", "register")
+PREFIX_MEMBERS = (
+    "block_size",
+    "enable_prefix_caching",
+    "lookup",
+    "free_cost",
+    "attach",
+    "register",
+)
 
 
 def shares_blocks(pool: Any) -> bool:
