@@ -36,24 +36,6 @@ class PrefixPool(Protocol):
     def register(self, seat: int, keys: Sequence[bytes], first: int = 0) -> None: ...
 
 
-PREFIX_MEMBERS = (
-    "block_size",
-    "enable_prefix_caching",
-    "lookup",
-    "free_cost",
-    "attach",
-    "register",
-)
-
-
-def shares_blocks(pool: Any) -> bool:
-    """Whether ``pool`` is a ``PrefixPool``. By ``hasattr``, not ``isinstance``: since Python 3.12
-    a runtime-checkable protocol's ``isinstance`` looks attributes up statically, which misses a
-    proxy's ``__getattr__`` (tensor parallelism's pool that also tells the workers of releases),
-    and prefix caching was silently off under TP on 3.12."""
-    return pool is not None and all(hasattr(pool, m) for m in PREFIX_MEMBERS)
-
-
 def real_tokens(r: Any) -> int:
     """Tokens of ``r``'s sequence known on the host (speculated placeholders, < 0, excluded)."""
     n = len(r.prompt) + len(r.output)
@@ -86,7 +68,7 @@ class PrefixState:
     and each request's hit at its first admission."""
 
     def __init__(self, pool: Any, on: bool):
-        self.pool: PrefixPool | None = pool if on and shares_blocks(pool) else None
+        self.pool: PrefixPool | None = pool if on and isinstance(pool, PrefixPool) else None
         if self.pool is not None:
             self.pool.enable_prefix_caching()
         self.queries = self.hits = 0

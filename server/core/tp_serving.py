@@ -25,7 +25,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -197,10 +197,15 @@ class Ranks:
 
 
 class _ReleasingPool:
-    """A KV pool whose ``release`` also tells the worker ranks (everything else is the pool's)."""
+    """Rank 0's KV pool (``paged_kv.BlockTables``) as the batcher sees it: ``release`` also tells the
+    worker ranks. The members of ``BlockPool`` and ``prefix_blocks.PrefixPool`` are defined here,
+    not only reached through ``__getattr__``: since Python 3.12 a runtime-checkable protocol's
+    ``isinstance`` looks members up statically, and a proxy without them turned prefix caching off
+    under TP without a word."""
 
     def __init__(self, pool: Any, ranks: Ranks):
         self._pool, self._ranks = pool, ranks
+        self.block_size: int = pool.block_size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
@@ -210,6 +215,27 @@ class _ReleasingPool:
         self._ranks.sender.release(seat)
         self._ranks.sent.pop(seat, None)
         self._pool.release(seat)
+
+    def num_free(self) -> int:
+        return self._pool.num_free()
+
+    def truncate(self, seat: int, num_tokens: int) -> None:
+        self._pool.truncate(seat, num_tokens)
+
+    def enable_prefix_caching(self) -> None:
+        self._pool.enable_prefix_caching()
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        return self._pool.lookup(keys)
+
+    def free_cost(self, blocks: Sequence[int]) -> int:
+        return self._pool.free_cost(blocks)
+
+    def attach(self, seat: int, blocks: Sequence[int]) -> None:
+        self._pool.attach(seat, blocks)
+
+    def register(self, seat: int, keys: Sequence[bytes], first: int = 0) -> None:
+        self._pool.register(seat, keys, first)
 
 
 class RankZeroSpec:
