@@ -81,7 +81,10 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class Model(Protocol):
-    """What ``GraphRunner`` steps and the server serves (see the module docstring)."""
+    """What ``GraphRunner`` steps and the server serves (see the module docstring). Check a model
+    by its members, not ``isinstance``: since Python 3.12 that finds members statically only,
+    and an ``nn.Module``'s buffers (TinyLlama's ``kv_cache``) are reached through its
+    ``__getattr__``."""
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         """The step: ``make_batch``'s tensors (or the runner's static buffers) as keywords ->
