@@ -8,6 +8,7 @@ requests, and the metrics that count a stop string as served."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import http.client
 import os
@@ -191,9 +192,21 @@ async def _stream_all(
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1_s(plan):
-    proc, port, engine = _start_cli(plan, "--drain-timeout", "5")
+@contextlib.contextmanager
+def _cli(plan: Path, *args: str):
+    """``_start_cli``'s server for the block: (its process, port, engine pid); killed if still
+    running at the end, its stderr closed."""
+    proc, port, engine = _start_cli(plan, *args)
     try:
+        yield proc, port, engine
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1_s(plan):
+    with _cli(plan, "--drain-timeout", "5") as (proc, port, engine):
         front = [p for p in _children(proc.pid) if p != engine]
 
         async def run():
@@ -216,13 +229,8 @@ def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1
         assert proc.wait(15) == 1
         assert "the engine process died" in proc.stderr.read()
         assert not _left([engine, *front])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
     # a restart serves exactly
-    proc, port, _ = _start_cli(plan)
-    try:
+    with _cli(plan) as (proc, port, _):
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         one = Server(plan, spec=SPEC, progress=False).start()
         try:
@@ -232,10 +240,6 @@ def test_the_engine_killed_under_streaming_clients_answers_every_client_within_1
             one.stop()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
 
 
 async def _until_admitted(port: int, n: int, timeout: float = 30.0) -> None:
@@ -262,10 +266,9 @@ def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
     # streams of 300 tokens in two waves of 8 seats: the drain lasts well past the refusal below
     # a drain timeout far above the drain: on a loaded 2-core machine the 16 streams may take
     # longer than the default 30 s, and the timeout's own path is tests/test_server_lifecycle.py's
-    proc, port, engine = _start_cli(
+    with _cli(
         plan, "--api-server-count", "2", "--max-model-len", "320", "--drain-timeout", "300"
-    )
-    try:
+    ) as (proc, port, engine):
         children = _children(proc.pid)
 
         async def run():
@@ -283,17 +286,12 @@ def test_sigterm_lets_16_streams_finish_then_exits_0(plan):
         assert proc.wait(30) == 0
         assert "SIGTERM: drained, stopped" in proc.stderr.read()
         assert not _left([engine, *children])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
 
 
 def test_a_drain_past_its_timeout_fails_what_is_left_and_exits_128_plus_n(plan):
     # --drain-timeout 0: the drain ends at once, so the 8 streams of 300 tokens still held by the
     # engine are failed (an error, never a short answer passed off as whole) and the exit is 143
-    proc, port, engine = _start_cli(plan, "--max-model-len", "320", "--drain-timeout", "0")
-    try:
+    with _cli(plan, "--max-model-len", "320", "--drain-timeout", "0") as (proc, port, engine):
         children = _children(proc.pid)
 
         async def run():
@@ -307,10 +305,6 @@ def test_a_drain_past_its_timeout_fails_what_is_left_and_exits_128_plus_n(plan):
         assert proc.wait(30) == 128 + signal.SIGTERM
         assert "SIGTERM: stopped before every request finished" in proc.stderr.read()
         assert not _left([engine, *children])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
 
 
 def _metric(text: str, name: str) -> float:

@@ -254,30 +254,11 @@ class FusedDecoder:
         """One decoder layer: (its input, the residual stream before it; None for the first) ->
         (its output, the residual stream), the residual add of the output left to the next
         norm. ``h`` and ``residual`` are updated in place."""
-        positions, position_ids, graphplan, attention = step
-        qkv, residual = self.pre_attention(layer, h, residual, positions)
-        out = self.attend(layer, qkv, position_ids, graphplan, attention)
-        return self.post_attention(layer, out, residual)
-
-    def pre_attention(
-        self, layer: FusedLayer, h: torch.Tensor, residual: torch.Tensor | None, positions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input norm (with the residual add) and its q|k|v projection with rotary
-        applied -> (qkv ``[T, (H + 2 KvH) D]``, the residual stream)."""
         if residual is None:
             residual, h = h, rmsnorm(h, layer.input_norm, layer.eps)
         else:
             h, residual = add_rmsnorm_(h, residual, layer.input_norm, layer.eps)
-        qkv = self._lora(F.linear(h, layer.qkv, layer.qkv_bias), h, layer, "qkv")
-        rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, self.head_dim)
-        return qkv, residual
-
-    def post_attention(
-        self, layer: FusedLayer, out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention's output ``[T, H D]`` through o_proj, the post-attention norm (with the
-        residual add) and the MLP -> (the layer's output, the residual stream)."""
-        h = self.reduce(self._lora(F.linear(out, layer.o_proj, layer.o_bias), out, layer, "o"))
+        h = self._attention(layer, h, *step)
         h, residual = add_rmsnorm_(h, residual, layer.post_norm, layer.eps)
         h = silu_mul(
             self._lora(F.linear(h, layer.gate_up, layer.gate_up_bias), h, layer, "gate_up")
@@ -291,10 +272,11 @@ class FusedDecoder:
             return y
         return self.lora_step.add(y, x, layer.attn.layer_idx, group)
 
-    def attend(self, layer, qkv, position_ids, graphplan, attention) -> torch.Tensor:
-        """The attention function over ``qkv`` (its K/V written to the cache) -> ``[T, H D]``."""
-        tokens, d = qkv.shape[0], self.head_dim
+    def _attention(self, layer, h, positions, position_ids, graphplan, attention):
+        tokens, d = h.shape[0], self.head_dim
         q_width, kv_width = self.q_heads * d, self.kv_heads * d
+        qkv = self._lora(F.linear(h, layer.qkv, layer.qkv_bias), h, layer, "qkv")
+        rotary_(qkv, positions, self.cos, self.sin, self.q_heads + self.kv_heads, d)
         # [1, heads, T, D] views of the one projection, as transformers hands them over
         q = qkv[:, :q_width].view(tokens, self.q_heads, d).transpose(0, 1)[None]
         k = qkv[:, q_width : q_width + kv_width].view(tokens, self.kv_heads, d).transpose(0, 1)
@@ -312,4 +294,5 @@ class FusedDecoder:
             use_cache=False,
             graphplan=graphplan,
         )
-        return out.reshape(tokens, -1)
+        out = out.reshape(tokens, -1)
+        return self.reduce(self._lora(F.linear(out, layer.o_proj, layer.o_bias), out, layer, "o"))
