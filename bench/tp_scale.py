@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphplan.models.hf.tp_symm import algo_from_env
+
 from llama_shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +91,7 @@ def parse_args(argv=None):
         "--allreduce",
         choices=("nccl", "symm"),
         default="nccl",
-        help="the model's all-reduce: NCCL, or torch symmetric memory (one-shot) for messages up "
+        help="the model's all-reduce: NCCL, or torch symmetric memory (two-shot) for messages up "
         "to GRAPHPLAN_TP_SYMM_MAX_BYTES (models/hf/tp_symm.py); comm is timed both ways",
     )
     p.add_argument("--tp1", action="store_true", help="also TP=1 on rank 0's GPU (batch 1)")
@@ -133,7 +135,8 @@ def report(a, device_name: str, r0: dict) -> tuple[str, bool]:
         f"command: `python bench/tp_scale.py {shlex.join(sys.argv[1:])}`",
         f"layers {shape_of(a)['num_hidden_layers']}; rank model built in {r0['load_s']:.1f} s; "
         f"context {a.context}; the model's all-reduce: {a.allreduce}"
-        f"{'' if r0.get('symm') or a.allreduce == 'nccl' else ' (unavailable: NCCL)'}; times are ms per step on "
+        f"{'' if r0.get('symm') or a.allreduce == 'nccl' else ' (unavailable: NCCL)'}"
+        f"{f' ({algo_from_env()})' if r0.get('symm') else ''}; times are ms per step on "
         "rank 0; floor = GEMMs+SDPA + the lesser comm",
         "",
         "| batch | step | GEMMs+SDPA (rank) | comm NCCL | comm symm | floor | step/floor | bar "

@@ -105,6 +105,31 @@ def test_the_report_compares_tp2_with_tp1_at_batch_1():
     assert "= 0.63x (<= 0.62x MISSED)" in text and not ok
 
 
+def _symm_agreement_worker(rank, world, have):
+    """symm_reducer(agree=...) on a rank that can allocate (have[rank]) or cannot; the
+    exchange itself is a stand-in that records it ran (no GPU here)."""
+    import torch.distributed as dist
+
+    from graphplan.models.hf import tp_symm
+
+    tp_symm._allocate = lambda device, limit: "buf" if have[rank] else None
+    tp_symm.SymmAllReduce = lambda group, buf, algo: f"exchanged {buf} {algo}"
+    got = tp_symm.symm_reducer(dist.group.WORLD, "cuda:0", 1 << 20, agree=dist.group.WORLD)
+    return repr(got)
+
+
+@pytest.mark.parametrize(
+    "have, expect",
+    [([True, True], "'exchanged buf auto'"), ([True, False], "None"), ([False, True], "None")],
+)
+def test_the_ranks_use_symmetric_memory_all_together_or_not_at_all(tmp_path, have, expect):
+    """The server's ranks (tp_worker.tp_group) agree over Gloo before the exchange: one rank
+    without symmetric memory turns it off for all, instead of leaving its peers waiting."""
+    from test_dp import _spawn
+
+    assert _spawn(_symm_agreement_worker, 2, tmp_path, have) == [expect, expect]
+
+
 def test_symmetric_memory_is_off_on_the_cpu_and_its_size_limit_comes_from_the_environment():
     import torch
 
@@ -113,11 +138,17 @@ def test_symmetric_memory_is_off_on_the_cpu_and_its_size_limit_comes_from_the_en
 
     assert tp_symm.symm_reducer(object(), "cpu", 1 << 20) is None
     env = tp_symm.MAX_BYTES_ENV
-    assert tp_symm.max_bytes_from_env({}) == tp_symm.DEFAULT_MAX_BYTES == 1 << 20
+    assert tp_symm.max_bytes_from_env({}) == tp_symm.DEFAULT_MAX_BYTES == 8 << 20
     assert tp_symm.max_bytes_from_env({env: "4096"}) == 4096
     for bad in ("-1", "1MiB"):
         with pytest.raises(ValueError, match=f"{env}={bad!r}: a non-negative integer"):
             tp_symm.max_bytes_from_env({env: bad})
+    assert tp_symm.algo_from_env({}) == "auto"
+    assert tp_symm.algo_from_env({tp_symm.ALGO_ENV: "one_shot"}) == "one_shot"
+    with pytest.raises(
+        ValueError, match="GRAPHPLAN_TP_SYMM_ALGO='three': one of auto, one_shot, two_shot"
+    ):
+        tp_symm.algo_from_env({tp_symm.ALGO_ENV: "three"})
 
     class Stub:  # what TPGroup hands to symmetric memory: the messages it takes, nothing else
         def takes(self, x):

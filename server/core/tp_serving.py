@@ -34,7 +34,15 @@ from graphplan.compiler.errors import GraphplanError
 
 from ..wire.procs import end, spawn
 from ..wire.ranks import StepSender
-from .tp_worker import JOIN_TIMEOUT, RankConfig, agree_blocks, init_groups, rank_device, worker_main
+from .tp_worker import (
+    JOIN_TIMEOUT,
+    RankConfig,
+    agree_blocks,
+    init_groups,
+    rank_device,
+    tp_group,
+    worker_main,
+)
 
 log = logging.getLogger("graphplan.server")
 
@@ -124,14 +132,11 @@ class Ranks:
     def join(self) -> Any:
         """Join the ranks (on the engine thread, at start-up) and greet them with the table's
         fingerprint; rank 0's ``TPGroup``."""
-        from graphplan.models.hf.tp import TPGroup
-
-        group, self.messages = init_groups(
-            self.store, 0, self.size, torch.device(rank_device(self.device, 0))
-        )
+        device = torch.device(rank_device(self.device, 0))
+        group, self.messages = init_groups(self.store, 0, self.size, device)
         self.sender = StepSender(self.messages)
         self.sender.hello(self.table.fingerprint)
-        return TPGroup(0, self.size, group)
+        return tp_group(0, self.size, group, device, self.messages)
 
     def step(self, batch: Any) -> None:
         """Each of rank 0's steps, once its ``make_batch`` reserved the step's blocks and before

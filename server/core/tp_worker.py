@@ -87,9 +87,17 @@ def agree_blocks(model: Any, messages: Any) -> None:
         pool.limit(int(n))
 
 
-def _start(cfg: RankConfig) -> tuple[Any, Any, str, Any]:
+def tp_group(rank: int, size: int, group: Any, device: torch.device, messages: Any) -> Any:
+    """This rank's ``TPGroup``: on GPUs the all-reduces of messages up to
+    ``GRAPHPLAN_TP_SYMM_MAX_BYTES`` (default 8 MiB; 0: NCCL for all) by torch symmetric memory,
+    faster than NCCL at those sizes (bench/results/allreduce_bench.md), on every rank or none."""
     from graphplan.models.hf.tp import TPGroup
+    from graphplan.models.hf.tp_symm import symm_reducer
 
+    return TPGroup(rank, size, group, symm_reducer(group, device, agree=messages))
+
+
+def _start(cfg: RankConfig) -> tuple[Any, Any, str, Any]:
     from .model import load_table
     from .plan_swap import capture_runner
 
@@ -98,7 +106,7 @@ def _start(cfg: RankConfig) -> tuple[Any, Any, str, Any]:
     store = dist.TCPStore("127.0.0.1", cfg.port, cfg.size, False, timeout=JOIN_TIMEOUT)
     group, messages = init_groups(store, cfg.rank, cfg.size, device)
     receive_hello(table.fingerprint, messages)  # before loading: another plan fails at once
-    model = cfg.spec.build(table, device, tp=TPGroup(cfg.rank, cfg.size, group))
+    model = cfg.spec.build(table, device, tp=tp_group(cfg.rank, cfg.size, group, device, messages))
     agree_blocks(model, messages)
     runner = capture_runner(model, table, device, False, None, cfg.on_demand)
     if table.settings.data_parallel_size > 1:  # steps at rank 0's DP decisions
