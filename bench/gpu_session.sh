@@ -83,7 +83,8 @@ for step in "$@"; do
     tuneloop)  timeout 400 python examples/tune_loop.py --device cuda --out "$OUT/tune_loop.md" --json "$OUT/tune_loop.json" 2>&1 | tail -12 ;;
     tptests)   timeout 360 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 | tee "$OUT/tp_gpu_tests.log" | tail -15 ;;
     tp2)       timeout 300 python bench/tp_scale.py --tp 2 --shape 8b --tp1 --out "$OUT/tp2.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
-    tp4)       timeout 300 python bench/tp_scale.py --tp 4 --shape 70b --out "$OUT/tp4.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    tp4)       timeout 300 python bench/tp_scale.py --tp 4 --shape 70b --allreduce symm --out "$OUT/tp4.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
+    tp4serve)  timeout 540 python bench/serve_bench.py --shape 70b --plan plans/llama3-70b-h100-tp4.yaml --workload loguniform --requests 1000 --client-procs 8 --out "$OUT/serve_bench_70b_tp4.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -22 ;;
     tp4-quick) timeout 200 python bench/tp_scale.py --tp 4 --shape 70b --layers 8 --iters 10 --out "$OUT/tp4_quick.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -20 ;;
     tp-symm)   for n in 2 4; do [ "$(nvidia-smi -L | wc -l)" -ge $n ] && { [ $n = 2 ] && sh=8b || sh=70b; timeout 300 python bench/tp_scale.py --tp $n --shape $sh --allreduce symm --capture-plan '' --out "$OUT/tp${n}_symm.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -12; }; done ;;
     allreduce) for n in 2 4; do [ "$(nvidia-smi -L | wc -l)" -ge $n ] && timeout 170 python bench/allreduce_bench.py --ranks $n --out "$OUT/allreduce_bench_tp$n.md" 2>&1 | tail -16; done ;;

@@ -349,7 +349,8 @@ def report(a, argv, run: dict, off: dict | None) -> tuple[str, bool]:
             )
     if "metrics" in s:
         lines.append(f"- {mix(s['metrics'])}")
-    lines += [f"- anchor: {x}" for x in ANCHORS]
+    if a.shape != "70b":  # the anchors are Llama-3-8B figures (tiny stands in for 8B on a CPU)
+        lines += [f"- anchor: {x}" for x in ANCHORS]
     lines.append(f"\n**{'PASS' if ok else 'FAIL'}**: every request finished whole")
     return "\n".join(lines) + "\n", ok
 

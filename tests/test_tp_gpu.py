@@ -1,10 +1,12 @@
-"""Tensor parallelism on 2 GPUs (skips without them): an 8B-shaped Llama (hidden 4096, 32 heads,
-8 KV heads, intermediate 14336, vocabulary 128,256; 2 layers, random weights drawn directly
-sharded on each rank) over NCCL, the all-reduces and the LM head's all-gather captured inside
-FULL and FULL_AND_PIECEWISE graphs: TP=2 logits of decode and mixed steps within the bf16 bound
-(2% of the largest logit, as hf_models.bf16_errors) of TP=1 on the same weights, and the argmax
-equal on at least 95% of the rows (bf16 near-ties); the same in FULL graphs with the all-reduces by
-torch symmetric memory (models/hf/tp_symm.py)."""
+"""Tensor parallelism on 2 and 4 GPUs (each size skips without its GPUs): an 8B-shaped Llama (hidden
+4096, 32 heads, 8 KV heads, intermediate 14336, vocabulary 128,256; 2 layers, random weights drawn
+directly sharded on each rank) over NCCL, the all-reduces and the LM head's all-gather captured
+inside FULL and FULL_AND_PIECEWISE graphs: TP=2 and TP=4 logits of decode and mixed steps within
+the bf16 bound (2% of the largest logit, as hf_models.bf16_errors) of TP=1 on the same weights, and
+every row's greedy pick equal to TP=1's or a near-tie: its TP=1 logit within that bound of the
+row's best (a random 128,256-word head has top-2 gaps of that size, and one of 9 rows differed at
+TP=4); the same in FULL graphs with the all-reduces by torch symmetric memory
+(models/hf/tp_symm.py)."""
 
 from __future__ import annotations
 
@@ -81,28 +83,35 @@ def _rank(rank: int, world: int, symm: bool = False, modes=("FULL", "FULL_AND_PI
             rows = []
             for g, w in zip(got, one, strict=True):
                 top = w.abs().max().item()
-                agree = (g.argmax(-1) == w.argmax(-1)).float().mean().item()
-                rows.append(((g - w).abs().max().item(), 0.02 * top, agree))
+                # how far below TP=1's best logit TP's pick lies (0 where the argmax agrees)
+                pick = w.gather(-1, g.argmax(-1, keepdim=True)).squeeze(-1)
+                short = (w.max(-1).values - pick).max().item()
+                rows.append(((g - w).abs().max().item(), 0.02 * top, short))
             result[mode] = rows
     return result
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_logits_of_an_8b_shape_are_within_bf16_of_tp1_full_and_piecewise(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_logits_of_an_8b_shape_are_within_bf16_of_tp1_full_and_piecewise(tmp_path, world):
+    """TP=2, and TP=4 (2 of the 8 KV heads and 8 of the 32 query heads a rank) where 4 GPUs are."""
     from test_dp_gpu import _spawn  # NCCL ranks, multicast off
 
-    result = _spawn(_rank, tmp_path)[0]
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    result = _spawn(_rank, tmp_path, world=world)[0]
     for mode in ("FULL", "FULL_AND_PIECEWISE"):
-        for err, bound, agree in result[mode]:
-            assert err <= bound and agree >= 0.95, (mode, err, bound, agree)
+        for err, bound, short in result[mode]:
+            assert err <= bound and short <= bound, (mode, err, bound, short)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_with_symmetric_memory_all_reduce_is_within_bf16_of_tp1_in_full_graphs(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_with_symmetric_memory_all_reduce_is_within_bf16_of_tp1_in_full_graphs(tmp_path, world):
     from test_dp_gpu import _spawn
 
-    result = _spawn(_rank, tmp_path, True, ("FULL",))[0]
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    result = _spawn(_rank, tmp_path, True, ("FULL",), world=world)[0]
     if not result["symm"]:
         pytest.skip("torch symmetric memory is unavailable on these GPUs")
-    for err, bound, agree in result["FULL"]:
-        assert err <= bound and agree >= 0.95, (err, bound, agree)
+    for err, bound, short in result["FULL"]:
+        assert err <= bound and short <= bound, (err, bound, short)
