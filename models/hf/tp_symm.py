@@ -121,11 +121,10 @@ def symm_reducer(group, device, max_bytes: int | None = None, agree=None) -> Sym
 
         ok = torch.tensor([int(buf is not None)], dtype=torch.int64)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=agree)
-        if int(ok) == 0:
+        if int(ok) == 0 or buf is None:  # (every rank has a buffer when ok is 1)
             return None
-        return SymmAllReduce(
-            group, buf, algo
-        )  # the exchange's error is raised: peers are in it too
+        # the exchange's error is raised: the peers are in it too
+        return SymmAllReduce(group, buf, algo)
     if buf is None:
         return None
     try:
