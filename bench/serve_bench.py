@@ -230,24 +230,33 @@ def served(a) -> dict:
     return {"summary": s, "server": f"`{shown(cmd)}`", "startup_s": startup}
 
 
-SCRAPED = {
-    "hits": r"graphplan_prefix_cache_hits_total",
-    "queries": r"graphplan_prefix_cache_queries_total",
-    "prompt_tokens": r"graphplan_server_prompt_tokens_total",
-    "step_tokens": r"graphplan_server_step_tokens_total",
-    "steps_decode": r'graphplan_server_steps_total\{kind="decode"\}',
-    "steps_mixed": r'graphplan_server_steps_total\{kind="mixed"\}',
+SCRAPED = {  # key: (sample name, labels the sample must carry); every engine's samples summed
+    "hits": ("graphplan_prefix_cache_hits_total", {}),
+    "queries": ("graphplan_prefix_cache_queries_total", {}),
+    "prompt_tokens": ("graphplan_server_prompt_tokens_total", {}),
+    "step_tokens": ("graphplan_server_step_tokens_total", {}),
+    "steps_decode": ("graphplan_server_steps_total", {"kind": "decode"}),
+    "steps_mixed": ("graphplan_server_steps_total", {"kind": "mixed"}),
 }
 
 
-def scrape(url: str) -> dict:
-    """The server's prefix-cache counters and step mix from /metrics (0 where absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out = {}
-    for k, name in SCRAPED.items():
-        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-        out[k] = float(m[1]) if m else 0.0
+def scrape_text(text: str) -> dict:
+    """The prefix-cache counters and step mix of a /metrics page (0 where absent), summed over
+    the samples of every engine (a data-parallel server labels each engine's ``engine="d"``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(SCRAPED, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for k, (name, labels) in SCRAPED.items():
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    out[k] += sample.value
     return out
+
+
+def scrape(url: str) -> dict:
+    """``scrape_text`` of the server's /metrics."""
+    return scrape_text(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def mix(m: dict) -> str:

@@ -206,3 +206,33 @@ def test_step_intervals_split_the_engines_step_gaps_by_kind_and_name_the_longest
         (0.03, 3, 20, "mixed"), (0.012, 2, 2, "decode"), (0.01, 4, 4, "decode"),
         (0.01, 4, 4, "decode"),
     ]  # fmt: skip
+
+
+def test_the_step_mix_sums_every_engines_samples_of_a_data_parallel_server():
+    """serve_bench's /metrics reading: one engine's page, and two engines' merged as a DP server
+    serves them (each sample labelled engine="d"), give the counters' sums."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from graphplan.server.wire.engines import merge_metrics
+
+    from serve_bench import scrape_text
+
+    def page(decode, mixed, tokens, hits, queries):
+        reg = CollectorRegistry()
+        steps = Counter("graphplan_server_steps", "Steps.", ["kind"], registry=reg)
+        steps.labels(kind="decode").inc(decode)
+        steps.labels(kind="mixed").inc(mixed)
+        Counter("graphplan_server_step_tokens", "Tokens.", registry=reg).inc(tokens)
+        Counter("graphplan_prefix_cache_hits", "Hits.", registry=reg).inc(hits)
+        Counter("graphplan_prefix_cache_queries", "Queries.", registry=reg).inc(queries)
+        return generate_latest(reg).decode()
+
+    one, two = page(3, 2, 100, 16, 40), page(5, 1, 50, 0, 8)
+    expect = dict(hits=16.0, queries=40.0, prompt_tokens=0.0, step_tokens=100.0)
+    assert scrape_text(one) == {**expect, "steps_decode": 3.0, "steps_mixed": 2.0}
+    merged = merge_metrics([one, two])
+    assert 'graphplan_server_steps_total{engine="1",kind="decode"} 5.0' in merged
+    assert scrape_text(merged) == dict(
+        hits=16.0, queries=48.0, prompt_tokens=0.0, step_tokens=150.0, steps_decode=8.0,
+        steps_mixed=3.0,
+    )  # fmt: skip
