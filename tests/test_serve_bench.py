@@ -212,10 +212,9 @@ def test_the_step_mix_sums_every_engines_samples_of_a_data_parallel_server():
     """serve_bench's /metrics reading: one engine's page, and two engines' merged as a DP server
     serves them (each sample labelled engine="d"), give the counters' sums."""
     from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from serve_metrics import scrape_text
 
     from graphplan.server.wire.engines import merge_metrics
-
-    from serve_bench import scrape_text
 
     def page(decode, mixed, tokens, hits, queries):
         reg = CollectorRegistry()
