@@ -160,3 +160,20 @@ def test_symmetric_memory_is_off_on_the_cpu_and_its_size_limit_comes_from_the_en
     group = TPGroup(0, 2, None, Stub())
     assert group.all_reduce_(torch.ones(2)).tolist() == [10.0, 10.0]
     assert TPGroup(0, 1, None, Stub()).all_reduce_(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_the_gemv_probe_gives_a_rank_the_shards_of_the_fused_decoder():
+    """bench/gemv_probe.py's weights of one rank of the 8B shape (on the meta device): q|k|v and
+    gate|up fused, o_proj and down_proj split by their input, the head by vocabulary rows."""
+    from gemv_probe import rank_weights
+
+    from llama_shapes import SHAPES
+
+    shapes = {
+        tp: [[tuple(w.shape) for w in layer] for layer in rank_weights(SHAPES["8b"], tp, "meta")]
+        for tp in (1, 2, 4)
+    }
+    assert len(shapes[2]) == 33 and shapes[2][-1] == [(64128, 4096)]
+    assert shapes[1][0] == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    assert shapes[2][0] == [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
+    assert shapes[4][0] == [(1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)]

@@ -1,0 +1,88 @@
+"""Where a tensor-parallel rank's batch-1 decode step goes (issue 37's TP=2 <= 0.62x bar): the
+8B shape's per-layer GEMMs at the widths of TP = 1, 2 and 4 (a rank's shards), every layer's
+weights distinct (no L2 reuse), timed as one CUDA graph of the whole model's GEMMs and nothing
+else; beside it the bytes those GEMMs must read and the HBM bandwidth they reach. GPU only.
+
+    python bench/gemv_probe.py --tps 1,2,4 --batches 1,64 --out gemv_probe.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from llama_shapes import SHAPES
+from timing import graph_time_per_call, publish
+
+
+def rank_weights(shape: dict, tp: int, device, dtype=torch.bfloat16) -> list[list[torch.Tensor]]:
+    """Each layer's [out, in] weights of one rank: q|k|v and gate|up fused (as the fused decoder
+    runs them), o_proj and down_proj split by their input; then the LM head's vocabulary rows."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = h // heads
+    qkv = (heads // tp + 2 * max(kv // tp, 1)) * d
+    dims = [(qkv, h), (h, heads // tp * d), (2 * inter // tp, h), (h, inter // tp)]
+    out = [[torch.randn(o, i, device=device, dtype=dtype) for o, i in dims] for _ in range(layers)]
+    out.append([torch.randn(-(-shape["vocab_size"] // tp), h, device=device, dtype=dtype)])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--tps", default="1,2,4")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the program")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gemv_probe: needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    shape = SHAPES[a.shape]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    lines = [
+        f"# gemv_probe ({a.shape}), {name}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"command: `python bench/gemv_probe.py {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+        "| TP | batch | weights GB (rank) | GEMMs ms | GB/s | by kind ms (qkv, o, gate_up, down, head) |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for tp in (int(x) for x in a.tps.split(",")):
+        ws = rank_weights(shape, tp, dev)
+        gb = sum(w.numel() * w.element_size() for layer in ws for w in layer) / 1e9
+        for b in (int(x) for x in a.batches.split(",")):
+            x = {w.shape[1]: torch.randn(b, w.shape[1], device=dev, dtype=torch.bfloat16)
+                 for layer in ws for w in layer}  # fmt: skip
+
+            def run(kinds=None, ws=ws, x=x):
+                for layer in ws:
+                    for k, w in enumerate(layer):
+                        kind = 4 if len(layer) == 1 else k  # the LM head is kind 4
+                        if kinds is None or kind in kinds:
+                            F.linear(x[w.shape[1]], w)
+
+            t = graph_time_per_call(run, dev, a.iters)
+            each = [graph_time_per_call(lambda k=k: run({k}), dev, a.iters) for k in range(5)]
+            lines.append(
+                f"| {tp} | {b} | {gb:.2f} | {t * 1e3:.3f} | {gb / t:.0f} | "
+                + ", ".join(f"{e * 1e3:.3f}" for e in each)
+                + " |"
+            )
+            print(lines[-1], flush=True)
+        del ws, x
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    publish("\n".join(lines) + "\n", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
