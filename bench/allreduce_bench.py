@@ -1,11 +1,11 @@
 """NCCL all-reduce against torch's symmetric-memory all-reduces (one-shot, two-shot) for the
 decode-sized bf16 messages of a tensor-parallel step (a [tokens, hidden] activation: 8 KiB to
-8 MiB), each captured ``--calls`` times in one CUDA graph and timed by replay, on ``--ranks`` GPUs
-of one host (NVLink multicast off: bench/gpu_session.sh sets NCCL_NVLS_ENABLE=0 and
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Prints one row per size with the fastest method; the model
-(models/hf/tp.py TPGroup) uses NCCL today, and this table is what a per-size choice would follow.
+8 MiB), each captured ``--calls`` times in one CUDA graph and timed by replay. GPU only:
+``--ranks`` GPUs of one host (NVLink multicast off: bench/gpu_session.sh sets NCCL_NVLS_ENABLE=0
+and TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Prints one row per size with the fastest method; the
+per-size choice of models/hf/tp_symm.py follows it (bench/results/allreduce_bench.md).
 
-    python bench/allreduce_bench.py --ranks 2 --out bench/results/allreduce_bench.md
+    python bench/allreduce_bench.py --ranks 2 --out allreduce_tp2.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Where a tensor-parallel rank's batch-1 decode step goes (issue 37's TP=2 <= 0.62x bar): the
 8B shape's per-layer GEMMs at the widths of TP = 1, 2 and 4 (a rank's shards), every layer's
 weights distinct (no L2 reuse), timed as one CUDA graph of the whole model's GEMMs and nothing
-else; beside it the bytes those GEMMs must read and the HBM bandwidth they reach. GPU only.
+else; beside it the bytes those GEMMs must read and the HBM bandwidth they reach. GPU only: one
+GPU (``--device cpu --shape tiny`` only checks the program).
 
     python bench/gemv_probe.py --tps 1,2,4 --batches 1,64 --out gemv_probe.md
 """
