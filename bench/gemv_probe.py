@@ -13,24 +13,27 @@ import argparse
 import datetime
 import shlex
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from graphplan.models.hf.tp import split_of
 
 from llama_shapes import SHAPES
 from timing import graph_time_per_call, publish
 
 
 def rank_weights(shape: dict, tp: int, device, dtype=torch.bfloat16) -> list[list[torch.Tensor]]:
-    """Each layer's [out, in] weights of one rank: q|k|v and gate|up fused (as the fused decoder
-    runs them), o_proj and down_proj split by their input; then the LM head's vocabulary rows."""
-    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // heads
-    qkv = (heads // tp + 2 * max(kv // tp, 1)) * d
-    dims = [(qkv, h), (h, heads // tp * d), (2 * inter // tp, h), (h, inter // tp)]
+    """Each layer's [out, in] weights of rank 0 as models/hf/tp.py splits the shape
+    (``split_of``): q|k|v and gate|up fused (as the fused decoder runs them), o_proj and
+    down_proj split by their input; then the LM head's vocabulary rows."""
+    s = split_of(SimpleNamespace(**shape), tp, 0, f"the {tp}-rank shape")
+    h, d = shape["hidden_size"], s.head_dim
+    dims = [((s.heads + 2 * s.kv_heads) * d, h), (h, s.heads * d), (2 * s.inter, h), (h, s.inter)]
+    layers = shape["num_hidden_layers"]
     out = [[torch.randn(o, i, device=device, dtype=dtype) for o, i in dims] for _ in range(layers)]
-    out.append([torch.randn(-(-shape["vocab_size"] // tp), h, device=device, dtype=dtype)])
+    out.append([torch.randn(s.vocab_rows, h, device=device, dtype=dtype)])
     return out
 
 

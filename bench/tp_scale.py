@@ -91,8 +91,9 @@ def parse_args(argv=None):
         "--allreduce",
         choices=("nccl", "symm"),
         default="nccl",
-        help="the model's all-reduce: NCCL, or torch symmetric memory (two-shot) for messages up "
-        "to GRAPHPLAN_TP_SYMM_MAX_BYTES (models/hf/tp_symm.py); comm is timed both ways",
+        help="the model's all-reduce: NCCL, or torch symmetric memory (one-shot up to 64 KiB, "
+        "two-shot above; GRAPHPLAN_TP_SYMM_ALGO) for messages up to GRAPHPLAN_TP_SYMM_MAX_BYTES "
+        "(models/hf/tp_symm.py); comm is timed both ways",
     )
     p.add_argument("--tp1", action="store_true", help="also TP=1 on rank 0's GPU (batch 1)")
     p.add_argument("--iters", type=int, default=20)

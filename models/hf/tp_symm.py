@@ -68,9 +68,8 @@ class SymmAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.name, self.buf = group.group_name, buf
-        self.one_shot_max = {"auto": ONE_SHOT_MAX_BYTES, "one_shot": buf.nbytes, "two_shot": 0}[
-            algo
-        ]
+        one_shot_max = {"auto": ONE_SHOT_MAX_BYTES, "one_shot": buf.nbytes, "two_shot": 0}
+        self.one_shot_max = one_shot_max[algo]
         symm_mem.rendezvous(self.buf, self.name)
 
     def takes(self, x: torch.Tensor) -> bool:
