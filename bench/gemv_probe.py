@@ -5,12 +5,17 @@ else; beside it the bytes those GEMMs must read and the HBM bandwidth they reach
 GPU (``--device cpu --shape tiny`` only checks the program).
 
     python bench/gemv_probe.py --tps 1,2,4 --batches 1,64 --out gemv_probe.md
+
+``--triton 8x512x4,16x256x8``: at batch 1, also the Triton GEMV of models/hf/fused_kernels.py
+(``gemv``) with each tile config (rows x columns x warps), kind by kind beside cuBLAS, and the
+whole model's GEMMs with each kind's fastest config.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 from types import SimpleNamespace
@@ -37,6 +42,34 @@ def rank_weights(shape: dict, tp: int, device, dtype=torch.bfloat16) -> list[lis
     return out
 
 
+def against_cublas(tp, ws, whole_cublas, cublas, configs, dev, a) -> str:
+    """One row of the Triton table: each kind's cuBLAS ms against the Triton GEMV's with each
+    config (the fastest shown), then the whole model's GEMMs in one graph, both ways (Triton:
+    each kind's fastest config)."""
+    from graphplan.models.hf.fused_kernels import gemv
+
+    xs = {w.shape[1]: torch.randn(w.shape[1], device=dev, dtype=w.dtype) for ly in ws for w in ly}
+    outs = {w.shape[0]: w.new_empty(w.shape[0]) for layer in ws for w in layer}
+
+    def run(kinds):  # kind -> config
+        for layer in ws:
+            for k, w in enumerate(layer):
+                kind = 4 if len(layer) == 1 else k
+                if kind in kinds:
+                    bn, bk, warps = kinds[kind]
+                    gemv(xs[w.shape[1]], w, None, outs[w.shape[0]], bn, bk, warps)
+
+    best, cells = {}, []
+    for k in range(5):
+        ts = {c: graph_time_per_call(lambda k=k, c=c: run({k: c}), dev, a.iters) for c in configs}
+        best[k] = min(ts, key=ts.__getitem__)
+        cells.append(
+            f"{cublas[k] * 1e3:.3f} / **{ts[best[k]] * 1e3:.3f}** ({'x'.join(map(str, best[k]))})"
+        )
+    whole = graph_time_per_call(lambda: run(best), dev, a.iters)
+    return f"| {tp} | {whole_cublas * 1e3:.3f} | {whole * 1e3:.3f} | " + " | ".join(cells) + " |"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -45,7 +78,16 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the program")
+    p.add_argument("--triton", default="", help="Triton GEMV tile configs, ROWSxCOLSxWARPS,...")
     a = p.parse_args(argv)
+    configs = [tuple(map(int, c.split("x"))) for c in a.triton.split(",") if c]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU smoke run of --triton
+    if configs and (any(len(c) != 3 for c in configs) or not (a.device == "cuda" or interpreted)):
+        print(
+            "gemv_probe: --triton takes ROWSxCOLSxWARPS configs and a CUDA device",
+            file=sys.stderr,
+        )
+        return 2
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("gemv_probe: needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
@@ -59,6 +101,7 @@ def main(argv=None) -> int:
         "| TP | batch | weights GB (rank) | GEMMs ms | GB/s | by kind ms (qkv, o, gate_up, down, head) |",
         "|---:|---:|---:|---:|---:|---|",
     ]
+    triton_rows: list[str] = []
     for tp in (int(x) for x in a.tps.split(",")):
         ws = rank_weights(shape, tp, dev)
         gb = sum(w.numel() * w.element_size() for layer in ws for w in layer) / 1e9
@@ -81,9 +124,21 @@ def main(argv=None) -> int:
                 + " |"
             )
             print(lines[-1], flush=True)
+            if b == 1 and configs:
+                triton_rows.append(against_cublas(tp, ws, t, each, configs, dev, a))
         del ws, x
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if triton_rows:
+        lines += [
+            "",
+            "Batch 1, the Triton GEMV (models/hf/fused_kernels.py ``gemv``) beside cuBLAS: ms per "
+            "step of each kind (all layers), its fastest tile config (rows x columns x warps):",
+            "",
+            "| TP | GEMMs ms cuBLAS | GEMMs ms Triton (fastest per kind) | qkv | o | gate_up | down | head |",
+            "|---:|---:|---:|---|---|---|---|---|",
+            *triton_rows,
+        ]
     publish("\n".join(lines) + "\n", a.out)
     return 0
 

@@ -95,6 +95,8 @@ for step in "$@"; do
     realscale-quick) timeout 280 python bench/real_scale.py --batches 1,64 --contexts 1024 --max-model-lens 4096 --hf-batches '' --out "$OUT/real_scale_quick.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -14 ;;
     itl512)    timeout 150 python bench/offline_throughput.py --plan plans/llama3-8b-h100-throughput.yaml --loop engine --out "$OUT/offline_fullbatch.md" 2>&1 | grep -E "output tokens/s|inter-token|step intervals"
                for fe in 4 1; do timeout 280 python bench/serve_bench.py --plan plans/llama3-8b-h100-throughput.yaml --set scheduler.max_num_batched_tokens=512 --server-arg="--api-server-count $fe" --workload loguniform --requests 1000 --client-procs 8 $([ $fe = 4 ] && echo "--offline --offline-loop engine") --out "$OUT/serve_bench_itl512.md" 2>&1 | grep -v "eos_token_id\|deprecated" | tail -22; done ;;
+    gemv)      timeout 150 python bench/gemv_probe.py --tps 1,2 --batches 1 --iters 10 --triton 8x512x4,16x512x8,4x1024x4,32x256x8,8x256x4 --out "$OUT/gemv_probe.md" 2>&1 | tail -12
+               timeout 100 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fused_ops_gpu.py -k gemv 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -12 ;;
     *)         echo "unknown step $step" ;;
   esac
 done

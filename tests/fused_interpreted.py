@@ -16,6 +16,7 @@ float16, is within one unit in the last place in bfloat16 here; the GPU tests
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -128,3 +129,53 @@ def test_a_model_with_the_kernels_matches_it_with_the_plain_forms():
     finally:
         os.environ["TRITON_INTERPRET"] = "1"
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@SHAPES
+@given(
+    n=st.integers(1, 40),
+    k=st.integers(1, 700),
+    block=st.sampled_from([(1, 16), (4, 64), (8, 512), (16, 128)]),
+    bias=st.booleans(),
+    dtype=DTYPES,
+    seed=st.integers(0, 99),
+)
+def test_gemv_is_one_tokens_linear(n, k, block, bias, dtype, seed):
+    """Any row count and width (tiles that overhang both), with and without a bias, from rows of a
+    wider weight (the kernel follows the row stride): F.linear's value within one rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, k + 3, generator=gen).to(dtype)
+    w, x = wide[:, :k], torch.randn(k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    out = torch.full((n + 2,), 7.0, dtype=dtype)
+    fused_ops.kernels().gemv(x, w, b, out[:n], block_n=block[0], block_k=block[1])
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    close_sum(out[:n], want, x, w, dtype)
+    assert torch.equal(out[n:], torch.full((2,), 7.0, dtype=dtype))  # nothing past the rows
+
+
+def close_sum(got, want, x, w, dtype) -> None:
+    """A float32 sum of k products, rounded once to ``dtype``: within half a unit in the last
+    place of the result (one rounding; the interpreter may round bfloat16 toward zero: a whole
+    unit) plus float32's error over the sum of |products| (k x 2^-24 each)."""
+    ulp = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    scale = (w.double().abs() * x.double().abs()).sum(-1)
+    bound = ulp * want.abs() + w.shape[1] * 2.0**-24 * scale + 1e-30
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"{dtype}: error {err.max()} (bound {bound.min()})"
+
+
+def test_the_gemv_probe_times_the_triton_gemv_beside_cublas(tmp_path, capsys):
+    """bench/gemv_probe.py --triton, a smoke run of the tiny shape: the Triton table's row of each
+    TP, each kind's cuBLAS and fastest Triton ms with its config."""
+    from gemv_probe import main
+
+    out = tmp_path / "probe.md"
+    argv = ["--device", "cpu", "--shape", "tiny", "--tps", "2", "--batches", "1", "--iters", "1"]
+    assert main([*argv, "--triton", "8x64x4,16x32x2", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 | ")]
+    assert len(rows) == 2  # the cuBLAS table's and the Triton table's
+    cells = rows[1].strip("| ").split(" | ")
+    assert len(cells) == 8 and all(float(c) > 0 for c in cells[1:3])
+    for cell in cells[3:]:
+        assert re.fullmatch(r"[\d.]+ / \*\*[\d.]+\*\* \((8x64x4|16x32x2)\)", cell), cell

@@ -92,6 +92,22 @@ def test_silu_mul_kernel_equals_the_mlps_silu_times_up_in_bf16(rows, inter):
     close(silu_mul(gate_up), silu_mul_reference(gate_up), f"silu_mul [{rows}, {inter}]")
 
 
+@pytest.mark.parametrize("n, k", [(3072, 4096), (4096, 2048), (4096, 7168), (1000, 777)])
+def test_the_gemv_kernel_equals_one_tokens_f_linear_in_bf16(n, k):
+    """fused_kernels.gemv (bench/gemv_probe.py's Triton GEMV) at a TP=2 rank's 8B widths: cuBLAS's
+    bf16 F.linear within one rounding of the largest value (both sum in float32, in other
+    orders), with and without a bias."""
+    from graphplan.models.hf.fused_kernels import gemv
+
+    x, w, b = rand(k, seed=5), rand(n, k, seed=6, scale=k**-0.5), rand(n, seed=7)
+    for bias in (None, b):
+        out = torch.empty(n, device=DEV, dtype=torch.bfloat16)
+        gemv(x, w, bias, out)
+        close(
+            out, torch.nn.functional.linear(x[None], w, bias)[0], f"gemv [{n}, {k}] {bias is None}"
+        )
+
+
 @pytest.mark.parametrize(
     "rows, heads, kv_heads, head_dim", [(1, 32, 8, 128), (64, 32, 8, 128), (9, 14, 2, 64)]
 )

@@ -177,3 +177,14 @@ def test_the_gemv_probe_gives_a_rank_the_shards_of_the_fused_decoder():
     assert shapes[1][0] == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     assert shapes[2][0] == [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
     assert shapes[4][0] == [(1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)]
+
+
+def test_the_gemv_probe_refuses_triton_configs_it_cannot_run(capsys, monkeypatch):
+    """--triton needs ROWSxCOLSxWARPS configs, and a CUDA device (or Triton's interpreter)."""
+    from gemv_probe import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = ["--device", "cpu", "--shape", "tiny", "--tps", "2", "--batches", "1"]
+    for configs in ("8x64x4", "8x64"):
+        assert main([*argv, "--triton", configs]) == 2
+        assert "--triton takes ROWSxCOLSxWARPS configs and a CUDA device" in capsys.readouterr().err

@@ -11,6 +11,8 @@ in the activation dtype), computing in float32 between.
 - ``rotary``: q and k heads of one ``[T, (H + 2 KvH) D]`` projection row rotated in place, the
   cos/sin of each token's position read from ``[P, D/2]`` tables at ``positions[t]`` (loaded on
   the device; nothing comes back to the host); programs over (token, tile of heads).
+- ``gemv``: one token's projection ``[N, K] @ [K]``, programs over tiles of weight rows. Measured
+  against cuBLAS by bench/gemv_probe.py (issue 37's narrow TP shards); not in the forward yet.
 
 No launch takes a token count: the grid carries it, so one compiled kernel serves every batch
 size (a new size never compiles during a CUDA graph capture). Importing this module needs triton
@@ -139,4 +141,51 @@ def rotary(
     _rotary_kernel[grid](
         qk, positions, cos, sin, qk.stride(0), cos.stride(0), n_heads, HEAD_DIM=head_dim,
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=_warps(block_h * block_half),
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, n_rows, n_cols, w_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    at = w_ptr + rows.to(tl.int64)[:, None] * w_stride  # [BLOCK_N, 1] row starts
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, n_cols, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < n_cols
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(at + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    block_n: int = 8,
+    block_k: int = 512,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """``out [N] = weight [N, K] @ x [K] (+ bias [N])``, summed in float32 and rounded once to
+    ``out``'s dtype, as ``F.linear`` on one token. Each program reads ``block_n`` whole rows of
+    the weight, ``block_k`` columns at a time (rows and x contiguous). The tile shape is the
+    caller's: bench/gemv_probe.py measures several against cuBLAS; this is not yet in the
+    model's forward (a kernel enters it when a measured step says it pays)."""
+    n, k = weight.shape
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, block_n),)
+    _gemv_kernel[grid](
+        x, weight, out if bias is None else bias, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
