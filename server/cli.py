@@ -32,6 +32,7 @@ import threading
 import torch
 
 from graphplan.compiler.errors import GraphplanError
+from graphplan.models.hf.tp_symm import algo_from_env, max_bytes_from_env
 
 from .core.hf_model import HFSpec
 from .core.model import DTYPES, ModelSpec, ServingSpec, parse_sets
@@ -275,6 +276,10 @@ def _main(parser: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         parser.error(
             f"--fused-sampler runs a Triton kernel on the GPU: it needs --device cuda, not {a.device}"
         )
+    try:  # the TP ranks' symmetric-memory settings, read here before any rank starts
+        max_bytes_from_env(), algo_from_env()
+    except ValueError as e:
+        parser.error(str(e))
     d = ModelSpec()
     logging.basicConfig(
         level=a.log_level,

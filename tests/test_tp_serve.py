@@ -199,6 +199,30 @@ def test_ranks_that_do_not_divide_the_heads_fail_start_up_by_name(plan, llama):
     assert "the engine failed" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "name, value, why",
+    [
+        ("GRAPHPLAN_TP_SYMM_ALGO", "three", "one of auto, one_shot, two_shot"),
+        ("GRAPHPLAN_TP_SYMM_MAX_BYTES", "8M", "a non-negative integer of bytes, e.g. 1048576"),
+    ],
+)
+def test_a_bad_symmetric_memory_setting_is_refused_before_anything_starts(
+    plan, llama, name, value, why
+):
+    """The TP ranks' symmetric-memory settings are read by graphplan-serve itself first: a value
+    they do not take is a usage error (exit 2) naming the variable and what it takes, before a
+    port is bound or a process spawned."""
+    cmd = [sys.executable, "-m", "graphplan.server", "--plan", str(plan), "--port", "0"]
+    cmd += ["--device", "cpu", "--no-progress", *_serve_flags(llama)]
+    cmd += ["--set", "parallel.tensor_parallel_size=2"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, name: value}
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1].endswith(f"error: {name}={value!r}: {why}"), out.stderr
+    assert "Traceback" not in out.stderr and "listening" not in out.stderr
+
+
 def hf_decode_table(**sets):
     """plans/hf-decode.yaml compiled with ``--set key=value`` for each of ``sets``."""
     from graphplan.compiler.cli.inputs import parse_overrides
