@@ -56,7 +56,11 @@ def test_serve_overhead_runs_at_smoke_size(tmp_path):
         line for line in text.splitlines() if line.startswith("| greedy") or "| sampled" in line
     ]
     assert [r.split(" | ")[0] for r in rows] == ["| greedy", "| sampled+async", "| greedy+engine"]
-    assert all("| 3 clients, " in r and " ms = " in r for r in rows)
+    # clients with a token inside the steady window: all 3 on a quiet machine; on a loaded one the
+    # front end can write a client's tokens of several steps at once, past the window
+    for r in rows:
+        window = re.search(r"\| ([123]) clients, (\d+) gaps, context \d+ \|", r)
+        assert window and int(window[2]) >= 10 and " ms = " in r, r
     # replay + the variant's sampler, measured in the same run
     assert all(re.fullmatch(r"\d+\.\d\d \+ \d+\.\d\d ms", r.split(" | ")[3]) for r in rows), rows
     async_steps = [int(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows]  # from /metrics
