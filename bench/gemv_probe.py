@@ -42,22 +42,27 @@ def rank_weights(shape: dict, tp: int, device, dtype=torch.bfloat16) -> list[lis
     return out
 
 
-def against_cublas(tp, ws, whole_cublas, cublas, configs, dev, a) -> str:
+def by_kind(ws):
+    """(kind, weight) of every GEMM of a step in order: kinds 0-3 each layer's q|k|v, o_proj,
+    gate|up and down; 4 the LM head."""
+    for layer in ws:
+        for k, w in enumerate(layer):
+            yield (4 if len(layer) == 1 else k), w
+
+
+def against_cublas(tp, ws, x, whole_cublas, cublas, configs, dev, a) -> str:
     """One row of the Triton table: each kind's cuBLAS ms against the Triton GEMV's with each
     config (the fastest shown), then the whole model's GEMMs in one graph, both ways (Triton:
-    each kind's fastest config)."""
+    each kind's fastest config). ``x``: the cuBLAS run's batch-1 inputs, by width."""
     from graphplan.models.hf.fused_kernels import gemv
 
-    xs = {w.shape[1]: torch.randn(w.shape[1], device=dev, dtype=w.dtype) for ly in ws for w in ly}
-    outs = {w.shape[0]: w.new_empty(w.shape[0]) for layer in ws for w in layer}
+    outs = {w.shape[0]: w.new_empty(w.shape[0]) for _, w in by_kind(ws)}
 
     def run(kinds):  # kind -> config
-        for layer in ws:
-            for k, w in enumerate(layer):
-                kind = 4 if len(layer) == 1 else k
-                if kind in kinds:
-                    bn, bk, warps = kinds[kind]
-                    gemv(xs[w.shape[1]], w, None, outs[w.shape[0]], bn, bk, warps)
+        for kind, w in by_kind(ws):
+            if kind in kinds:
+                bn, bk, warps = kinds[kind]
+                gemv(x[w.shape[1]][0], w, None, outs[w.shape[0]], bn, bk, warps)
 
     best, cells = {}, []
     for k in range(5):
@@ -107,14 +112,12 @@ def main(argv=None) -> int:
         gb = sum(w.numel() * w.element_size() for layer in ws for w in layer) / 1e9
         for b in (int(x) for x in a.batches.split(",")):
             x = {w.shape[1]: torch.randn(b, w.shape[1], device=dev, dtype=torch.bfloat16)
-                 for layer in ws for w in layer}  # fmt: skip
+                 for _, w in by_kind(ws)}  # fmt: skip
 
             def run(kinds=None, ws=ws, x=x):
-                for layer in ws:
-                    for k, w in enumerate(layer):
-                        kind = 4 if len(layer) == 1 else k  # the LM head is kind 4
-                        if kinds is None or kind in kinds:
-                            F.linear(x[w.shape[1]], w)
+                for kind, w in by_kind(ws):
+                    if kinds is None or kind in kinds:
+                        F.linear(x[w.shape[1]], w)
 
             t = graph_time_per_call(run, dev, a.iters)
             each = [graph_time_per_call(lambda k=k: run({k}), dev, a.iters) for k in range(5)]
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
             )
             print(lines[-1], flush=True)
             if b == 1 and configs:
-                triton_rows.append(against_cublas(tp, ws, t, each, configs, dev, a))
+                triton_rows.append(against_cublas(tp, ws, x, t, each, configs, dev, a))
         del ws, x
         if dev.type == "cuda":
             torch.cuda.empty_cache()
